@@ -1,0 +1,164 @@
+//! The interface every compute backend implements, and the types it speaks.
+//!
+//! API Boundary: the engine's model code is written once against [`Backend`]; a backend
+//! owns its buffers (host memory for the CPU, device memory for CUDA) and its kernels.
+//! Everything that crosses this boundary per step is small host metadata
+//! ([`StepBatch`]): token positions, KV slots and block tables, never tensors.
+
+use crate::cpu::ops::KvDtype;
+use crate::quant::GgmlType;
+use crate::KernelError;
+
+/// One matrix as a file stores it: `rows × cols`, row-major, ggml type `ty`.
+pub struct WeightPart<'a> {
+    pub ty: GgmlType,
+    pub rows: usize,
+    pub cols: usize,
+    pub bytes: &'a [u8],
+}
+
+/// Shape of the paged KV cache: per layer, `n_blocks` blocks of `block_size` token slots,
+/// each slot holding `n_kv_heads × head_dim` keys and as many values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KvShape {
+    pub n_layers: usize,
+    pub n_blocks: usize,
+    pub block_size: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    pub dtype: KvDtype,
+}
+
+impl KvShape {
+    /// Bytes of one block in one layer, keys and values together.
+    pub fn block_bytes_per_layer(&self) -> usize {
+        2 * self.block_size * self.n_kv_heads * self.head_dim * self.dtype.bytes()
+    }
+
+    pub fn total_bytes(&self) -> usize {
+        self.n_layers * self.n_blocks * self.block_bytes_per_layer()
+    }
+}
+
+/// Attention geometry (grouped-query: `n_heads / n_kv_heads` query heads share a KV head).
+#[derive(Clone, Copy, Debug)]
+pub struct AttnShape {
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    pub scale: f32,
+}
+
+impl AttnShape {
+    pub fn q_dim(&self) -> usize {
+        self.n_heads * self.head_dim
+    }
+    pub fn kv_dim(&self) -> usize {
+        self.n_kv_heads * self.head_dim
+    }
+    /// Width of one token's fused `[q | k | v]` row.
+    pub fn qkv_dim(&self) -> usize {
+        self.q_dim() + 2 * self.kv_dim()
+    }
+}
+
+/// Rotary embedding: the inverse frequency of each dimension pair, and the pair layout.
+#[derive(Clone, Debug)]
+pub struct Rope {
+    /// Pairs are (2i, 2i+1) when true (GGUF llama), (i, i + d/2) when false (HF).
+    pub interleaved: bool,
+    /// `head_dim / 2` inverse frequencies, scaling already applied.
+    pub inv_freq: Vec<f32>,
+}
+
+/// The tokens of one sequence in a step: batch rows `rows`, at consecutive positions
+/// starting at `pos0`, attending to everything before them through `block_table`.
+#[derive(Clone, Debug)]
+pub struct SeqSpan<'a> {
+    pub rows: std::ops::Range<usize>,
+    pub pos0: usize,
+    pub block_table: &'a [u32],
+}
+
+/// What a forward step needs besides the tensors.
+#[derive(Clone, Debug)]
+pub struct StepBatch<'a> {
+    pub n_tokens: usize,
+    pub seqs: &'a [SeqSpan<'a>],
+    pub block_size: usize,
+}
+
+impl StepBatch<'_> {
+    /// The KV slot (block × block_size + offset) of position `pos` of sequence `s`.
+    #[inline]
+    pub fn slot(&self, s: usize, pos: usize) -> usize {
+        self.seqs[s].block_table[pos / self.block_size] as usize * self.block_size
+            + pos % self.block_size
+    }
+}
+
+/// A compute backend. See the module docs for the boundary it keeps.
+pub trait Backend {
+    /// A weight matrix made of one or more parts stacked by rows (e.g. fused Q|K|V).
+    type Linear: Send + Sync;
+    /// A small f32 weight vector (norms).
+    type Vector: Send + Sync;
+    /// An activation buffer of f32-equivalent elements.
+    type Act;
+    /// The paged KV cache of all layers.
+    type Kv;
+
+    /// One line about the backend: device, threads, ISA, modes.
+    fn describe(&self) -> String;
+    fn linear(&self, parts: &[WeightPart]) -> Result<Self::Linear, KernelError>;
+    fn vector(&self, v: &[f32]) -> Self::Vector;
+    fn act(&self, len: usize) -> Self::Act;
+    fn kv_cache(&self, shape: KvShape) -> Result<Self::Kv, KernelError>;
+
+    /// `out[t] = table[ids[t]]` (rows of the embedding matrix).
+    fn embed(&mut self, table: &Self::Linear, ids: &[u32], out: &mut Self::Act);
+    fn rms_norm(
+        &mut self,
+        x: &Self::Act,
+        w: &Self::Vector,
+        eps: f32,
+        n_tokens: usize,
+        out: &mut Self::Act,
+    );
+    /// `out[t] (+)= W · x[t]` for `n_tokens` rows; `out` rows are `W.rows` wide.
+    fn matmul(
+        &mut self,
+        w: &Self::Linear,
+        x: &Self::Act,
+        n_tokens: usize,
+        out: &mut Self::Act,
+        accumulate: bool,
+    );
+    /// Rotates q and k of each token of the fused `[q|k|v]` rows in place and writes k, v
+    /// into the KV cache at the tokens' slots.
+    fn rope_write_kv(
+        &mut self,
+        qkv: &mut Self::Act,
+        layer: usize,
+        batch: &StepBatch,
+        rope: &Rope,
+        attn: &AttnShape,
+        kv: &mut Self::Kv,
+    );
+    /// Causal attention of each token's q over its sequence's cached keys and values.
+    fn attention(
+        &mut self,
+        qkv: &Self::Act,
+        layer: usize,
+        batch: &StepBatch,
+        attn: &AttnShape,
+        kv: &Self::Kv,
+        out: &mut Self::Act,
+    );
+    /// `out = silu(g) ⊙ u` for rows `[g | u]` of width `2 * ff`.
+    fn silu_mul(&mut self, gu: &Self::Act, n_tokens: usize, ff: usize, out: &mut Self::Act);
+    /// `out[i] = x[rows[i]]`, rows of width `dim`.
+    fn gather_rows(&mut self, x: &Self::Act, rows: &[u32], dim: usize, out: &mut Self::Act);
+    /// Copies the first `out.len()` elements of `x` to host memory.
+    fn to_host(&mut self, x: &Self::Act, out: &mut [f32]);
+}

@@ -1,0 +1,589 @@
+//! The CPU backend: packed quantized weights, SIMD kernels chosen at run time, a
+//! persistent thread pool, and the paged KV cache in host memory.
+
+pub mod isa;
+pub mod matmul;
+pub mod ops;
+pub mod packed;
+pub mod pool;
+
+use std::cell::UnsafeCell;
+
+pub use isa::Isa;
+use matmul::{matmul, Input, MatmulMode, OutSpec, Q8Acts, SendPtr};
+use ops::{dot16, exp_f32, f32_to_kv, kv_to_f32, rms_norm_rows, rope_head, silu_mul_rows};
+pub use packed::{PackedKind, PackedMatrix, TILE_ROWS};
+pub use pool::ThreadPool;
+
+use crate::backend::{AttnShape, Backend, KvShape, Rope, StepBatch, WeightPart};
+use crate::quant::GgmlType;
+use crate::KernelError;
+
+/// Runs `f` inside a function compiled for the ISA, so that the plain-Rust loops it
+/// inlines are vectorised for that ISA.
+#[inline(always)]
+fn with_isa<R>(isa: Isa, f: impl FnOnce() -> R) -> R {
+    #[cfg(target_arch = "x86_64")]
+    {
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
+        unsafe fn avx512<R>(f: impl FnOnce() -> R) -> R {
+            f()
+        }
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn avx2<R>(f: impl FnOnce() -> R) -> R {
+            f()
+        }
+        // SAFETY: `isa` is only above Scalar when the CPU has these features.
+        match isa {
+            Isa::Avx512 => return unsafe { avx512(f) },
+            Isa::Avx2 => return unsafe { avx2(f) },
+            Isa::Scalar => {}
+        }
+    }
+    f()
+}
+
+/// A weight matrix of one or more packed parts stacked by rows.
+pub struct CpuLinear {
+    pub rows: usize,
+    pub cols: usize,
+    /// (first output row, matrix)
+    pub parts: Vec<(usize, PackedMatrix)>,
+}
+
+impl CpuLinear {
+    pub fn n_bytes(&self) -> usize {
+        self.parts.iter().map(|(_, p)| p.n_bytes()).sum()
+    }
+
+    pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
+        let (r0, part) = self
+            .parts
+            .iter()
+            .rev()
+            .find(|(r0, _)| *r0 <= r)
+            .expect("row in range");
+        part.dequantize_row(r - r0, out);
+    }
+}
+
+/// The KV cache: per layer, keys then values, each `[block][kv_head][slot][head_dim]`.
+pub struct CpuKv {
+    pub shape: KvShape,
+    /// Per layer; u64 storage keeps f16/f32 elements aligned.
+    layers: Vec<Vec<u64>>,
+}
+
+impl CpuKv {
+    fn half_bytes(&self) -> usize {
+        self.shape.n_blocks
+            * self.shape.block_size
+            * self.shape.n_kv_heads
+            * self.shape.head_dim
+            * self.shape.dtype.bytes()
+    }
+
+    fn layer_bytes(&self, layer: usize) -> &[u8] {
+        let v = &self.layers[layer];
+        // SAFETY: plain integers viewed as bytes.
+        unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, v.len() * 8) }
+    }
+
+    fn layer_bytes_mut(&mut self, layer: usize) -> &mut [u8] {
+        let v = &mut self.layers[layer];
+        // SAFETY: as above.
+        unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr() as *mut u8, v.len() * 8) }
+    }
+
+    /// Byte offset of (block, head, slot-in-block) inside the K (or V) half of a layer.
+    #[inline]
+    fn offset(&self, block: usize, head: usize, off: usize) -> usize {
+        let s = &self.shape;
+        ((block * s.n_kv_heads + head) * s.block_size + off) * s.head_dim * s.dtype.bytes()
+    }
+
+    /// Copies keys and values of one block of one layer out as f32, `[kv_head][slot][dim]`
+    /// each (for tests and, later, transfers).
+    pub fn read_block(&self, layer: usize, block: usize, k: &mut [f32], v: &mut [f32]) {
+        let s = self.shape;
+        let n = s.n_kv_heads * s.block_size * s.head_dim;
+        let es = s.dtype.bytes();
+        let base = self.offset(block, 0, 0);
+        let bytes = self.layer_bytes(layer);
+        kv_to_f32(s.dtype, &bytes[base..base + n * es], &mut k[..n]);
+        let vb = self.half_bytes() + base;
+        kv_to_f32(s.dtype, &bytes[vb..vb + n * es], &mut v[..n]);
+    }
+}
+
+/// Scratch that each pool thread owns (indexed by thread id).
+struct PerThread<T>(Vec<UnsafeCell<T>>);
+// SAFETY: thread `i` of a pool run touches only element `i`.
+unsafe impl<T: Send> Sync for PerThread<T> {}
+impl<T> PerThread<T> {
+    /// # Safety
+    /// Only the pool thread `tid` may call this with `tid`, once at a time.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn get(&self, tid: usize) -> &mut T {
+        &mut *self.0[tid].get()
+    }
+}
+
+#[derive(Default)]
+struct AttnScratch {
+    scores: Vec<f32>,
+    kbuf: Vec<f32>,
+}
+
+pub struct CpuBackend {
+    pool: ThreadPool,
+    isa: Isa,
+    mode: MatmulMode,
+    q8: Q8Acts,
+    attn_scratch: PerThread<AttnScratch>,
+    /// cos/sin per token of the current step: `[token][head_dim/2]` each.
+    rope_cos: Vec<f32>,
+    rope_sin: Vec<f32>,
+}
+
+/// Query rows handled together by one attention task (they share each K/V block load).
+const ATTN_QUERY_TILE: usize = 16;
+
+impl CpuBackend {
+    /// A backend with `n_threads` threads, the ISA from [`Isa::current`] and the matmul
+    /// mode from the environment.
+    pub fn new(n_threads: usize) -> Self {
+        Self::with_options(n_threads, Isa::current(), MatmulMode::from_env())
+    }
+
+    pub fn with_options(n_threads: usize, isa: Isa, mode: MatmulMode) -> Self {
+        let pool = ThreadPool::new(n_threads);
+        let n = pool.n_threads();
+        CpuBackend {
+            pool,
+            isa: isa.min(Isa::best_supported()),
+            mode,
+            q8: Q8Acts::default(),
+            attn_scratch: PerThread(
+                (0..n)
+                    .map(|_| UnsafeCell::new(AttnScratch::default()))
+                    .collect(),
+            ),
+            rope_cos: Vec::new(),
+            rope_sin: Vec::new(),
+        }
+    }
+
+    pub fn n_threads(&self) -> usize {
+        self.pool.n_threads()
+    }
+
+    pub fn isa(&self) -> Isa {
+        self.isa
+    }
+
+    pub fn pool(&self) -> &ThreadPool {
+        &self.pool
+    }
+
+    /// Computes this step's rotary cos/sin tables (once per step, shared by all layers).
+    fn prepare_rope(&mut self, batch: &StepBatch, rope: &Rope) {
+        let half = rope.inv_freq.len();
+        self.rope_cos.resize(batch.n_tokens * half, 0.0);
+        self.rope_sin.resize(batch.n_tokens * half, 0.0);
+        for span in batch.seqs {
+            for (i, row) in span.rows.clone().enumerate() {
+                let pos = (span.pos0 + i) as f32;
+                for (j, f) in rope.inv_freq.iter().enumerate() {
+                    // The angle is rounded to f32 as the float references compute it.
+                    let angle = (pos * f) as f64;
+                    self.rope_cos[row * half + j] = angle.cos() as f32;
+                    self.rope_sin[row * half + j] = angle.sin() as f32;
+                }
+            }
+        }
+    }
+}
+
+impl Backend for CpuBackend {
+    type Linear = CpuLinear;
+    type Vector = Vec<f32>;
+    type Act = Vec<f32>;
+    type Kv = CpuKv;
+
+    fn describe(&self) -> String {
+        format!(
+            "cpu threads={} isa={} matmul={}",
+            self.pool.n_threads(),
+            self.isa.name(),
+            match self.mode {
+                MatmulMode::Q8 => "q8",
+                MatmulMode::F32 => "f32",
+            }
+        )
+    }
+
+    fn linear(&self, parts: &[WeightPart]) -> Result<CpuLinear, KernelError> {
+        let cols = parts.first().map(|p| p.cols).unwrap_or(0);
+        if parts.iter().any(|p| p.cols != cols) {
+            return Err(KernelError::Shape(
+                "stacked matrices must have the same number of columns".into(),
+            ));
+        }
+        // Merge runs of parts of the same type into one packed matrix: fewer passes.
+        let mut out = Vec::new();
+        let mut row = 0;
+        let mut i = 0;
+        while i < parts.len() {
+            let ty: GgmlType = parts[i].ty;
+            let mut j = i;
+            let mut bytes = Vec::new();
+            let mut rows = 0;
+            while j < parts.len() && parts[j].ty == ty {
+                bytes.extend_from_slice(parts[j].bytes);
+                rows += parts[j].rows;
+                j += 1;
+            }
+            out.push((row, PackedMatrix::from_ggml(ty, rows, cols, &bytes)?));
+            row += rows;
+            i = j;
+        }
+        Ok(CpuLinear {
+            rows: row,
+            cols,
+            parts: out,
+        })
+    }
+
+    fn vector(&self, v: &[f32]) -> Vec<f32> {
+        v.to_vec()
+    }
+
+    fn act(&self, len: usize) -> Vec<f32> {
+        vec![0.0; len]
+    }
+
+    fn kv_cache(&self, shape: KvShape) -> Result<CpuKv, KernelError> {
+        let per_layer = shape.n_blocks * shape.block_bytes_per_layer();
+        let words = per_layer.div_ceil(8);
+        let mut layers = Vec::with_capacity(shape.n_layers);
+        for _ in 0..shape.n_layers {
+            let mut v = Vec::new();
+            v.try_reserve_exact(words).map_err(|_| {
+                KernelError::OutOfMemory(format!(
+                    "KV cache of {} MiB does not fit in host memory; lower --kv-cache-mib",
+                    shape.total_bytes() >> 20
+                ))
+            })?;
+            v.resize(words, 0u64);
+            layers.push(v);
+        }
+        Ok(CpuKv { shape, layers })
+    }
+
+    fn embed(&mut self, table: &CpuLinear, ids: &[u32], out: &mut Vec<f32>) {
+        let dim = table.cols;
+        for (t, &id) in ids.iter().enumerate() {
+            table.dequantize_row(id as usize, &mut out[t * dim..(t + 1) * dim]);
+        }
+    }
+
+    fn rms_norm(
+        &mut self,
+        x: &Vec<f32>,
+        w: &Vec<f32>,
+        eps: f32,
+        n_tokens: usize,
+        out: &mut Vec<f32>,
+    ) {
+        let dim = w.len();
+        let isa = self.isa;
+        let rows_per_task = 64;
+        let n_tasks = n_tokens.div_ceil(rows_per_task);
+        let optr = SendPtr(out.as_mut_ptr());
+        self.pool.run(n_tasks, |task, _| {
+            let (r0, r1) = (
+                task * rows_per_task,
+                ((task + 1) * rows_per_task).min(n_tokens),
+            );
+            // SAFETY: tasks write disjoint row ranges of `out`.
+            let o = unsafe {
+                std::slice::from_raw_parts_mut(optr.get().add(r0 * dim), (r1 - r0) * dim)
+            };
+            with_isa(isa, || rms_norm_rows(&x[r0 * dim..r1 * dim], w, eps, o));
+        });
+    }
+
+    fn matmul(
+        &mut self,
+        w: &CpuLinear,
+        x: &Vec<f32>,
+        n_tokens: usize,
+        out: &mut Vec<f32>,
+        accumulate: bool,
+    ) {
+        let needs_q8 =
+            self.mode == MatmulMode::Q8 && w.parts.iter().any(|(_, p)| p.kind.is_quantized());
+        if needs_q8 {
+            self.q8.quantize(&self.pool, self.isa, x, n_tokens, w.cols);
+        }
+        let input = Input {
+            x,
+            q8: needs_q8.then_some(&self.q8),
+            n_tokens,
+        };
+        for (row0, part) in &w.parts {
+            matmul(
+                &self.pool,
+                self.isa,
+                self.mode,
+                part,
+                &input,
+                OutSpec {
+                    out: &mut out[..],
+                    ld: w.rows,
+                    col0: *row0,
+                    accumulate,
+                },
+            );
+        }
+    }
+
+    fn rope_write_kv(
+        &mut self,
+        qkv: &mut Vec<f32>,
+        layer: usize,
+        batch: &StepBatch,
+        rope: &Rope,
+        attn: &AttnShape,
+        kv: &mut CpuKv,
+    ) {
+        if layer == 0 {
+            self.prepare_rope(batch, rope);
+        }
+        let (hd, qd, kvd, w) = (attn.head_dim, attn.q_dim(), attn.kv_dim(), attn.qkv_dim());
+        let half = hd / 2;
+        let dtype = kv.shape.dtype;
+        let es = dtype.bytes();
+        let v_base = kv.half_bytes();
+        for (s, span) in batch.seqs.iter().enumerate() {
+            for (i, row) in span.rows.clone().enumerate() {
+                let pos = span.pos0 + i;
+                let (cos, sin) = (
+                    &self.rope_cos[row * half..(row + 1) * half],
+                    &self.rope_sin[row * half..(row + 1) * half],
+                );
+                let r = &mut qkv[row * w..(row + 1) * w];
+                for h in 0..attn.n_heads + attn.n_kv_heads {
+                    rope_head(&mut r[h * hd..(h + 1) * hd], cos, sin, rope.interleaved);
+                }
+                let slot = batch.slot(s, pos);
+                let (block, off) = (slot / batch.block_size, slot % batch.block_size);
+                for h in 0..attn.n_kv_heads {
+                    let at = kv.offset(block, h, off);
+                    let k = &r[qd + h * hd..qd + (h + 1) * hd];
+                    let v = &r[qd + kvd + h * hd..qd + kvd + (h + 1) * hd];
+                    let bytes = kv.layer_bytes_mut(layer);
+                    f32_to_kv(dtype, k, &mut bytes[at..at + hd * es]);
+                    f32_to_kv(dtype, v, &mut bytes[v_base + at..v_base + at + hd * es]);
+                }
+            }
+        }
+    }
+
+    fn attention(
+        &mut self,
+        qkv: &Vec<f32>,
+        layer: usize,
+        batch: &StepBatch,
+        attn: &AttnShape,
+        kv: &CpuKv,
+        out: &mut Vec<f32>,
+    ) {
+        // Tasks: (sequence, query tile, kv head).
+        let mut tasks = Vec::new();
+        for (s, span) in batch.seqs.iter().enumerate() {
+            let n = span.rows.len();
+            for tile in 0..n.div_ceil(ATTN_QUERY_TILE) {
+                for h in 0..attn.n_kv_heads {
+                    tasks.push((s, tile, h));
+                }
+            }
+        }
+        let isa = self.isa;
+        let optr = SendPtr(out.as_mut_ptr());
+        let scratch = &self.attn_scratch;
+        let bytes = kv.layer_bytes(layer);
+        self.pool.run(tasks.len(), |task, tid| {
+            let (s, tile, kvh) = tasks[task];
+            // SAFETY: thread `tid` is the only user of its scratch during this run.
+            let sc = unsafe { scratch.get(tid) };
+            with_isa(isa, || {
+                attention_task(batch, attn, kv, bytes, qkv, optr, s, tile, kvh, sc)
+            });
+        });
+    }
+
+    fn silu_mul(&mut self, gu: &Vec<f32>, n_tokens: usize, ff: usize, out: &mut Vec<f32>) {
+        let isa = self.isa;
+        let rows_per_task = 16;
+        let n_tasks = n_tokens.div_ceil(rows_per_task);
+        let optr = SendPtr(out.as_mut_ptr());
+        self.pool.run(n_tasks, |task, _| {
+            let (r0, r1) = (
+                task * rows_per_task,
+                ((task + 1) * rows_per_task).min(n_tokens),
+            );
+            // SAFETY: tasks write disjoint row ranges.
+            let o =
+                unsafe { std::slice::from_raw_parts_mut(optr.get().add(r0 * ff), (r1 - r0) * ff) };
+            with_isa(isa, || silu_mul_rows(&gu[r0 * 2 * ff..r1 * 2 * ff], ff, o));
+        });
+    }
+
+    fn gather_rows(&mut self, x: &Vec<f32>, rows: &[u32], dim: usize, out: &mut Vec<f32>) {
+        for (i, &r) in rows.iter().enumerate() {
+            let r = r as usize;
+            out[i * dim..(i + 1) * dim].copy_from_slice(&x[r * dim..(r + 1) * dim]);
+        }
+    }
+
+    fn to_host(&mut self, x: &Vec<f32>, out: &mut [f32]) {
+        out.copy_from_slice(&x[..out.len()]);
+    }
+}
+
+/// One attention task: query rows of `ATTN_QUERY_TILE` tokens × the query heads of KV
+/// head `kvh`, over all keys each token may see. Two passes over the cache blocks
+/// (scores, then values), each block converted to f32 once for all rows.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn attention_task(
+    batch: &StepBatch,
+    attn: &AttnShape,
+    kv: &CpuKv,
+    bytes: &[u8],
+    qkv: &[f32],
+    out: SendPtr<f32>,
+    s: usize,
+    tile: usize,
+    kvh: usize,
+    sc: &mut AttnScratch,
+) {
+    let span = &batch.seqs[s];
+    let hd = attn.head_dim;
+    let g = attn.n_heads / attn.n_kv_heads;
+    let (qd, w) = (attn.q_dim(), attn.qkv_dim());
+    let bs = batch.block_size;
+    let t0 = tile * ATTN_QUERY_TILE;
+    let nt = (span.rows.len() - t0).min(ATTN_QUERY_TILE);
+    let pos_first = span.pos0 + t0;
+    let n_ctx = pos_first + nt; // keys visible to the last row of the tile
+    let n_rows = nt * g;
+    sc.scores.resize(n_rows * n_ctx, 0.0);
+    sc.kbuf.resize(bs * hd, 0.0);
+    let dtype = kv.shape.dtype;
+    let es = dtype.bytes();
+    let v_base = kv.half_bytes();
+    let q_at = |i: usize, h: usize| {
+        let row = span.rows.start + t0 + i;
+        row * w + (kvh * g + h) * hd
+    };
+
+    // Pass 1: scores.
+    for blk in 0..n_ctx.div_ceil(bs) {
+        let first = blk * bs;
+        let n_in = (n_ctx - first).min(bs);
+        let at = kv.offset(span.block_table[blk] as usize, kvh, 0);
+        kv_to_f32(
+            dtype,
+            &bytes[at..at + n_in * hd * es],
+            &mut sc.kbuf[..n_in * hd],
+        );
+        for i in 0..nt {
+            let limit = (pos_first + i + 1).min(first + n_in);
+            for h in 0..g {
+                let q = &qkv[q_at(i, h)..q_at(i, h) + hd];
+                let srow = &mut sc.scores[(i * g + h) * n_ctx..(i * g + h + 1) * n_ctx];
+                for j in first..limit {
+                    srow[j] =
+                        dot16(q, &sc.kbuf[(j - first) * hd..(j - first + 1) * hd]) * attn.scale;
+                }
+            }
+        }
+    }
+    // Softmax numerators and sums, per row in key order.
+    let mut sums = [0f32; ATTN_QUERY_TILE * 8];
+    let mut sums_big;
+    let sums: &mut [f32] = if n_rows <= sums.len() {
+        &mut sums[..n_rows]
+    } else {
+        sums_big = vec![0f32; n_rows];
+        &mut sums_big
+    };
+    for i in 0..nt {
+        let n_keys = pos_first + i + 1;
+        for h in 0..g {
+            let srow = &mut sc.scores[(i * g + h) * n_ctx..(i * g + h) * n_ctx + n_keys];
+            let max = srow.iter().fold(f32::NEG_INFINITY, |m, v| m.max(*v));
+            let mut sum = 0f32;
+            for v in srow.iter_mut() {
+                *v = exp_f32(*v - max);
+                sum += *v;
+            }
+            sums[i * g + h] = sum;
+        }
+    }
+    // Pass 2: weighted values.
+    for i in 0..nt {
+        for h in 0..g {
+            let o = out.get();
+            let row = span.rows.start + t0 + i;
+            // SAFETY: this task alone writes the heads of `kvh` for its tile's rows.
+            let orow =
+                unsafe { std::slice::from_raw_parts_mut(o.add(row * qd + (kvh * g + h) * hd), hd) };
+            orow.fill(0.0);
+        }
+    }
+    for blk in 0..n_ctx.div_ceil(bs) {
+        let first = blk * bs;
+        let n_in = (n_ctx - first).min(bs);
+        let at = v_base + kv.offset(span.block_table[blk] as usize, kvh, 0);
+        kv_to_f32(
+            dtype,
+            &bytes[at..at + n_in * hd * es],
+            &mut sc.kbuf[..n_in * hd],
+        );
+        for i in 0..nt {
+            let limit = (pos_first + i + 1).min(first + n_in);
+            let row = span.rows.start + t0 + i;
+            for h in 0..g {
+                let srow = &sc.scores[(i * g + h) * n_ctx..(i * g + h + 1) * n_ctx];
+                // SAFETY: as above.
+                let orow = unsafe {
+                    std::slice::from_raw_parts_mut(out.get().add(row * qd + (kvh * g + h) * hd), hd)
+                };
+                for j in first..limit {
+                    let p = srow[j];
+                    let v = &sc.kbuf[(j - first) * hd..(j - first + 1) * hd];
+                    for (o, vv) in orow.iter_mut().zip(v) {
+                        *o = p.mul_add(*vv, *o);
+                    }
+                }
+            }
+        }
+    }
+    for i in 0..nt {
+        let row = span.rows.start + t0 + i;
+        for h in 0..g {
+            let inv = 1.0 / sums[i * g + h];
+            // SAFETY: as above.
+            let orow = unsafe {
+                std::slice::from_raw_parts_mut(out.get().add(row * qd + (kvh * g + h) * hd), hd)
+            };
+            for o in orow.iter_mut() {
+                *o *= inv;
+            }
+        }
+    }
+}

@@ -1,0 +1,204 @@
+//! Element-wise and attention ops of the CPU backend.
+//!
+//! Rules this module keeps (the same as the matmul's):
+//! - The operations producing one token's results do not depend on the other tokens in
+//!   the batch or on how a prompt was chunked, so batching never changes the output.
+//! - Reductions use 16 lanes and a fixed tree, written in plain Rust that the compiler
+//!   vectorises inside `#[target_feature]` wrappers; the result does not depend on the
+//!   vector width.
+
+use half::{f16, slice::HalfFloatSliceExt};
+
+/// Sum of `a[i] * b[i]` in 16 lanes, reduced by a fixed tree.
+#[inline(always)]
+pub fn dot16(a: &[f32], b: &[f32]) -> f32 {
+    debug_assert_eq!(a.len(), b.len());
+    let mut acc = [0f32; 16];
+    let (ca, cb) = (a.chunks_exact(16), b.chunks_exact(16));
+    let (ra, rb) = (ca.remainder(), cb.remainder());
+    for (x, y) in ca.zip(cb) {
+        for l in 0..16 {
+            acc[l] = x[l].mul_add(y[l], acc[l]);
+        }
+    }
+    for (l, (x, y)) in ra.iter().zip(rb).enumerate() {
+        acc[l] = x.mul_add(*y, acc[l]);
+    }
+    reduce16(acc)
+}
+
+#[inline(always)]
+pub fn reduce16(mut acc: [f32; 16]) -> f32 {
+    let mut w = 8;
+    while w > 0 {
+        for l in 0..w {
+            acc[l] += acc[l + w];
+        }
+        w /= 2;
+    }
+    acc[0]
+}
+
+/// `out = x / sqrt(mean(x²) + eps) * w`, row by row.
+#[inline(always)]
+pub fn rms_norm_rows(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    let dim = w.len();
+    for (xr, or) in x.chunks_exact(dim).zip(out.chunks_exact_mut(dim)) {
+        let ss = dot16(xr, xr);
+        let scale = 1.0 / (ss / dim as f32 + eps).sqrt();
+        for ((o, xv), wv) in or.iter_mut().zip(xr).zip(w) {
+            *o = (xv * scale) * wv;
+        }
+    }
+}
+
+/// `out = silu(g) * u` where each row of `gu` is `[g (ff) | u (ff)]`.
+#[inline(always)]
+pub fn silu_mul_rows(gu: &[f32], ff: usize, out: &mut [f32]) {
+    for (row, or) in gu.chunks_exact(2 * ff).zip(out.chunks_exact_mut(ff)) {
+        let (g, u) = row.split_at(ff);
+        for ((o, gv), uv) in or.iter_mut().zip(g).zip(u) {
+            *o = gv / (1.0 + exp_f32(-gv)) * uv;
+        }
+    }
+}
+
+/// `e^x` for f32, branch-free so that it vectorises, within 2 ulp of the true value
+/// over the range where the result is a normal number; 0 below, +inf above.
+///
+/// Cody–Waite range reduction `x = n·ln2 + r`, then a degree-6 polynomial for `e^r`
+/// on `|r| ≤ ln2/2`, scaled by `2^n` through the exponent bits.
+#[inline(always)]
+pub fn exp_f32(x: f32) -> f32 {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const LN2_HI: f32 = 0.693_145_75;
+    const LN2_LO: f32 = 1.428_606_8e-6;
+    let x = x.clamp(-87.5, 88.5);
+    let n = (x * LOG2E).round_ties_even();
+    let r = n.mul_add(-LN2_LO, n.mul_add(-LN2_HI, x));
+    // Taylor coefficients 1/k! (k = 6..2); good to ~1e-7 relative on |r| ≤ 0.347.
+    let mut p = 1.0 / 720.0f32;
+    p = p.mul_add(r, 1.0 / 120.0);
+    p = p.mul_add(r, 1.0 / 24.0);
+    p = p.mul_add(r, 1.0 / 6.0);
+    p = p.mul_add(r, 0.5);
+    p = p.mul_add(r, 1.0);
+    p = p.mul_add(r, 1.0);
+    // 2^n for n in [-127, 128): split in two factors so neither overflows.
+    let ni = n as i32;
+    let n1 = ni / 2;
+    let n2 = ni - n1;
+    let s1 = f32::from_bits(((n1 + 127) as u32) << 23);
+    let s2 = f32::from_bits(((n2 + 127) as u32) << 23);
+    p * s1 * s2
+}
+
+/// Rotary position embedding of one head vector, in place.
+/// `interleaved`: pairs are (2i, 2i+1) (GGUF's llama layout); otherwise (i, i + d/2)
+/// (Hugging Face's layout).
+#[inline(always)]
+pub fn rope_head(x: &mut [f32], cos: &[f32], sin: &[f32], interleaved: bool) {
+    let half = x.len() / 2;
+    for i in 0..half {
+        let (a, b) = if interleaved {
+            (2 * i, 2 * i + 1)
+        } else {
+            (i, i + half)
+        };
+        let (x0, x1) = (x[a], x[b]);
+        x[a] = x0 * cos[i] - x1 * sin[i];
+        x[b] = x0 * sin[i] + x1 * cos[i];
+    }
+}
+
+/// The element type of the KV cache.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KvDtype {
+    F16,
+    F32,
+}
+
+impl KvDtype {
+    pub fn bytes(self) -> usize {
+        match self {
+            KvDtype::F16 => 2,
+            KvDtype::F32 => 4,
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "f16" | "fp16" | "float16" => Some(Self::F16),
+            "f32" | "fp32" | "float32" => Some(Self::F32),
+            _ => None,
+        }
+    }
+}
+
+/// Converts stored KV elements to f32 (exactly).
+#[inline]
+pub fn kv_to_f32(dtype: KvDtype, src: &[u8], out: &mut [f32]) {
+    match dtype {
+        KvDtype::F16 => {
+            // SAFETY: f16 is a 2-byte plain value; `src` holds out.len() of them. Caches
+            // are allocated as u16/f32 vectors, so the pointer is 2-byte aligned.
+            let s = unsafe { std::slice::from_raw_parts(src.as_ptr() as *const f16, out.len()) };
+            s.convert_to_f32_slice(out);
+        }
+        KvDtype::F32 => {
+            for (o, c) in out.iter_mut().zip(src.chunks_exact(4)) {
+                *o = f32::from_ne_bytes([c[0], c[1], c[2], c[3]]);
+            }
+        }
+    }
+}
+
+/// Stores f32 values as KV elements (f16: round to nearest even).
+#[inline]
+pub fn f32_to_kv(dtype: KvDtype, src: &[f32], dst: &mut [u8]) {
+    match dtype {
+        KvDtype::F16 => {
+            // SAFETY: as in `kv_to_f32`.
+            let d =
+                unsafe { std::slice::from_raw_parts_mut(dst.as_mut_ptr() as *mut f16, src.len()) };
+            d.convert_from_f32_slice(src);
+        }
+        KvDtype::F32 => {
+            for (c, v) in dst.chunks_exact_mut(4).zip(src) {
+                c.copy_from_slice(&v.to_ne_bytes());
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exp_is_close_to_std() {
+        let mut worst = 0f64;
+        let mut x = -87.0f32;
+        while x < 88.0 {
+            let got = exp_f32(x) as f64;
+            let want = (x as f64).exp();
+            worst = worst.max(((got - want) / want).abs());
+            x += 0.0137;
+        }
+        assert!(worst < 3e-7, "worst relative error {worst}");
+        assert_eq!(exp_f32(-200.0), exp_f32(-87.5));
+        assert!(exp_f32(-200.0) < 1e-37);
+        assert_eq!(exp_f32(0.0), 1.0);
+    }
+
+    #[test]
+    fn rope_rotates_pairs() {
+        let mut x = vec![1.0, 0.0, 0.0, 1.0];
+        rope_head(&mut x, &[0.0, 1.0], &[1.0, 0.0], true);
+        assert_eq!(x, vec![0.0, 1.0, 0.0, 1.0]);
+        let mut y = vec![1.0, 0.0, 0.0, 1.0];
+        rope_head(&mut y, &[0.0, 1.0], &[1.0, 0.0], false);
+        // pairs (0,2) and (1,3): (1,0) rotated by 90° -> (0,1); (0,1) by 0° stays.
+        assert_eq!(y, vec![0.0, 0.0, 1.0, 1.0]);
+    }
+}

@@ -1,0 +1,26 @@
+//! Every environment variable disagg reads, in one place.
+//!
+//! Each optimisation can be switched off by one of these, so that A/B measurements run
+//! inside one build (a lesson from the source documents). Configuration that users set
+//! routinely is a CLI flag instead; these are for experiments and diagnosis.
+
+/// Where the embedded model and other downloads are cached. Default `~/.cache/disagg`.
+pub const CACHE_DIR: &str = "DISAGG_CACHE";
+
+/// Which SIMD kernels the CPU backend uses: `avx512` (AVX-512 VNNI), `avx2`, `scalar`.
+/// Default: the best this CPU supports. A request for an unsupported level falls back
+/// to the best supported one below it.
+pub const CPU_ISA: &str = "DISAGG_CPU_ISA";
+
+/// How quantized weights multiply activations on the CPU: `q8` (default: activations
+/// quantized to 8-bit blocks per row, integer dot products, like llama.cpp) or `f32`
+/// (weights dequantized block by block, f32 activations: slower, closer to a float
+/// reference).
+pub const CPU_MATMUL: &str = "DISAGG_CPU_MATMUL";
+
+/// Iterations an idle CPU worker thread spins before it sleeps (default 200000).
+/// `0` makes workers sleep at once (for A/B of the spin-wait).
+pub const POOL_SPIN: &str = "DISAGG_POOL_SPIN";
+
+/// Threads for the CPU backend when `--threads` is not given (default: all cores).
+pub const CPU_THREADS: &str = "DISAGG_THREADS";

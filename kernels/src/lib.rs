@@ -1,0 +1,22 @@
+//! Compute kernels for disagg behind one backend interface ([`backend::Backend`]).
+//!
+//! - [`quant`]: the GGML block formats and their reference dequantization.
+//! - [`cpu`]: the CPU backend, always built; the reference every other backend is
+//!   compared against, and what CI runs.
+//! - [`env`]: every environment variable disagg reads.
+
+pub mod backend;
+pub mod cpu;
+pub mod env;
+pub mod quant;
+
+pub use backend::{AttnShape, Backend, KvShape, Rope, SeqSpan, StepBatch, WeightPart};
+pub use cpu::ops::KvDtype;
+
+#[derive(Debug, thiserror::Error)]
+pub enum KernelError {
+    #[error("bad shape: {0}")]
+    Shape(String),
+    #[error("out of memory: {0}")]
+    OutOfMemory(String),
+}
