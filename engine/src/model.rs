@@ -1,0 +1,361 @@
+//! The Llama forward pass, written once against [`kernels::Backend`], and weight
+//! loading from GGUF files and Hugging Face directories.
+//!
+//! Weights are addressed by their GGUF names (`blk.3.attn_q.weight`); the Hugging Face
+//! source maps those to its own names. Q, K and V are stacked into one matrix, as are
+//! gate and up, so each layer runs four matmuls.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use kernels::quant::GgmlType;
+use kernels::{AttnShape, Backend, Rope, StepBatch, WeightPart};
+
+use crate::config::ModelConfig;
+use crate::gguf::Gguf;
+use crate::EngineError;
+
+/// Where weights come from.
+pub trait WeightSource {
+    /// A matrix by GGUF name: (type, rows, cols, row-major bytes).
+    fn matrix(&self, name: &str) -> Result<(GgmlType, usize, usize, Vec<u8>), EngineError>;
+    /// A vector by GGUF name, as f32.
+    fn vector(&self, name: &str) -> Result<Vec<f32>, EngineError>;
+    fn has(&self, name: &str) -> bool;
+}
+
+impl WeightSource for Gguf {
+    fn matrix(&self, name: &str) -> Result<(GgmlType, usize, usize, Vec<u8>), EngineError> {
+        let t = self.tensor(name).ok_or_else(|| missing(name))?;
+        if t.dims.len() != 2 {
+            return Err(EngineError::Model(format!(
+                "tensor {name} should be a matrix, has dims {:?}",
+                t.dims
+            )));
+        }
+        let (cols, rows) = (t.dims[0] as usize, t.dims[1] as usize);
+        let (ty, bytes) = self.read_tensor(t)?;
+        Ok((ty, rows, cols, bytes))
+    }
+
+    fn vector(&self, name: &str) -> Result<Vec<f32>, EngineError> {
+        let t = self.tensor(name).ok_or_else(|| missing(name))?;
+        self.read_f32(t)
+    }
+
+    fn has(&self, name: &str) -> bool {
+        self.tensor(name).is_some()
+    }
+}
+
+fn missing(name: &str) -> EngineError {
+    EngineError::Model(format!(
+        "the model file has no tensor {name}; is it a complete Llama model?"
+    ))
+}
+
+/// Tensors of a Hugging Face directory (all `*.safetensors` files), read into memory.
+pub struct SafetensorsSource {
+    tensors: HashMap<String, (GgmlType, Vec<usize>, Vec<u8>)>,
+}
+
+impl SafetensorsSource {
+    pub fn open(dir: &Path) -> Result<Self, EngineError> {
+        let mut files: Vec<_> = std::fs::read_dir(dir)
+            .map_err(|e| EngineError::Model(format!("cannot read {}: {e}", dir.display())))?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+            .collect();
+        files.sort();
+        if files.is_empty() {
+            return Err(EngineError::Model(format!(
+                "{} has no *.safetensors files",
+                dir.display()
+            )));
+        }
+        let mut tensors = HashMap::new();
+        for f in files {
+            let bytes = std::fs::read(&f)
+                .map_err(|e| EngineError::Model(format!("cannot read {}: {e}", f.display())))?;
+            let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| {
+                EngineError::Model(format!(
+                    "{} is not a valid safetensors file: {e}",
+                    f.display()
+                ))
+            })?;
+            for (name, view) in st.tensors() {
+                let ty = match view.dtype() {
+                    safetensors::Dtype::F32 => GgmlType::F32,
+                    safetensors::Dtype::F16 => GgmlType::F16,
+                    safetensors::Dtype::BF16 => GgmlType::BF16,
+                    other => {
+                        return Err(EngineError::Unsupported(format!(
+                            "tensor {name} in {} has dtype {other:?}; supported: BF16, F16, F32",
+                            f.display()
+                        )))
+                    }
+                };
+                tensors.insert(name, (ty, view.shape().to_vec(), view.data().to_vec()));
+            }
+        }
+        Ok(Self { tensors })
+    }
+
+    fn hf_name(name: &str) -> String {
+        fn map(s: &str) -> &str {
+            match s {
+                "attn_norm.weight" => "input_layernorm.weight",
+                "attn_q.weight" => "self_attn.q_proj.weight",
+                "attn_k.weight" => "self_attn.k_proj.weight",
+                "attn_v.weight" => "self_attn.v_proj.weight",
+                "attn_output.weight" => "self_attn.o_proj.weight",
+                "ffn_norm.weight" => "post_attention_layernorm.weight",
+                "ffn_gate.weight" => "mlp.gate_proj.weight",
+                "ffn_up.weight" => "mlp.up_proj.weight",
+                "ffn_down.weight" => "mlp.down_proj.weight",
+                other => other,
+            }
+        }
+        match name {
+            "token_embd.weight" => "model.embed_tokens.weight".into(),
+            "output_norm.weight" => "model.norm.weight".into(),
+            "output.weight" => "lm_head.weight".into(),
+            _ => match name.strip_prefix("blk.").and_then(|r| r.split_once('.')) {
+                Some((layer, rest)) => format!("model.layers.{layer}.{}", map(rest)),
+                None => name.into(),
+            },
+        }
+    }
+}
+
+impl WeightSource for SafetensorsSource {
+    fn matrix(&self, name: &str) -> Result<(GgmlType, usize, usize, Vec<u8>), EngineError> {
+        let hf = Self::hf_name(name);
+        let (ty, shape, data) = self.tensors.get(&hf).ok_or_else(|| missing(&hf))?;
+        if shape.len() != 2 {
+            return Err(EngineError::Model(format!(
+                "tensor {hf} should be a matrix, has shape {shape:?}"
+            )));
+        }
+        Ok((*ty, shape[0], shape[1], data.clone()))
+    }
+
+    fn vector(&self, name: &str) -> Result<Vec<f32>, EngineError> {
+        let hf = Self::hf_name(name);
+        let (ty, shape, data) = self.tensors.get(&hf).ok_or_else(|| missing(&hf))?;
+        let mut out = vec![0f32; shape.iter().product()];
+        kernels::quant::dequantize_row(*ty, data, &mut out);
+        Ok(out)
+    }
+
+    fn has(&self, name: &str) -> bool {
+        self.tensors.contains_key(&Self::hf_name(name))
+    }
+}
+
+pub struct Layer<B: Backend> {
+    pub attn_norm: B::Vector,
+    pub qkv: B::Linear,
+    pub attn_out: B::Linear,
+    pub ffn_norm: B::Vector,
+    pub gate_up: B::Linear,
+    pub down: B::Linear,
+}
+
+pub struct Model<B: Backend> {
+    pub cfg: ModelConfig,
+    pub embed: B::Linear,
+    pub layers: Vec<Layer<B>>,
+    pub norm: B::Vector,
+    /// `None` when the output projection is the embedding matrix.
+    pub output: Option<B::Linear>,
+    pub rope: Rope,
+    pub attn: AttnShape,
+    /// Bytes of weights one decode step streams (all matrices once).
+    pub weight_bytes: usize,
+}
+
+/// Activation buffers for one step of up to `max_tokens` tokens and `max_logits`
+/// sampled rows, allocated once.
+pub struct Workspace<B: Backend> {
+    pub max_tokens: usize,
+    pub max_logits: usize,
+    x: B::Act,
+    h: B::Act,
+    qkv: B::Act,
+    attn: B::Act,
+    gu: B::Act,
+    act: B::Act,
+    sel: B::Act,
+    seln: B::Act,
+    logits: B::Act,
+}
+
+impl<B: Backend> Model<B> {
+    pub fn load(
+        backend: &B,
+        cfg: ModelConfig,
+        src: &dyn WeightSource,
+        matrix_bytes: impl Fn(&B::Linear) -> usize,
+    ) -> Result<Self, EngineError> {
+        let check = |name: &str, rows: usize, cols: usize, r: usize, c: usize| {
+            if (rows, cols) != (r, c) {
+                return Err(EngineError::Model(format!(
+                    "tensor {name} is {rows}x{cols}, the config says {r}x{c}"
+                )));
+            }
+            Ok(())
+        };
+        let linear = |names: &[(&str, usize, usize)]| -> Result<B::Linear, EngineError> {
+            let mut owned = Vec::new();
+            for &(name, r, c) in names {
+                let (ty, rows, cols, bytes) = src.matrix(name)?;
+                check(name, rows, cols, r, c)?;
+                owned.push((ty, rows, cols, bytes));
+            }
+            let parts: Vec<WeightPart> = owned
+                .iter()
+                .map(|(ty, rows, cols, bytes)| WeightPart {
+                    ty: *ty,
+                    rows: *rows,
+                    cols: *cols,
+                    bytes,
+                })
+                .collect();
+            backend
+                .linear(&parts)
+                .map_err(|e| EngineError::Model(e.to_string()))
+        };
+        let vector = |name: &str, n: usize| -> Result<B::Vector, EngineError> {
+            let v = src.vector(name)?;
+            if v.len() != n {
+                return Err(EngineError::Model(format!(
+                    "tensor {name} has {} values, expected {n}",
+                    v.len()
+                )));
+            }
+            Ok(backend.vector(&v))
+        };
+        let (d, hd) = (cfg.hidden, cfg.head_dim);
+        let (qd, kvd) = (cfg.n_heads * hd, cfg.n_kv_heads * hd);
+        let embed = linear(&[("token_embd.weight", cfg.vocab, d)])?;
+        let mut weight_bytes = 0;
+        let mut layers = Vec::with_capacity(cfg.n_layers);
+        for l in 0..cfg.n_layers {
+            let n = |s: &str| format!("blk.{l}.{s}");
+            let layer = Layer {
+                attn_norm: vector(&n("attn_norm.weight"), d)?,
+                qkv: linear(&[
+                    (&n("attn_q.weight"), qd, d),
+                    (&n("attn_k.weight"), kvd, d),
+                    (&n("attn_v.weight"), kvd, d),
+                ])?,
+                attn_out: linear(&[(&n("attn_output.weight"), d, qd)])?,
+                ffn_norm: vector(&n("ffn_norm.weight"), d)?,
+                gate_up: linear(&[
+                    (&n("ffn_gate.weight"), cfg.ffn, d),
+                    (&n("ffn_up.weight"), cfg.ffn, d),
+                ])?,
+                down: linear(&[(&n("ffn_down.weight"), d, cfg.ffn)])?,
+            };
+            weight_bytes += matrix_bytes(&layer.qkv)
+                + matrix_bytes(&layer.attn_out)
+                + matrix_bytes(&layer.gate_up)
+                + matrix_bytes(&layer.down);
+            layers.push(layer);
+        }
+        let output = if src.has("output.weight") && !cfg.tied_embeddings {
+            Some(linear(&[("output.weight", cfg.vocab, d)])?)
+        } else {
+            None
+        };
+        weight_bytes += matrix_bytes(output.as_ref().unwrap_or(&embed));
+        let freq_factors = if src.has("rope_freqs.weight") {
+            Some(src.vector("rope_freqs.weight")?)
+        } else {
+            None
+        };
+        let rope = Rope {
+            interleaved: cfg.rope_interleaved,
+            inv_freq: cfg.rope_inv_freq(freq_factors.as_deref()),
+        };
+        let attn = AttnShape {
+            n_heads: cfg.n_heads,
+            n_kv_heads: cfg.n_kv_heads,
+            head_dim: hd,
+            scale: 1.0 / (hd as f32).sqrt(),
+        };
+        Ok(Model {
+            norm: vector("output_norm.weight", d)?,
+            cfg,
+            embed,
+            layers,
+            output,
+            rope,
+            attn,
+            weight_bytes,
+        })
+    }
+
+    pub fn workspace(&self, backend: &B, max_tokens: usize, max_logits: usize) -> Workspace<B> {
+        let c = &self.cfg;
+        Workspace {
+            max_tokens,
+            max_logits,
+            x: backend.act(max_tokens * c.hidden),
+            h: backend.act(max_tokens * c.hidden),
+            qkv: backend.act(max_tokens * self.attn.qkv_dim()),
+            attn: backend.act(max_tokens * self.attn.q_dim()),
+            gu: backend.act(max_tokens * 2 * c.ffn),
+            act: backend.act(max_tokens * c.ffn),
+            sel: backend.act(max_logits * c.hidden),
+            seln: backend.act(max_logits * c.hidden),
+            logits: backend.act(max_logits * c.vocab),
+        }
+    }
+
+    /// Runs one step: `tokens` (laid out as `batch` says) through all layers, writing
+    /// their K/V into `kv`, and the logits of the rows in `logit_rows` into `logits`
+    /// (`logit_rows.len() × vocab`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward(
+        &self,
+        be: &mut B,
+        ws: &mut Workspace<B>,
+        kv: &mut B::Kv,
+        tokens: &[u32],
+        batch: &StepBatch,
+        logit_rows: &[u32],
+        logits: &mut [f32],
+    ) {
+        let n = tokens.len();
+        let m = logit_rows.len();
+        assert!(n <= ws.max_tokens && m <= ws.max_logits && n == batch.n_tokens);
+        let c = &self.cfg;
+        be.embed(&self.embed, tokens, &mut ws.x);
+        for (l, layer) in self.layers.iter().enumerate() {
+            be.rms_norm(&ws.x, &layer.attn_norm, c.rms_eps, n, &mut ws.h);
+            be.matmul(&layer.qkv, &ws.h, n, &mut ws.qkv, false);
+            be.rope_write_kv(&mut ws.qkv, l, batch, &self.rope, &self.attn, kv);
+            be.attention(&ws.qkv, l, batch, &self.attn, kv, &mut ws.attn);
+            be.matmul(&layer.attn_out, &ws.attn, n, &mut ws.x, true);
+            be.rms_norm(&ws.x, &layer.ffn_norm, c.rms_eps, n, &mut ws.h);
+            be.matmul(&layer.gate_up, &ws.h, n, &mut ws.gu, false);
+            be.silu_mul(&ws.gu, n, c.ffn, &mut ws.act);
+            be.matmul(&layer.down, &ws.act, n, &mut ws.x, true);
+        }
+        if m == 0 {
+            return;
+        }
+        be.gather_rows(&ws.x, logit_rows, c.hidden, &mut ws.sel);
+        be.rms_norm(&ws.sel, &self.norm, c.rms_eps, m, &mut ws.seln);
+        be.matmul(
+            self.output.as_ref().unwrap_or(&self.embed),
+            &ws.seln,
+            m,
+            &mut ws.logits,
+            false,
+        );
+        be.to_host(&ws.logits, &mut logits[..m * c.vocab]);
+    }
+}

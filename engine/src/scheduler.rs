@@ -1,0 +1,577 @@
+//! The engine core: continuous batching over the paged KV cache.
+//!
+//! Each [`EngineCore::step`] builds one batch under a token budget
+//! (`max_batched_tokens`): first every running sequence (one token for those decoding,
+//! the next chunk for those still prefilling), then waiting sequences in arrival order
+//! while budget, sequence slots and free KV blocks last. Prefill is chunked, so long
+//! prompts share steps with decodes.
+//!
+//! Rules this module keeps (Architecture Invariants):
+//! - KV accounting is exact: a sequence holds blocks for exactly the tokens it has
+//!   computed or is computing this step; finishing, aborting or preempting a sequence
+//!   returns all of them at once.
+//! - Preemption is by recomputation: when a running sequence needs a block and none is
+//!   free, the most recently admitted running sequence gives all of its blocks back and
+//!   goes to the front of the queue; when it comes back, its prompt and the tokens it
+//!   had generated are prefilled again. Batch-invariant kernels make the recomputed KV
+//!   bit-identical, so its output does not change.
+//! - Per-step host work is O(batch) plus O(vocab) per sampled sequence.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+use std::time::Instant;
+
+use kernels::{Backend, SeqSpan, StepBatch};
+use serde::Serialize;
+
+use crate::kv::{blocks_for, BlockAllocator};
+use crate::model::{Model, Workspace};
+use crate::sampling::{Sampler, SamplingParams, TokenLogprob};
+use crate::tokenizer::{IncrementalDecoder, Tokenizer};
+use crate::EngineError;
+
+pub type RequestId = u64;
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FinishReason {
+    /// An end token, a stop token id or a stop string.
+    Stop,
+    /// `max_tokens` or the context length.
+    Length,
+    /// Cancelled by the client.
+    Abort,
+}
+
+impl FinishReason {
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+            FinishReason::Abort => "abort",
+        }
+    }
+}
+
+/// What one step produced for one request.
+#[derive(Clone, Debug, Serialize)]
+pub struct RequestOutput {
+    pub id: RequestId,
+    pub new_token_ids: Vec<u32>,
+    pub new_text: String,
+    pub logprobs: Vec<TokenLogprob>,
+    pub finish: Option<FinishReason>,
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+}
+
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    /// Sequences in one batch at most.
+    pub max_num_seqs: usize,
+    /// Tokens in one step at most (decode tokens plus prefill chunks).
+    pub max_batched_tokens: usize,
+    /// Context length limit (prompt + output); at most the model's.
+    pub max_model_len: usize,
+    pub block_size: usize,
+    pub n_blocks: usize,
+}
+
+#[derive(Clone, Debug, Default, Serialize, PartialEq)]
+pub struct EngineStats {
+    pub kv_blocks_total: usize,
+    pub kv_blocks_used: usize,
+    pub running: usize,
+    pub waiting: usize,
+    pub steps: u64,
+    pub preemptions: u64,
+    /// Tokens run through the model (prefill and decode), recomputation included.
+    pub forward_tokens: u64,
+}
+
+struct Sequence {
+    id: RequestId,
+    prompt_len: usize,
+    /// Prompt followed by the generated tokens.
+    tokens: Vec<u32>,
+    /// Tokens whose K/V are in the cache.
+    n_computed: usize,
+    block_table: Vec<u32>,
+    params: SamplingParams,
+    max_tokens: usize,
+    sampler: Sampler,
+    detok: IncrementalDecoder,
+    /// Generated text so far, and how much of it was sent.
+    text: String,
+    sent: usize,
+    /// Longest stop string minus one: text held back in case a stop string is forming.
+    holdback: usize,
+}
+
+impl Sequence {
+    fn n_generated(&self) -> usize {
+        self.tokens.len() - self.prompt_len
+    }
+}
+
+pub struct EngineCore<B: Backend> {
+    pub model: Model<B>,
+    backend: B,
+    kv: B::Kv,
+    ws: Workspace<B>,
+    pub tokenizer: Arc<Tokenizer>,
+    pub cfg: EngineConfig,
+    alloc: BlockAllocator,
+    seqs: HashMap<RequestId, Sequence>,
+    waiting: VecDeque<RequestId>,
+    running: Vec<RequestId>,
+    logits: Vec<f32>,
+    stats: EngineStats,
+    // Per-step scratch, kept to avoid allocation.
+    step_tokens: Vec<u32>,
+    step_rows: Vec<u32>,
+}
+
+impl<B: Backend> EngineCore<B> {
+    pub fn new(
+        backend: B,
+        model: Model<B>,
+        tokenizer: Arc<Tokenizer>,
+        cfg: EngineConfig,
+        kv: B::Kv,
+    ) -> Self {
+        let ws = model.workspace(&backend, cfg.max_batched_tokens, cfg.max_num_seqs);
+        let logits = vec![0f32; cfg.max_num_seqs * model.cfg.vocab];
+        EngineCore {
+            alloc: BlockAllocator::new(cfg.n_blocks),
+            stats: EngineStats {
+                kv_blocks_total: cfg.n_blocks,
+                ..Default::default()
+            },
+            model,
+            backend,
+            kv,
+            ws,
+            tokenizer,
+            cfg,
+            seqs: HashMap::new(),
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            logits,
+            step_tokens: Vec::new(),
+            step_rows: Vec::new(),
+        }
+    }
+
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+
+    pub fn stats(&self) -> EngineStats {
+        EngineStats {
+            kv_blocks_used: self.alloc.n_used(),
+            running: self.running.len(),
+            waiting: self.waiting.len(),
+            ..self.stats.clone()
+        }
+    }
+
+    pub fn has_work(&self) -> bool {
+        !self.running.is_empty() || !self.waiting.is_empty()
+    }
+
+    /// Checks a request against the model and the cache; the error names what to change.
+    pub fn validate(&self, prompt: &[u32], params: &SamplingParams) -> Result<usize, EngineError> {
+        params.validate(self.model.cfg.vocab)?;
+        let limit = self.cfg.max_model_len;
+        if prompt.is_empty() {
+            return Err(EngineError::InvalidRequest(
+                "the prompt is empty; send at least one token".into(),
+            ));
+        }
+        if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= self.model.cfg.vocab) {
+            return Err(EngineError::InvalidRequest(format!(
+                "prompt token id {bad} is out of range (vocabulary size {})",
+                self.model.cfg.vocab
+            )));
+        }
+        if prompt.len() >= limit {
+            return Err(EngineError::InvalidRequest(format!(
+                "the prompt has {} tokens but the context length is {limit}; shorten the prompt (at most {} tokens)",
+                prompt.len(),
+                limit - 1
+            )));
+        }
+        let room = limit - prompt.len();
+        let max_tokens = match params.max_tokens {
+            Some(m) if m > room => {
+                return Err(EngineError::InvalidRequest(format!(
+                    "max_tokens is {m} but the prompt ({} tokens) leaves room for {room} in the context length of {limit}; \
+                     lower max_tokens or shorten the prompt",
+                    prompt.len()
+                )))
+            }
+            Some(m) => m,
+            None => room,
+        };
+        let need = blocks_for(prompt.len() + 1, self.cfg.block_size);
+        if need > self.cfg.n_blocks {
+            return Err(EngineError::InvalidRequest(format!(
+                "the prompt needs {need} KV blocks but the whole cache has {}; shorten the prompt or give the server a larger KV cache",
+                self.cfg.n_blocks
+            )));
+        }
+        Ok(max_tokens)
+    }
+
+    /// Queues a request. Nothing is allocated until it is scheduled.
+    pub fn add_request(
+        &mut self,
+        id: RequestId,
+        prompt: Vec<u32>,
+        params: SamplingParams,
+    ) -> Result<(), EngineError> {
+        if self.seqs.contains_key(&id) {
+            return Err(EngineError::InvalidRequest(format!(
+                "request id {id} is already in use"
+            )));
+        }
+        let max_tokens = self.validate(&prompt, &params)?;
+        let holdback = params
+            .stop
+            .iter()
+            .map(|s| s.len())
+            .max()
+            .unwrap_or(1)
+            .saturating_sub(1);
+        let seq = Sequence {
+            id,
+            prompt_len: prompt.len(),
+            sampler: Sampler::new(&params, &prompt),
+            detok: IncrementalDecoder::new(params.skip_special_tokens),
+            tokens: prompt,
+            n_computed: 0,
+            block_table: Vec::new(),
+            max_tokens,
+            params,
+            text: String::new(),
+            sent: 0,
+            holdback,
+        };
+        self.seqs.insert(id, seq);
+        self.waiting.push_back(id);
+        Ok(())
+    }
+
+    /// Cancels a request and frees its blocks now. Returns false if it was unknown.
+    pub fn abort(&mut self, id: RequestId) -> bool {
+        let Some(mut seq) = self.seqs.remove(&id) else {
+            return false;
+        };
+        self.alloc.release(&mut seq.block_table);
+        self.running.retain(|r| *r != id);
+        self.waiting.retain(|r| *r != id);
+        true
+    }
+
+    fn preempt(&mut self, id: RequestId) {
+        let seq = self.seqs.get_mut(&id).expect("running sequence exists");
+        self.alloc.release(&mut seq.block_table);
+        seq.n_computed = 0;
+        self.running.retain(|r| *r != id);
+        self.waiting.push_front(id);
+        self.stats.preemptions += 1;
+    }
+
+    /// The logits at the last position of `prompt`, computed on its own (in chunks of
+    /// the token budget) with KV blocks that are returned before this returns. For
+    /// tests and diagnostics; call it when no requests are in flight.
+    pub fn score(&mut self, prompt: &[u32]) -> Result<Vec<f32>, EngineError> {
+        self.validate(
+            prompt,
+            &SamplingParams {
+                max_tokens: Some(1),
+                ..SamplingParams::greedy()
+            },
+        )?;
+        let mut table = Vec::new();
+        if !self
+            .alloc
+            .allocate(blocks_for(prompt.len(), self.cfg.block_size), &mut table)
+        {
+            return Err(EngineError::InvalidRequest(
+                "not enough free KV blocks to score this prompt now".into(),
+            ));
+        }
+        let mut pos = 0;
+        while pos < prompt.len() {
+            let n = (prompt.len() - pos).min(self.cfg.max_batched_tokens);
+            let spans = [SeqSpan {
+                rows: 0..n,
+                pos0: pos,
+                block_table: &table,
+            }];
+            let batch = StepBatch {
+                n_tokens: n,
+                seqs: &spans,
+                block_size: self.cfg.block_size,
+            };
+            let last = pos + n == prompt.len();
+            let rows = [n as u32 - 1];
+            self.model.forward(
+                &mut self.backend,
+                &mut self.ws,
+                &mut self.kv,
+                &prompt[pos..pos + n],
+                &batch,
+                if last { &rows[..] } else { &[] },
+                &mut self.logits,
+            );
+            pos += n;
+        }
+        self.alloc.release(&mut table);
+        Ok(self.logits[..self.model.cfg.vocab].to_vec())
+    }
+
+    /// Chooses this step's work: `(sequence, tokens to compute)`.
+    fn schedule(&mut self) -> Vec<(RequestId, usize)> {
+        let bs = self.cfg.block_size;
+        let mut budget = self.cfg.max_batched_tokens;
+        let mut plan = Vec::new();
+        let mut preempted = false;
+        let mut i = 0;
+        while i < self.running.len() && budget > 0 {
+            let id = self.running[i];
+            let seq = &self.seqs[&id];
+            let n = (seq.tokens.len() - seq.n_computed).min(budget);
+            let mut need = blocks_for(seq.n_computed + n, bs).saturating_sub(seq.block_table.len());
+            let mut self_preempted = false;
+            while need > self.alloc.n_free() {
+                let victim = *self.running.last().expect("non-empty");
+                self.preempt(victim);
+                preempted = true;
+                if victim == id {
+                    self_preempted = true;
+                    break;
+                }
+                let seq = &self.seqs[&id];
+                need = blocks_for(seq.n_computed + n, bs).saturating_sub(seq.block_table.len());
+            }
+            if self_preempted {
+                break;
+            }
+            let seq = self.seqs.get_mut(&id).expect("exists");
+            assert!(self.alloc.allocate(need, &mut seq.block_table));
+            plan.push((id, n));
+            budget -= n;
+            i += 1;
+        }
+        // Admit new work only when nothing had to be preempted this step.
+        while !preempted && budget > 0 && self.running.len() < self.cfg.max_num_seqs {
+            let Some(&id) = self.waiting.front() else {
+                break;
+            };
+            let seq = self.seqs.get_mut(&id).expect("waiting sequence exists");
+            let n = (seq.tokens.len() - seq.n_computed).min(budget);
+            let need = blocks_for(seq.n_computed + n, bs) - seq.block_table.len();
+            if !self.alloc.allocate(need, &mut seq.block_table) {
+                break;
+            }
+            self.waiting.pop_front();
+            self.running.push(id);
+            plan.push((id, n));
+            budget -= n;
+        }
+        plan
+    }
+
+    /// Runs one step of continuous batching. Returns what each request produced.
+    pub fn step(&mut self) -> Vec<RequestOutput> {
+        let plan = self.schedule();
+        if plan.is_empty() {
+            return Vec::new();
+        }
+        self.step_tokens.clear();
+        self.step_rows.clear();
+        let mut spans = Vec::with_capacity(plan.len());
+        let mut sampled = Vec::new();
+        for &(id, n) in &plan {
+            let seq = &self.seqs[&id];
+            let start = self.step_tokens.len();
+            self.step_tokens
+                .extend_from_slice(&seq.tokens[seq.n_computed..seq.n_computed + n]);
+            spans.push(SeqSpan {
+                rows: start..start + n,
+                pos0: seq.n_computed,
+                block_table: &seq.block_table[..],
+            });
+            if seq.n_computed + n == seq.tokens.len() {
+                self.step_rows.push((start + n - 1) as u32);
+                sampled.push(id);
+            }
+        }
+        let batch = StepBatch {
+            n_tokens: self.step_tokens.len(),
+            seqs: &spans,
+            block_size: self.cfg.block_size,
+        };
+        self.model.forward(
+            &mut self.backend,
+            &mut self.ws,
+            &mut self.kv,
+            &self.step_tokens,
+            &batch,
+            &self.step_rows,
+            &mut self.logits,
+        );
+        drop(spans);
+        self.stats.steps += 1;
+        self.stats.forward_tokens += self.step_tokens.len() as u64;
+        for &(id, n) in &plan {
+            self.seqs.get_mut(&id).expect("exists").n_computed += n;
+        }
+        let vocab = self.model.cfg.vocab;
+        let mut outputs = Vec::with_capacity(sampled.len());
+        for (row, id) in sampled.into_iter().enumerate() {
+            let logits = &mut self.logits[row * vocab..(row + 1) * vocab];
+            let out = Self::advance(
+                self.seqs.get_mut(&id).expect("exists"),
+                logits,
+                &self.tokenizer,
+            );
+            if out.finish.is_some() {
+                self.finish(id);
+            }
+            outputs.push(out);
+        }
+        outputs
+    }
+
+    fn finish(&mut self, id: RequestId) {
+        if let Some(mut seq) = self.seqs.remove(&id) {
+            self.alloc.release(&mut seq.block_table);
+            self.running.retain(|r| *r != id);
+        }
+    }
+
+    /// Samples the next token of `seq` and turns it into output.
+    fn advance(seq: &mut Sequence, logits: &mut [f32], tok: &Tokenizer) -> RequestOutput {
+        let (token, logprob) =
+            seq.sampler
+                .sample(&seq.params, logits, seq.n_generated(), &tok.eos_ids);
+        seq.tokens.push(token);
+        let n_gen = seq.n_generated();
+        let is_end = (!seq.params.ignore_eos && tok.eos_ids.contains(&token))
+            || seq.params.stop_token_ids.contains(&token);
+        let mut finish = None;
+        if is_end {
+            // End tokens are masked until `min_tokens`, so this is a real end.
+            finish = Some(FinishReason::Stop);
+        } else {
+            seq.text.push_str(&seq.detok.push(tok, token));
+            if n_gen >= seq.params.min_tokens {
+                if let Some(at) = find_stop(&seq.text, &seq.params.stop, seq.sent) {
+                    seq.text.truncate(at.max(seq.sent));
+                    finish = Some(FinishReason::Stop);
+                }
+            }
+        }
+        if finish.is_none() && (n_gen >= seq.max_tokens) {
+            finish = Some(FinishReason::Length);
+        }
+        if finish == Some(FinishReason::Length) {
+            // Flush bytes held back for UTF-8, then look for a stop string once more.
+            seq.text.push_str(&seq.detok.flush(tok));
+            if let Some(at) = find_stop(&seq.text, &seq.params.stop, seq.sent) {
+                seq.text.truncate(at.max(seq.sent));
+                finish = Some(FinishReason::Stop);
+            }
+        }
+        let end = if finish.is_some() {
+            seq.text.len()
+        } else {
+            let mut e = seq.text.len().saturating_sub(seq.holdback).max(seq.sent);
+            while !seq.text.is_char_boundary(e) {
+                e -= 1;
+            }
+            e
+        };
+        let new_text = seq.text[seq.sent..end].to_string();
+        seq.sent = end;
+        RequestOutput {
+            id: seq.id,
+            new_token_ids: vec![token],
+            new_text,
+            logprobs: logprob.into_iter().collect(),
+            finish,
+            prompt_tokens: seq.prompt_len,
+            completion_tokens: n_gen,
+        }
+    }
+}
+
+/// Byte offset of the first stop string in `text` that ends after `sent - max_len`
+/// (earlier ones would have been found before).
+fn find_stop(text: &str, stops: &[String], sent: usize) -> Option<usize> {
+    let mut best: Option<usize> = None;
+    for s in stops {
+        let mut from = sent.saturating_sub(s.len());
+        while !text.is_char_boundary(from) {
+            from -= 1;
+        }
+        if let Some(i) = text[from..].find(s.as_str()) {
+            let at = from + i;
+            best = Some(best.map_or(at, |b: usize| b.min(at)));
+        }
+    }
+    best
+}
+
+/// Runs requests to completion on `core` and returns each one's tokens and text, in
+/// the order given. For tools and tests that drive the engine synchronously.
+pub fn run_to_completion<B: Backend>(
+    core: &mut EngineCore<B>,
+    requests: Vec<(Vec<u32>, SamplingParams)>,
+    first_id: RequestId,
+) -> Result<Vec<Completed>, EngineError> {
+    let n = requests.len();
+    let mut done: Vec<Option<Completed>> = (0..n).map(|_| None).collect();
+    for (i, (prompt, params)) in requests.into_iter().enumerate() {
+        core.add_request(first_id + i as u64, prompt, params)?;
+    }
+    let t0 = Instant::now();
+    let mut acc: HashMap<RequestId, Completed> = HashMap::new();
+    while core.has_work() {
+        for out in core.step() {
+            let c = acc.entry(out.id).or_default();
+            c.output_ids.extend(&out.new_token_ids);
+            c.text.push_str(&out.new_text);
+            c.logprobs.extend(out.logprobs);
+            c.prompt_tokens = out.prompt_tokens;
+            if c.first_token_s.is_none() {
+                c.first_token_s = Some(t0.elapsed().as_secs_f64());
+            }
+            if let Some(f) = out.finish {
+                c.finish = Some(f);
+                c.done_s = t0.elapsed().as_secs_f64();
+                done[(out.id - first_id) as usize] = acc.remove(&out.id);
+            }
+        }
+    }
+    Ok(done
+        .into_iter()
+        .map(|c| c.expect("every request finishes"))
+        .collect())
+}
+
+/// A finished request, as [`run_to_completion`] returns it.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Completed {
+    pub output_ids: Vec<u32>,
+    pub text: String,
+    pub logprobs: Vec<TokenLogprob>,
+    pub finish: Option<FinishReason>,
+    pub prompt_tokens: usize,
+    pub first_token_s: Option<f64>,
+    pub done_s: f64,
+}
