@@ -24,3 +24,7 @@ pub const POOL_SPIN: &str = "DISAGG_POOL_SPIN";
 
 /// Threads for the CPU backend when `--threads` is not given (default: all cores).
 pub const CPU_THREADS: &str = "DISAGG_THREADS";
+
+/// How many weight blocks ahead the CPU matmul prefetches (default 8; 0 turns
+/// software prefetch off).
+pub const CPU_PREFETCH: &str = "DISAGG_CPU_PREFETCH";

@@ -132,7 +132,52 @@ unsafe fn quantize_blocks_avx2(
     sumq: &mut [i32],
     s: &mut [f32],
 ) {
-    quantize_blocks_generic(x, qs, d, sumq, s)
+    use std::arch::x86_64::*;
+    let abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fff_ffff));
+    // packs_epi32/packs_epi16 interleave 128-bit lanes; this puts the bytes back in order.
+    let unshuffle = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (b, xb) in x.chunks_exact(QK).enumerate() {
+        let p = xb.as_ptr();
+        let v = [
+            _mm256_loadu_ps(p),
+            _mm256_loadu_ps(p.add(8)),
+            _mm256_loadu_ps(p.add(16)),
+            _mm256_loadu_ps(p.add(24)),
+        ];
+        let a01 = _mm256_max_ps(_mm256_and_ps(v[0], abs_mask), _mm256_and_ps(v[1], abs_mask));
+        let a23 = _mm256_max_ps(_mm256_and_ps(v[2], abs_mask), _mm256_and_ps(v[3], abs_mask));
+        let m8 = _mm256_max_ps(a01, a23);
+        let m4 = _mm_max_ps(_mm256_castps256_ps128(m8), _mm256_extractf128_ps::<1>(m8));
+        let m2 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        let m1 = _mm_max_ss(m2, _mm_shuffle_ps::<1>(m2, m2));
+        let amax = _mm_cvtss_f32(m1);
+        // The same scalar arithmetic as the generic version, so results are identical.
+        let db = amax / 127.0;
+        let id = if db != 0.0 { 1.0 / db } else { 0.0 };
+        let idv = _mm256_set1_ps(id);
+        let q: [__m256i; 4] = std::array::from_fn(|i| {
+            _mm256_cvtps_epi32(_mm256_round_ps::<
+                { _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC },
+            >(_mm256_mul_ps(v[i], idv)))
+        });
+        let sum8 = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+        let sum4 = _mm_add_epi32(
+            _mm256_castsi256_si128(sum8),
+            _mm256_extracti128_si256::<1>(sum8),
+        );
+        let sum2 = _mm_add_epi32(sum4, _mm_shuffle_epi32::<0b01_00_11_10>(sum4));
+        let sum1 = _mm_add_epi32(sum2, _mm_shuffle_epi32::<0b10_11_00_01>(sum2));
+        let sum = _mm_cvtsi128_si32(sum1);
+        let packed = _mm256_packs_epi16(
+            _mm256_packs_epi32(q[0], q[1]),
+            _mm256_packs_epi32(q[2], q[3]),
+        );
+        let ordered = _mm256_permutevar8x32_epi32(packed, unshuffle);
+        _mm256_storeu_si256(qs.as_mut_ptr().add(b * QK) as *mut __m256i, ordered);
+        d[b] = db;
+        sumq[b] = sum;
+        s[b] = db * sum as f32;
+    }
 }
 
 /// One block: `d = max|x| / 127`, `q = round_half_even(x / d)` (as `x * (1/d)`).
@@ -162,6 +207,17 @@ fn quantize_blocks_generic(
         sumq[b] = sum;
         s[b] = db * sum as f32;
     }
+}
+
+/// Blocks ahead the AVX-512 kernel prefetches weights (`DISAGG_CPU_PREFETCH`, 0 = off).
+fn prefetch_distance() -> usize {
+    static PF: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *PF.get_or_init(|| {
+        std::env::var(crate::env::CPU_PREFETCH)
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(8)
+    })
 }
 
 /// A raw pointer that tasks of one `run` share; each writes a disjoint part.
@@ -377,11 +433,26 @@ unsafe fn q_tile_avx512<const KIND: u8, const NT: usize>(
     let tb = w.tile(tile).as_ptr();
     let nb = w.nb;
     let mask = _mm512_set1_epi8(0x0f);
-    let mut acc = [_mm512_setzero_ps(); NT];
+    // Eight slots whatever NT is; the unused ones are optimised away.
+    let mut acc = [_mm512_setzero_ps(); 8];
     let xqs = xq.qs.as_ptr() as *const u8;
+    let pf = prefetch_distance();
     for b in 0..nb {
         let (qs, doff, moff) = w.offsets(b);
         let q = tb.add(qs);
+        if pf > 0 {
+            // Stay ahead of the stream: the qs lines of a later block (possibly in the
+            // next tile, which follows this one in memory) and its scale lines.
+            let qsb = if KIND == K_Q8OFF128 { 512 } else { 256 };
+            let ahead = q.wrapping_add(pf * qsb);
+            for l in 0..qsb / 64 {
+                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(l * 64) as *const i8);
+            }
+            _mm_prefetch::<_MM_HINT_T0>(tb.add(doff).wrapping_add(pf * 32) as *const i8);
+            if KIND == K_Q4MIN {
+                _mm_prefetch::<_MM_HINT_T0>(tb.add(moff).wrapping_add(pf * 32) as *const i8);
+            }
+        }
         let mut wv = [_mm512_setzero_si512(); 8];
         if KIND == K_Q8OFF128 {
             for (g, v) in wv.iter_mut().enumerate() {
@@ -400,39 +471,62 @@ unsafe fn q_tile_avx512<const KIND: u8, const NT: usize>(
         } else {
             _mm512_setzero_ps()
         };
-        for (t, acc) in acc.iter_mut().enumerate() {
-            let xi = (t0 + t) * nb + b;
-            let xp = xqs.add(xi * QK) as *const i32;
-            let mut s0 = _mm512_setzero_si512();
-            let mut s1 = _mm512_setzero_si512();
-            for g in (0..8).step_by(2) {
-                s0 = _mm512_dpbusd_epi32(s0, wv[g], _mm512_set1_epi32(xp.add(g).read_unaligned()));
-                s1 = _mm512_dpbusd_epi32(
-                    s1,
-                    wv[g + 1],
-                    _mm512_set1_epi32(xp.add(g + 1).read_unaligned()),
-                );
-            }
-            let mut isum = _mm512_add_epi32(s0, s1);
-            match KIND {
-                K_Q4OFF8 => {
-                    isum =
-                        _mm512_sub_epi32(isum, _mm512_set1_epi32(*xq.sumq.get_unchecked(xi) << 3))
+        // One token's update of its accumulator. Expanded once per token with a literal
+        // index, so every accumulator stays in a register.
+        macro_rules! token {
+            ($t:literal) => {
+                if $t < NT {
+                    let xi = (t0 + $t) * nb + b;
+                    let xp = xqs.add(xi * QK) as *const i32;
+                    let mut s0 = _mm512_setzero_si512();
+                    let mut s1 = _mm512_setzero_si512();
+                    for g in (0..8).step_by(2) {
+                        s0 = _mm512_dpbusd_epi32(
+                            s0,
+                            wv[g],
+                            _mm512_set1_epi32(xp.add(g).read_unaligned()),
+                        );
+                        s1 = _mm512_dpbusd_epi32(
+                            s1,
+                            wv[g + 1],
+                            _mm512_set1_epi32(xp.add(g + 1).read_unaligned()),
+                        );
+                    }
+                    let mut isum = _mm512_add_epi32(s0, s1);
+                    match KIND {
+                        K_Q4OFF8 => {
+                            isum = _mm512_sub_epi32(
+                                isum,
+                                _mm512_set1_epi32(*xq.sumq.get_unchecked(xi) << 3),
+                            )
+                        }
+                        K_Q8OFF128 => {
+                            isum = _mm512_sub_epi32(
+                                isum,
+                                _mm512_set1_epi32(*xq.sumq.get_unchecked(xi) << 7),
+                            )
+                        }
+                        _ => {}
+                    }
+                    let scale = _mm512_mul_ps(d, _mm512_set1_ps(*xq.d.get_unchecked(xi)));
+                    acc[$t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, acc[$t]);
+                    if KIND == K_Q4MIN {
+                        acc[$t] =
+                            _mm512_fmadd_ps(m, _mm512_set1_ps(*xq.s.get_unchecked(xi)), acc[$t]);
+                    }
                 }
-                K_Q8OFF128 => {
-                    isum =
-                        _mm512_sub_epi32(isum, _mm512_set1_epi32(*xq.sumq.get_unchecked(xi) << 7))
-                }
-                _ => {}
-            }
-            let scale = _mm512_mul_ps(d, _mm512_set1_ps(*xq.d.get_unchecked(xi)));
-            *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, *acc);
-            if KIND == K_Q4MIN {
-                *acc = _mm512_fmadd_ps(m, _mm512_set1_ps(*xq.s.get_unchecked(xi)), *acc);
-            }
+            };
         }
+        token!(0);
+        token!(1);
+        token!(2);
+        token!(3);
+        token!(4);
+        token!(5);
+        token!(6);
+        token!(7);
     }
-    for (t, a) in acc.iter().enumerate() {
+    for (t, a) in acc.iter().enumerate().take(NT) {
         let optr = o.ptr.add((t0 + t) * o.ld + o.col);
         if o.valid == TILE_ROWS {
             let v = if o.accumulate {

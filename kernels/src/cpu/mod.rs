@@ -388,29 +388,54 @@ impl Backend for CpuBackend {
         let dtype = kv.shape.dtype;
         let es = dtype.bytes();
         let v_base = kv.half_bytes();
+        // Tasks: runs of up to 32 tokens of one sequence; each owns its rows of `qkv`
+        // and its tokens' KV slots.
+        let mut tasks = Vec::new();
         for (s, span) in batch.seqs.iter().enumerate() {
-            for (i, row) in span.rows.clone().enumerate() {
+            let mut i = 0;
+            while i < span.rows.len() {
+                let n = (span.rows.len() - i).min(32);
+                tasks.push((s, i, i + n));
+                i += n;
+            }
+        }
+        let qkv_ptr = SendPtr(qkv.as_mut_ptr());
+        let kv_bytes = kv.layer_bytes_mut(layer);
+        let (kv_ptr, kv_len) = (SendPtr(kv_bytes.as_mut_ptr()), kv_bytes.len());
+        let (cos_all, sin_all) = (&self.rope_cos, &self.rope_sin);
+        let kv_ref = &*kv;
+        self.pool.run(tasks.len(), |task, _| {
+            let (s, i0, i1) = tasks[task];
+            let span = &batch.seqs[s];
+            for i in i0..i1 {
+                let row = span.rows.start + i;
                 let pos = span.pos0 + i;
                 let (cos, sin) = (
-                    &self.rope_cos[row * half..(row + 1) * half],
-                    &self.rope_sin[row * half..(row + 1) * half],
+                    &cos_all[row * half..(row + 1) * half],
+                    &sin_all[row * half..(row + 1) * half],
                 );
-                let r = &mut qkv[row * w..(row + 1) * w];
+                // SAFETY: each task owns the `qkv` rows and KV slots of its tokens.
+                let r = unsafe { std::slice::from_raw_parts_mut(qkv_ptr.get().add(row * w), w) };
                 for h in 0..attn.n_heads + attn.n_kv_heads {
                     rope_head(&mut r[h * hd..(h + 1) * hd], cos, sin, rope.interleaved);
                 }
                 let slot = batch.slot(s, pos);
                 let (block, off) = (slot / batch.block_size, slot % batch.block_size);
                 for h in 0..attn.n_kv_heads {
-                    let at = kv.offset(block, h, off);
-                    let k = &r[qd + h * hd..qd + (h + 1) * hd];
-                    let v = &r[qd + kvd + h * hd..qd + kvd + (h + 1) * hd];
-                    let bytes = kv.layer_bytes_mut(layer);
-                    f32_to_kv(dtype, k, &mut bytes[at..at + hd * es]);
-                    f32_to_kv(dtype, v, &mut bytes[v_base + at..v_base + at + hd * es]);
+                    let at = kv_ref.offset(block, h, off);
+                    assert!(v_base + at + hd * es <= kv_len);
+                    // SAFETY: in bounds (asserted) and owned by this task (see above).
+                    let (kd, vd) = unsafe {
+                        (
+                            std::slice::from_raw_parts_mut(kv_ptr.get().add(at), hd * es),
+                            std::slice::from_raw_parts_mut(kv_ptr.get().add(v_base + at), hd * es),
+                        )
+                    };
+                    f32_to_kv(dtype, &r[qd + h * hd..qd + (h + 1) * hd], kd);
+                    f32_to_kv(dtype, &r[qd + kvd + h * hd..qd + kvd + (h + 1) * hd], vd);
                 }
             }
-        }
+        });
     }
 
     fn attention(

@@ -7,7 +7,7 @@
 //!   vectorises inside `#[target_feature]` wrappers; the result does not depend on the
 //!   vector width.
 
-use half::{f16, slice::HalfFloatSliceExt};
+use half::f16;
 
 /// Sum of `a[i] * b[i]` in 16 lanes, reduced by a fixed tree.
 #[inline(always)]
@@ -135,15 +135,31 @@ impl KvDtype {
     }
 }
 
+fn has_f16c() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        static F16C: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *F16C.get_or_init(|| is_x86_feature_detected!("avx2") && is_x86_feature_detected!("f16c"))
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
 /// Converts stored KV elements to f32 (exactly).
 #[inline]
 pub fn kv_to_f32(dtype: KvDtype, src: &[u8], out: &mut [f32]) {
     match dtype {
         KvDtype::F16 => {
-            // SAFETY: f16 is a 2-byte plain value; `src` holds out.len() of them. Caches
-            // are allocated as u16/f32 vectors, so the pointer is 2-byte aligned.
-            let s = unsafe { std::slice::from_raw_parts(src.as_ptr() as *const f16, out.len()) };
-            s.convert_to_f32_slice(out);
+            assert!(src.len() >= out.len() * 2);
+            #[cfg(target_arch = "x86_64")]
+            if has_f16c() {
+                // SAFETY: the CPU has F16C/AVX2 (checked); bounds asserted above.
+                unsafe { f16_to_f32_f16c(src.as_ptr(), out) };
+                return;
+            }
+            for (o, c) in out.iter_mut().zip(src.chunks_exact(2)) {
+                *o = f16::from_le_bytes([c[0], c[1]]).to_f32();
+            }
         }
         KvDtype::F32 => {
             for (o, c) in out.iter_mut().zip(src.chunks_exact(4)) {
@@ -153,15 +169,58 @@ pub fn kv_to_f32(dtype: KvDtype, src: &[u8], out: &mut [f32]) {
     }
 }
 
-/// Stores f32 values as KV elements (f16: round to nearest even).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,f16c")]
+unsafe fn f16_to_f32_f16c(src: *const u8, out: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let n = out.len();
+    let mut i = 0;
+    while i + 8 <= n {
+        let h = _mm_loadu_si128(src.add(i * 2) as *const __m128i);
+        _mm256_storeu_ps(out.as_mut_ptr().add(i), _mm256_cvtph_ps(h));
+        i += 8;
+    }
+    while i < n {
+        out[i] =
+            f16::from_bits(u16::from_le_bytes([*src.add(2 * i), *src.add(2 * i + 1)])).to_f32();
+        i += 1;
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,f16c")]
+unsafe fn f32_to_f16_f16c(src: &[f32], dst: *mut u8) {
+    use std::arch::x86_64::*;
+    let n = src.len();
+    let mut i = 0;
+    while i + 8 <= n {
+        let h = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm256_loadu_ps(src.as_ptr().add(i)));
+        _mm_storeu_si128(dst.add(i * 2) as *mut __m128i, h);
+        i += 8;
+    }
+    while i < n {
+        let b = f16::from_f32(src[i]).to_le_bytes();
+        *dst.add(2 * i) = b[0];
+        *dst.add(2 * i + 1) = b[1];
+        i += 1;
+    }
+}
+
+/// Stores f32 values as KV elements (f16: round to nearest even, as F16C does).
 #[inline]
 pub fn f32_to_kv(dtype: KvDtype, src: &[f32], dst: &mut [u8]) {
     match dtype {
         KvDtype::F16 => {
-            // SAFETY: as in `kv_to_f32`.
-            let d =
-                unsafe { std::slice::from_raw_parts_mut(dst.as_mut_ptr() as *mut f16, src.len()) };
-            d.convert_from_f32_slice(src);
+            assert!(dst.len() >= src.len() * 2);
+            #[cfg(target_arch = "x86_64")]
+            if has_f16c() {
+                // SAFETY: the CPU has F16C/AVX2 (checked); bounds asserted above.
+                unsafe { f32_to_f16_f16c(src, dst.as_mut_ptr()) };
+                return;
+            }
+            for (c, v) in dst.chunks_exact_mut(2).zip(src) {
+                c.copy_from_slice(&f16::from_f32(*v).to_le_bytes());
+            }
         }
         KvDtype::F32 => {
             for (c, v) in dst.chunks_exact_mut(4).zip(src) {
@@ -189,6 +248,29 @@ mod tests {
         assert_eq!(exp_f32(-200.0), exp_f32(-87.5));
         assert!(exp_f32(-200.0) < 1e-37);
         assert_eq!(exp_f32(0.0), 1.0);
+    }
+
+    #[test]
+    fn f16_conversions_match_the_software_reference() {
+        // Normal, subnormal, overflowing, tie and special values, 8 at a time and a tail.
+        let mut vals: Vec<f32> = vec![
+            0.0, -0.0, 1.0, -2.5, 65504.0, 65520.0, 1e6, -1e6, 6e-8, 3e-8, 1e-5, 2049.0, 2051.0,
+        ];
+        vals.extend((0..1000).map(|i| ((i as f32) * 0.7311).sin() * 10f32.powi(i % 9 - 4)));
+        vals.push(f32::INFINITY);
+        let mut bytes = vec![0u8; vals.len() * 2];
+        f32_to_kv(KvDtype::F16, &vals, &mut bytes);
+        for (v, c) in vals.iter().zip(bytes.chunks_exact(2)) {
+            assert_eq!(c, f16::from_f32(*v).to_le_bytes(), "{v}");
+        }
+        let mut back = vec![0f32; vals.len()];
+        kv_to_f32(KvDtype::F16, &bytes, &mut back);
+        for (b, c) in back.iter().zip(bytes.chunks_exact(2)) {
+            assert_eq!(
+                b.to_bits(),
+                f16::from_le_bytes([c[0], c[1]]).to_f32().to_bits()
+            );
+        }
     }
 
     #[test]
