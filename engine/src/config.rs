@@ -43,12 +43,12 @@ impl ModelConfig {
         (0..d / 2)
             .map(|i| {
                 let base = (1.0 / (self.rope_theta as f64).powf((2 * i) as f64 / d as f64)) as f32;
-                let scaled = match (&self.rope_scaling, freq_factors) {
+
+                match (&self.rope_scaling, freq_factors) {
                     (_, Some(ff)) => base / ff[i],
                     (Some(s), None) => llama3_scale(base, s),
                     (None, None) => base,
-                };
-                scaled
+                }
             })
             .collect()
     }
@@ -58,13 +58,16 @@ impl ModelConfig {
         if self.n_layers == 0 || self.hidden == 0 || self.ffn == 0 || self.vocab == 0 {
             return bad("zero layers, width or vocabulary".into());
         }
-        if self.n_heads == 0 || self.n_kv_heads == 0 || self.n_heads % self.n_kv_heads != 0 {
+        if self.n_heads == 0
+            || self.n_kv_heads == 0
+            || !self.n_heads.is_multiple_of(self.n_kv_heads)
+        {
             return bad(format!(
                 "{} heads cannot share {} KV heads",
                 self.n_heads, self.n_kv_heads
             ));
         }
-        if self.head_dim % 2 != 0 || self.head_dim == 0 {
+        if !self.head_dim.is_multiple_of(2) || self.head_dim == 0 {
             return bad(format!("head dim {} must be even", self.head_dim));
         }
         for (what, n) in [("hidden size", self.hidden), ("FFN size", self.ffn)] {

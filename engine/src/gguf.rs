@@ -278,7 +278,7 @@ impl Gguf {
     fn tensor_range(&self, t: &TensorInfo) -> Result<(u64, u64), EngineError> {
         let ty = GgmlType::from_id(t.type_id).map_err(|name| unsupported_type(&t.name, &name))?;
         let n = t.n_elements();
-        if n % ty.block_len() as u64 != 0 {
+        if !n.is_multiple_of(ty.block_len() as u64) {
             return Err(EngineError::Model(format!(
                 "tensor {} has a size that is not whole blocks",
                 t.name

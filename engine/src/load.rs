@@ -209,7 +209,7 @@ pub fn build_engine<B: Backend>(
         return Err(EngineError::InvalidRequest(format!(
             "--kv-cache-mib {} is smaller than one KV block ({} KiB); raise it",
             opts.kv_cache_mib,
-            shape.n_layers * shape.block_bytes_per_layer() >> 10
+            (shape.n_layers * shape.block_bytes_per_layer()) >> 10
         )));
     }
     let max_model_len = if opts.max_model_len == 0 {

@@ -96,7 +96,7 @@ fn preempted_sequences_recompute_to_the_same_tokens() {
     let ps: Vec<_> = prompts().into_iter().take(6).collect();
     // Greedy and seeded sampling both: recomputation must not disturb the random stream.
     let params = |i: usize| {
-        if i % 2 == 0 {
+        if i.is_multiple_of(2) {
             greedy(40)
         } else {
             SamplingParams {

@@ -72,7 +72,7 @@ impl Q8Acts {
         n_tokens: usize,
         cols: usize,
     ) {
-        assert!(cols % QK == 0 && x.len() >= n_tokens * cols);
+        assert!(cols.is_multiple_of(QK) && x.len() >= n_tokens * cols);
         let nb = cols / QK;
         self.n_tokens = n_tokens;
         self.nb = nb;

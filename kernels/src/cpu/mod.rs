@@ -498,6 +498,7 @@ impl Backend for CpuBackend {
     }
 }
 
+#[allow(clippy::needless_range_loop)]
 /// One attention task: query rows of `ATTN_QUERY_TILE` tokens × the query heads of KV
 /// head `kvh`, over all keys each token may see. Two passes over the cache blocks
 /// (scores, then values), each block converted to f32 once for all rows.

@@ -106,7 +106,7 @@ impl PackedMatrix {
         cols: usize,
         bytes: &[u8],
     ) -> Result<Self, KernelError> {
-        if cols == 0 || rows == 0 || cols % QK != 0 {
+        if cols == 0 || rows == 0 || !cols.is_multiple_of(QK) {
             return Err(KernelError::Shape(format!(
                 "matrix {rows}x{cols}: the number of columns must be a positive multiple of {QK}"
             )));

@@ -165,7 +165,7 @@ fn worker_loop(s: &Shared, tid: usize) {
             }
             spins += 1;
             if spins < s.spin_iters {
-                if spins % 64 == 0 {
+                if spins.is_multiple_of(64) {
                     // Stay polite when more threads than cores are runnable.
                     std::thread::yield_now();
                 } else {
