@@ -4,6 +4,7 @@
 
 mod bench;
 mod generate;
+mod serve;
 
 use clap::{Args, Parser, Subcommand};
 use engine::load::EngineOptions;
@@ -24,6 +25,8 @@ struct Cli {
 enum Cmd {
     /// Generate a completion for one prompt and print it (with --json, as JSON).
     Generate(generate::GenerateArgs),
+    /// Serve the OpenAI-compatible API from one process (engine + gateway), like `vllm serve`.
+    Serve(serve::ServeArgs),
     /// Benchmarks that print JSON.
     Bench {
         #[command(subcommand)]
@@ -95,6 +98,7 @@ fn main() {
     let cli = Cli::parse();
     let result = match cli.cmd {
         Cmd::Generate(a) => generate::run(a),
+        Cmd::Serve(a) => serve::run(a),
         Cmd::Bench { what } => bench::run(what),
     };
     if let Err(e) = result {

@@ -5,6 +5,7 @@
 pub mod config;
 pub mod fetch;
 pub mod gguf;
+pub mod handle;
 pub mod kv;
 pub mod load;
 pub mod model;

@@ -180,48 +180,19 @@ impl<B: Backend> EngineCore<B> {
         !self.running.is_empty() || !self.waiting.is_empty()
     }
 
+    /// The numbers requests are validated against.
+    pub fn limits(&self) -> Limits {
+        Limits {
+            vocab: self.model.cfg.vocab,
+            max_model_len: self.cfg.max_model_len,
+            n_blocks: self.cfg.n_blocks,
+            block_size: self.cfg.block_size,
+        }
+    }
+
     /// Checks a request against the model and the cache; the error names what to change.
     pub fn validate(&self, prompt: &[u32], params: &SamplingParams) -> Result<usize, EngineError> {
-        params.validate(self.model.cfg.vocab)?;
-        let limit = self.cfg.max_model_len;
-        if prompt.is_empty() {
-            return Err(EngineError::InvalidRequest(
-                "the prompt is empty; send at least one token".into(),
-            ));
-        }
-        if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= self.model.cfg.vocab) {
-            return Err(EngineError::InvalidRequest(format!(
-                "prompt token id {bad} is out of range (vocabulary size {})",
-                self.model.cfg.vocab
-            )));
-        }
-        if prompt.len() >= limit {
-            return Err(EngineError::InvalidRequest(format!(
-                "the prompt has {} tokens but the context length is {limit}; shorten the prompt (at most {} tokens)",
-                prompt.len(),
-                limit - 1
-            )));
-        }
-        let room = limit - prompt.len();
-        let max_tokens = match params.max_tokens {
-            Some(m) if m > room => {
-                return Err(EngineError::InvalidRequest(format!(
-                    "max_tokens is {m} but the prompt ({} tokens) leaves room for {room} in the context length of {limit}; \
-                     lower max_tokens or shorten the prompt",
-                    prompt.len()
-                )))
-            }
-            Some(m) => m,
-            None => room,
-        };
-        let need = blocks_for(prompt.len() + 1, self.cfg.block_size);
-        if need > self.cfg.n_blocks {
-            return Err(EngineError::InvalidRequest(format!(
-                "the prompt needs {need} KV blocks but the whole cache has {}; shorten the prompt or give the server a larger KV cache",
-                self.cfg.n_blocks
-            )));
-        }
-        Ok(max_tokens)
+        self.limits().validate(prompt, params)
     }
 
     /// Queues a request. Nothing is allocated until it is scheduled.
@@ -507,6 +478,63 @@ impl<B: Backend> EngineCore<B> {
             prompt_tokens: seq.prompt_len,
             completion_tokens: n_gen,
         }
+    }
+}
+
+/// What a request is checked against: fixed when the engine is built, so clients of an
+/// engine running on another thread can validate without a round trip.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Limits {
+    pub vocab: usize,
+    pub max_model_len: usize,
+    pub n_blocks: usize,
+    pub block_size: usize,
+}
+
+impl Limits {
+    /// Validates a request; returns the resolved `max_tokens`. The error names what to
+    /// change.
+    pub fn validate(&self, prompt: &[u32], params: &SamplingParams) -> Result<usize, EngineError> {
+        params.validate(self.vocab)?;
+        let limit = self.max_model_len;
+        if prompt.is_empty() {
+            return Err(EngineError::InvalidRequest(
+                "the prompt is empty; send at least one token".into(),
+            ));
+        }
+        if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= self.vocab) {
+            return Err(EngineError::InvalidRequest(format!(
+                "prompt token id {bad} is out of range (vocabulary size {})",
+                self.vocab
+            )));
+        }
+        if prompt.len() >= limit {
+            return Err(EngineError::InvalidRequest(format!(
+                "the prompt has {} tokens but the context length is {limit}; shorten the prompt (at most {} tokens)",
+                prompt.len(),
+                limit - 1
+            )));
+        }
+        let room = limit - prompt.len();
+        let max_tokens = match params.max_tokens {
+            Some(m) if m > room => {
+                return Err(EngineError::InvalidRequest(format!(
+                    "max_tokens is {m} but the prompt ({} tokens) leaves room for {room} in the context length of {limit}; \
+                     lower max_tokens or shorten the prompt",
+                    prompt.len()
+                )))
+            }
+            Some(m) => m,
+            None => room,
+        };
+        let need = blocks_for(prompt.len() + 1, self.block_size);
+        if need > self.n_blocks {
+            return Err(EngineError::InvalidRequest(format!(
+                "the prompt needs {need} KV blocks but the whole cache has {}; shorten the prompt or give the server a larger KV cache",
+                self.n_blocks
+            )));
+        }
+        Ok(max_tokens)
     }
 }
 

@@ -276,6 +276,18 @@ impl Tokenizer {
         self.inner.id_to_token(id)
     }
 
+    /// The bytes token `id` stands for (for byte-level BPE, possibly part of a UTF-8
+    /// character), as OpenAI's logprobs report them.
+    pub fn token_bytes(&self, id: u32) -> Vec<u8> {
+        if let Some(t) = self.inner.id_to_token(id) {
+            let bytes: Option<Vec<u8>> = t.chars().map(byte_level_char_to_byte).collect();
+            if let Some(b) = bytes {
+                return b;
+            }
+        }
+        self.decode(&[id], false).unwrap_or_default().into_bytes()
+    }
+
     /// Renders `messages` with the model's chat template.
     pub fn apply_chat_template(
         &self,
@@ -295,6 +307,25 @@ impl Tokenizer {
             &self.eos_text,
         )
     }
+}
+
+/// GPT-2's byte-level alphabet, inverted: printable bytes stand for themselves, the
+/// others were shifted to U+0100 and up in byte order.
+fn byte_level_char_to_byte(c: char) -> Option<u8> {
+    let printable =
+        |b: u32| (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
+    let cp = c as u32;
+    if cp < 256 && printable(cp) {
+        return Some(cp as u8);
+    }
+    if (256..256 + 68).contains(&cp) {
+        let k = cp - 256;
+        return (0..256u32)
+            .filter(|b| !printable(*b))
+            .nth(k as usize)
+            .map(|b| b as u8);
+    }
+    None
 }
 
 /// Renders a Hugging Face chat template the way transformers does (Jinja with

@@ -104,9 +104,9 @@ pub trait Backend {
     /// A small f32 weight vector (norms).
     type Vector: Send + Sync;
     /// An activation buffer of f32-equivalent elements.
-    type Act;
+    type Act: Send;
     /// The paged KV cache of all layers.
-    type Kv;
+    type Kv: Send;
 
     /// One line about the backend: device, threads, ISA, modes.
     fn describe(&self) -> String;

@@ -28,3 +28,9 @@ pub const CPU_THREADS: &str = "DISAGG_THREADS";
 /// How many weight blocks ahead the CPU matmul prefetches (default 8; 0 turns
 /// software prefetch off).
 pub const CPU_PREFETCH: &str = "DISAGG_CPU_PREFETCH";
+
+/// API key the gateway requires when `--api-key` is not given (`Authorization: Bearer`).
+pub const API_KEY: &str = "DISAGG_API_KEY";
+
+/// Log filter for the servers (tracing-subscriber syntax, e.g. `info,router=debug`).
+pub const LOG: &str = "DISAGG_LOG";

@@ -1,0 +1,92 @@
+//! `disagg serve`: the engine and the OpenAI-compatible gateway in one process.
+
+use kernels::Backend;
+
+use clap::Args;
+use engine::handle::EngineHandle;
+use engine::load::cpu_engine;
+use router::{AppState, GatewayConfig};
+
+use crate::EngineArgs;
+
+#[derive(Args, Debug)]
+pub struct ServeArgs {
+    #[command(flatten)]
+    pub engine: EngineArgs,
+    /// Address to listen on (use 0.0.0.0 to accept connections from other hosts).
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    #[arg(long, default_value_t = 8000)]
+    pub port: u16,
+    /// Require `Authorization: Bearer KEY` on /v1/*, /tokenize and /detokenize.
+    #[arg(long, env = "DISAGG_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
+    /// The model name clients use (default: the --model argument).
+    #[arg(long)]
+    pub served_model_name: Option<String>,
+    /// Requests accepted at once (queued or running); more get 429.
+    #[arg(long, default_value_t = 1024)]
+    pub max_in_flight: usize,
+    /// Largest request body, in MiB.
+    #[arg(long, default_value_t = 4)]
+    pub max_body_mib: usize,
+}
+
+pub fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_env(kernels::env::LOG)
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
+}
+
+pub fn run(a: ServeArgs) -> anyhow::Result<()> {
+    init_logging();
+    let opts = a.engine.options()?;
+    if a.max_in_flight == 0 {
+        anyhow::bail!("--max-in-flight must be at least 1");
+    }
+    let cfg = GatewayConfig {
+        served_model_name: a
+            .served_model_name
+            .clone()
+            .unwrap_or_else(|| opts.model.clone()),
+        api_key: a.api_key.clone().filter(|k| !k.is_empty()),
+        max_body_bytes: a.max_body_mib.max(1) << 20,
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    rt.block_on(async move {
+        let listener = tokio::net::TcpListener::bind((a.host.as_str(), a.port))
+            .await
+            .map_err(|e| anyhow::anyhow!("cannot listen on {}:{}: {e}; choose another --port or --host", a.host, a.port))?;
+        let addr = listener.local_addr()?;
+        let state = AppState::new(cfg);
+        // Listen first so /health can say "loading" while the model loads.
+        let server = tokio::spawn(router::serve(listener, state.clone(), shutdown_signal()));
+        let core = tokio::task::spawn_blocking(move || cpu_engine(&opts)).await??;
+        tracing::info!(backend = %core.backend().describe(), blocks = core.cfg.n_blocks, "engine ready");
+        state.set_engine(EngineHandle::spawn(core, a.max_in_flight));
+        println!("disagg serving '{}' at http://{addr}/v1", state.cfg.served_model_name);
+        server.await??;
+        Ok::<_, anyhow::Error>(())
+    })?;
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .expect("SIGTERM handler");
+        tokio::select! {
+            _ = ctrl_c => {},
+            _ = term.recv() => {},
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = ctrl_c.await;
+}

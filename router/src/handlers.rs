@@ -1,0 +1,646 @@
+//! The route handlers. Each parses its body with [`openai::parse`], checks the model,
+//! turns the request into engine submissions, and shapes the answer as OpenAI does.
+//!
+//! Cancellation: the engine streams of a request are owned by the handler future (or,
+//! when streaming, by the response body). When the client goes away, hyper drops them,
+//! and dropping a `RequestStream` aborts its request in the engine at once.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use engine::handle::{EngineHandle, RequestStream, StreamItem};
+use engine::sampling::{SamplingParams, TokenLogprob};
+use engine::scheduler::FinishReason;
+use engine::tokenizer::Tokenizer;
+use futures::stream::{self, BoxStream, StreamExt};
+use rand_core::{OsRng, TryRngCore};
+use serde_json::{json, Value};
+
+use crate::error::ApiError;
+use crate::metrics::Metrics;
+use crate::openai::{
+    self, ChatRequest, CompletionRequest, DetokenizeRequest, Prompt, TokenizeRequest,
+};
+use crate::AppState;
+
+type AppResult = Result<Response, ApiError>;
+
+async fn read_body(s: &AppState, body: Body) -> Result<Bytes, ApiError> {
+    axum::body::to_bytes(body, s.cfg.max_body_bytes)
+        .await
+        .map_err(|_| ApiError::too_large(s.cfg.max_body_bytes))
+}
+
+fn check_model(s: &AppState, model: Option<&str>) -> Result<(), ApiError> {
+    match model {
+        Some(m) if m != s.cfg.served_model_name => Err(ApiError::model_not_found(m)),
+        _ => Ok(()),
+    }
+}
+
+fn request_id(prefix: &str) -> String {
+    let mut b = [0u8; 12];
+    let _ = OsRng.try_fill_bytes(&mut b);
+    format!(
+        "{prefix}-{}",
+        b.iter().map(|x| format!("{x:02x}")).collect::<String>()
+    )
+}
+
+fn now_s() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+/// JSON cannot hold -inf; OpenAI reports impossible tokens as -9999.
+fn lp(x: f32) -> f32 {
+    if x.is_finite() {
+        x
+    } else {
+        -9999.0
+    }
+}
+
+pub async fn health(State(s): State<Arc<AppState>>) -> AppResult {
+    s.engine()?;
+    Ok(Json(json!({})).into_response())
+}
+
+pub async fn metrics(State(s): State<Arc<AppState>>) -> Response {
+    let stats = s.engine.get().map(|e| e.stats()).unwrap_or_default();
+    (
+        [("content-type", "text/plain; version=0.0.4")],
+        s.metrics.render(&stats),
+    )
+        .into_response()
+}
+
+pub async fn models(State(s): State<Arc<AppState>>) -> AppResult {
+    let e = s.engine()?;
+    Ok(Json(json!({
+        "object": "list",
+        "data": [{
+            "id": s.cfg.served_model_name,
+            "object": "model",
+            "created": s.created,
+            "owned_by": "disagg",
+            "root": e.model.name,
+            "max_model_len": e.limits.max_model_len,
+        }]
+    }))
+    .into_response())
+}
+
+pub async fn tokenize(State(s): State<Arc<AppState>>, body: Body) -> AppResult {
+    let e = s.engine()?.clone();
+    let req: TokenizeRequest = openai::parse(&read_body(&s, body).await?)?;
+    check_model(&s, req.model.as_deref())?;
+    let ids = match (&req.prompt, &req.messages) {
+        (Some(p), None) => {
+            if req.add_special_tokens.unwrap_or(true) {
+                e.tokenizer.encode_prompt(p)?
+            } else {
+                e.tokenizer.encode(p)?
+            }
+        }
+        (None, Some(_)) => {
+            let chat = ChatRequest {
+                model: String::new(),
+                messages: req.messages.clone().unwrap_or_default(),
+                max_completion_tokens: None,
+                logprobs: None,
+                top_logprobs: None,
+                add_generation_prompt: req.add_generation_prompt,
+                sampling: Default::default(),
+                unsupported: Default::default(),
+                extra: Default::default(),
+            };
+            let text = e.tokenizer.apply_chat_template(
+                &chat.messages()?,
+                req.add_generation_prompt.unwrap_or(true),
+            )?;
+            e.tokenizer.encode(&text)?
+        }
+        _ => {
+            return Err(ApiError::invalid(
+                Some("prompt".into()),
+                "give exactly one of 'prompt' or 'messages'",
+            ))
+        }
+    };
+    Ok(
+        Json(json!({"count": ids.len(), "max_model_len": e.limits.max_model_len, "tokens": ids}))
+            .into_response(),
+    )
+}
+
+pub async fn detokenize(State(s): State<Arc<AppState>>, body: Body) -> AppResult {
+    let e = s.engine()?.clone();
+    let req: DetokenizeRequest = openai::parse(&read_body(&s, body).await?)?;
+    check_model(&s, req.model.as_deref())?;
+    if let Some(bad) = req.tokens.iter().find(|t| **t as usize >= e.limits.vocab) {
+        return Err(ApiError::invalid(
+            Some("tokens".into()),
+            format!(
+                "{bad} is not a token id (vocabulary size {})",
+                e.limits.vocab
+            ),
+        ));
+    }
+    let text = e.tokenizer.decode(&req.tokens, false)?;
+    Ok(Json(json!({"prompt": text})).into_response())
+}
+
+/// Per-choice latency accounting into the vLLM-style histograms.
+struct Tracker {
+    arrival: Instant,
+    last: Option<Instant>,
+}
+
+impl Tracker {
+    fn observe(&mut self, m: &Metrics, item: &StreamItem) {
+        match self.last {
+            None => {
+                let ttft = item.at.duration_since(self.arrival).as_secs_f64();
+                m.time_to_first_token.observe(ttft);
+                m.queue_time.observe(ttft);
+            }
+            Some(prev) => m
+                .inter_token_latency
+                .observe(item.at.duration_since(prev).as_secs_f64()),
+        }
+        self.last = Some(item.at);
+        m.generation_tokens
+            .inc_by(item.out.new_token_ids.len() as u64);
+        if let Some(f) = &item.out.finish {
+            m.e2e_latency
+                .observe(item.at.duration_since(self.arrival).as_secs_f64());
+            m.request_success.with_label_values(&[f.as_str()]).inc();
+        }
+    }
+}
+
+/// Submits `n` choices of one prompt (seeded choices get seeds `seed + i`).
+fn submit_n(
+    s: &AppState,
+    e: &EngineHandle,
+    prompt: &[u32],
+    params: &SamplingParams,
+    n: usize,
+) -> Result<Vec<RequestStream>, ApiError> {
+    let mut out = Vec::with_capacity(n);
+    for i in 0..n {
+        let mut p = params.clone();
+        p.seed = p.seed.map(|x| x.wrapping_add(i as u64));
+        // On failure the streams already submitted are dropped here, which aborts them.
+        out.push(e.submit(prompt.to_vec(), p)?);
+    }
+    s.metrics.prompt_tokens.inc_by(prompt.len() as u64);
+    Ok(out)
+}
+
+/// A finished choice, collected.
+#[derive(Default)]
+struct Collected {
+    ids: Vec<u32>,
+    text: String,
+    logprobs: Vec<TokenLogprob>,
+    finish: Option<FinishReason>,
+}
+
+async fn collect(
+    mut st: RequestStream,
+    m: &Metrics,
+    arrival: Instant,
+) -> Result<Collected, ApiError> {
+    let mut c = Collected::default();
+    let mut t = Tracker {
+        arrival,
+        last: None,
+    };
+    while let Some(item) = st.next().await {
+        t.observe(m, &item);
+        c.ids.extend(&item.out.new_token_ids);
+        c.text.push_str(&item.out.new_text);
+        c.logprobs.extend(item.out.logprobs);
+        if let Some(f) = item.out.finish {
+            c.finish = Some(f);
+            return Ok(c);
+        }
+    }
+    Err(ApiError::unavailable(
+        "the engine stopped before the request finished",
+    ))
+}
+
+fn finish_str(f: &Option<FinishReason>) -> Value {
+    match f {
+        Some(FinishReason::Stop) => "stop".into(),
+        Some(FinishReason::Length) => "length".into(),
+        Some(FinishReason::Abort) => "abort".into(),
+        None => Value::Null,
+    }
+}
+
+fn token_text(tok: &Tokenizer, id: u32) -> (String, Vec<u8>) {
+    let b = tok.token_bytes(id);
+    (String::from_utf8_lossy(&b).into_owned(), b)
+}
+
+fn chat_logprobs(tok: &Tokenizer, lps: &[TokenLogprob]) -> Value {
+    let content: Vec<Value> = lps
+        .iter()
+        .map(|l| {
+            let (t, b) = token_text(tok, l.token);
+            json!({
+                "token": t, "logprob": lp(l.logprob), "bytes": b,
+                "top_logprobs": l.top.iter().map(|(id, x)| {
+                    let (t, b) = token_text(tok, *id);
+                    json!({"token": t, "logprob": lp(*x), "bytes": b})
+                }).collect::<Vec<_>>(),
+            })
+        })
+        .collect();
+    json!({ "content": content })
+}
+
+/// Legacy completions logprobs; `offset` is where this piece's text starts.
+fn completion_logprobs(tok: &Tokenizer, lps: &[TokenLogprob], mut offset: usize) -> Value {
+    let mut tokens = Vec::new();
+    let mut token_logprobs = Vec::new();
+    let mut top = Vec::new();
+    let mut offsets = Vec::new();
+    for l in lps {
+        let (t, _) = token_text(tok, l.token);
+        offsets.push(offset);
+        offset += t.len();
+        tokens.push(t);
+        token_logprobs.push(lp(l.logprob));
+        let m: serde_json::Map<String, Value> = l
+            .top
+            .iter()
+            .map(|(id, x)| (token_text(tok, *id).0, json!(lp(*x))))
+            .collect();
+        top.push(Value::Object(m));
+    }
+    json!({"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets})
+}
+
+fn usage(prompt: usize, completion: usize) -> Value {
+    json!({
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    })
+}
+
+/// One merged stream over several choices: `(choice index, item)`.
+fn merge(streams: Vec<(usize, RequestStream)>) -> BoxStream<'static, (usize, StreamItem)> {
+    stream::select_all(streams.into_iter().map(|(i, st)| {
+        stream::unfold(st, move |mut st| async move {
+            st.next().await.map(|it| ((i, it), st))
+        })
+        .boxed()
+    }))
+    .boxed()
+}
+
+fn event(v: &Value) -> Event {
+    Event::default().data(v.to_string())
+}
+
+/// How one endpoint shapes its streamed chunks.
+trait ChunkFormat: Send + 'static {
+    /// The chunk for one engine output of choice `i`, if it carries anything.
+    fn piece(&mut self, i: usize, out: &engine::scheduler::RequestOutput) -> Option<Value>;
+    /// The trailing chunk with usage only.
+    fn usage_chunk(&self, usage: Value) -> Value;
+}
+
+/// Drives the merged engine streams into server-sent events: the formatter's chunks,
+/// a usage chunk when asked, then `[DONE]`. Owning the streams, it cancels them when
+/// the response body is dropped (client gone).
+struct EventStream<F: ChunkFormat> {
+    merged: BoxStream<'static, (usize, StreamItem)>,
+    pending: std::collections::VecDeque<Event>,
+    trackers: Vec<Tracker>,
+    state: Arc<AppState>,
+    format: F,
+    prompt_tokens: usize,
+    completion_tokens: usize,
+    include_usage: bool,
+    done: bool,
+}
+
+impl<F: ChunkFormat> EventStream<F> {
+    fn into_body(self, head: Vec<Event>) -> Response {
+        let mut me = self;
+        me.pending.extend(head);
+        let events = stream::unfold(me, |mut me| async move {
+            loop {
+                if let Some(ev) = me.pending.pop_front() {
+                    return Some((Ok::<_, Infallible>(ev), me));
+                }
+                if me.done {
+                    return None;
+                }
+                match me.merged.next().await {
+                    Some((i, item)) => {
+                        me.trackers[i].observe(&me.state.metrics, &item);
+                        me.completion_tokens += item.out.new_token_ids.len();
+                        if let Some(v) = me.format.piece(i, &item.out) {
+                            me.pending.push_back(event(&v));
+                        }
+                    }
+                    None => {
+                        if me.include_usage {
+                            let u = usage(me.prompt_tokens, me.completion_tokens);
+                            me.pending.push_back(event(&me.format.usage_chunk(u)));
+                        }
+                        me.pending.push_back(Event::default().data("[DONE]"));
+                        me.done = true;
+                    }
+                }
+            }
+        });
+        Sse::new(events)
+            .keep_alive(KeepAlive::default())
+            .into_response()
+    }
+}
+
+struct ChatChunks {
+    id: String,
+    created: u64,
+    model: String,
+    tok: Arc<Tokenizer>,
+    want_lp: bool,
+}
+
+impl ChatChunks {
+    fn chunk(&self, choices: Value) -> Value {
+        json!({"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model, "choices": choices})
+    }
+}
+
+impl ChunkFormat for ChatChunks {
+    fn piece(&mut self, i: usize, o: &engine::scheduler::RequestOutput) -> Option<Value> {
+        if o.new_text.is_empty() && !self.want_lp && o.finish.is_none() {
+            return None;
+        }
+        let delta = if o.new_text.is_empty() {
+            json!({})
+        } else {
+            json!({"content": o.new_text})
+        };
+        let lps = if self.want_lp {
+            chat_logprobs(&self.tok, &o.logprobs)
+        } else {
+            Value::Null
+        };
+        Some(self.chunk(json!([{"index": i, "delta": delta, "logprobs": lps, "finish_reason": finish_str(&o.finish)}])))
+    }
+
+    fn usage_chunk(&self, usage: Value) -> Value {
+        let mut v = self.chunk(json!([]));
+        v["usage"] = usage;
+        v
+    }
+}
+
+pub async fn chat(State(s): State<Arc<AppState>>, body: Body) -> AppResult {
+    let arrival = Instant::now();
+    let e = s.engine()?.clone();
+    let req: ChatRequest = openai::parse(&read_body(&s, body).await?)?;
+    openai::reject_extra(&req.extra)?;
+    req.unsupported.check()?;
+    check_model(&s, Some(&req.model))?;
+    let messages = req.messages()?;
+    let text = e
+        .tokenizer
+        .apply_chat_template(&messages, req.add_generation_prompt.unwrap_or(true))?;
+    let prompt = e.tokenizer.encode(&text)?;
+    let max_tokens = req.max_completion_tokens.or(req.sampling.max_tokens);
+    let params = req
+        .sampling
+        .to_params(max_tokens, req.top_logprobs()?, e.limits.vocab)?;
+    let n = req.sampling.n();
+    let streams = submit_n(&s, &e, &prompt, &params, n)?;
+    let format = ChatChunks {
+        id: request_id("chatcmpl"),
+        created: now_s(),
+        model: s.cfg.served_model_name.clone(),
+        tok: e.tokenizer.clone(),
+        want_lp: params.logprobs.is_some(),
+    };
+    if !req.sampling.stream() {
+        let results = futures::future::join_all(
+            streams
+                .into_iter()
+                .map(|st| collect(st, &s.metrics, arrival)),
+        )
+        .await;
+        let mut choices = Vec::with_capacity(n);
+        let mut completion = 0;
+        for (i, r) in results.into_iter().enumerate() {
+            let c = r?;
+            completion += c.ids.len();
+            choices.push(json!({
+                "index": i,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": if format.want_lp { chat_logprobs(&e.tokenizer, &c.logprobs) } else { Value::Null },
+                "finish_reason": finish_str(&c.finish),
+            }));
+        }
+        return Ok(Json(json!({
+            "id": format.id, "object": "chat.completion", "created": format.created, "model": format.model,
+            "choices": choices, "usage": usage(prompt.len(), completion),
+        }))
+        .into_response());
+    }
+    // OpenAI opens each choice with a chunk that carries the role.
+    let head = (0..n)
+        .map(|i| event(&format.chunk(json!([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}]))))
+        .collect();
+    Ok(EventStream {
+        merged: merge(streams.into_iter().enumerate().collect()),
+        pending: Default::default(),
+        trackers: (0..n)
+            .map(|_| Tracker {
+                arrival,
+                last: None,
+            })
+            .collect(),
+        state: s.clone(),
+        format,
+        prompt_tokens: prompt.len(),
+        completion_tokens: 0,
+        include_usage: req.sampling.include_usage(),
+        done: false,
+    }
+    .into_body(head))
+}
+
+struct CompletionChunks {
+    id: String,
+    created: u64,
+    model: String,
+    tok: Arc<Tokenizer>,
+    want_lp: bool,
+    /// Text emitted so far per choice (for logprob text offsets).
+    offsets: Vec<usize>,
+}
+
+impl CompletionChunks {
+    fn chunk(&self, choices: Value) -> Value {
+        json!({"id": self.id, "object": "text_completion", "created": self.created, "model": self.model, "choices": choices})
+    }
+}
+
+impl ChunkFormat for CompletionChunks {
+    fn piece(&mut self, i: usize, o: &engine::scheduler::RequestOutput) -> Option<Value> {
+        if o.new_text.is_empty() && !self.want_lp && o.finish.is_none() {
+            return None;
+        }
+        let lps = if self.want_lp {
+            completion_logprobs(&self.tok, &o.logprobs, self.offsets[i])
+        } else {
+            Value::Null
+        };
+        self.offsets[i] += o.new_text.len();
+        Some(self.chunk(json!([{"index": i, "text": o.new_text, "logprobs": lps, "finish_reason": finish_str(&o.finish)}])))
+    }
+
+    fn usage_chunk(&self, usage: Value) -> Value {
+        let mut v = self.chunk(json!([]));
+        v["usage"] = usage;
+        v
+    }
+}
+
+pub async fn completions(State(s): State<Arc<AppState>>, body: Body) -> AppResult {
+    let arrival = Instant::now();
+    let e = s.engine()?.clone();
+    let req: CompletionRequest = openai::parse(&read_body(&s, body).await?)?;
+    openai::reject_extra(&req.extra)?;
+    req.unsupported.check()?;
+    check_model(&s, Some(&req.model))?;
+    let echo = req.echo.unwrap_or(false);
+    let logprobs = req.logprobs.map(|n| n as usize);
+    if echo && logprobs.is_some() {
+        return Err(ApiError::invalid(
+            Some("echo".into()),
+            "echo together with logprobs (prompt logprobs) is not supported; drop one of them",
+        ));
+    }
+    let prompts: Vec<Vec<u32>> = match &req.prompt {
+        Prompt::Text(t) => vec![e.tokenizer.encode_prompt(t)?],
+        Prompt::Texts(ts) => ts
+            .iter()
+            .map(|t| e.tokenizer.encode_prompt(t))
+            .collect::<Result<_, _>>()?,
+        Prompt::Ids(ids) => vec![ids.clone()],
+        Prompt::IdLists(l) => l.clone(),
+    };
+    if prompts.is_empty() || prompts.len() > 64 {
+        return Err(ApiError::invalid(
+            Some("prompt".into()),
+            "give between 1 and 64 prompts",
+        ));
+    }
+    let params = req.sampling.to_params(
+        req.sampling.max_tokens.or(Some(16)),
+        logprobs,
+        e.limits.vocab,
+    )?;
+    let n = req.sampling.n();
+    let mut streams = Vec::new();
+    for p in &prompts {
+        streams.extend(submit_n(&s, &e, p, &params, n)?);
+    }
+    let prompt_tokens: usize = prompts.iter().map(Vec::len).sum();
+    // With echo, each choice's text starts with its prompt.
+    let prefixes: Vec<String> = prompts
+        .iter()
+        .flat_map(|p| {
+            let t = if echo {
+                e.tokenizer.decode(p, false).unwrap_or_default()
+            } else {
+                String::new()
+            };
+            std::iter::repeat_n(t, n)
+        })
+        .collect();
+    let mut format = CompletionChunks {
+        id: request_id("cmpl"),
+        created: now_s(),
+        model: s.cfg.served_model_name.clone(),
+        tok: e.tokenizer.clone(),
+        want_lp: logprobs.is_some(),
+        offsets: prefixes.iter().map(String::len).collect(),
+    };
+    let total = streams.len();
+    if !req.sampling.stream() {
+        let results = futures::future::join_all(
+            streams
+                .into_iter()
+                .map(|st| collect(st, &s.metrics, arrival)),
+        )
+        .await;
+        let mut choices = Vec::with_capacity(total);
+        let mut completion = 0;
+        for (i, r) in results.into_iter().enumerate() {
+            let c = r?;
+            completion += c.ids.len();
+            choices.push(json!({
+                "index": i,
+                "text": format!("{}{}", prefixes[i], c.text),
+                "logprobs": if format.want_lp { completion_logprobs(&e.tokenizer, &c.logprobs, prefixes[i].len()) } else { Value::Null },
+                "finish_reason": finish_str(&c.finish),
+            }));
+        }
+        return Ok(Json(json!({
+            "id": format.id, "object": "text_completion", "created": format.created, "model": format.model,
+            "choices": choices, "usage": usage(prompt_tokens, completion),
+        }))
+        .into_response());
+    }
+    let head =
+        prefixes
+            .iter()
+            .enumerate()
+            .filter(|(_, p)| !p.is_empty())
+            .map(|(i, p)| {
+                event(&format.chunk(
+                    json!([{"index": i, "text": p, "logprobs": null, "finish_reason": null}]),
+                ))
+            })
+            .collect();
+    format.offsets = prefixes.iter().map(String::len).collect();
+    Ok(EventStream {
+        merged: merge(streams.into_iter().enumerate().collect()),
+        pending: Default::default(),
+        trackers: (0..total)
+            .map(|_| Tracker {
+                arrival,
+                last: None,
+            })
+            .collect(),
+        state: s.clone(),
+        format,
+        prompt_tokens,
+        completion_tokens: 0,
+        include_usage: req.sampling.include_usage(),
+        done: false,
+    }
+    .into_body(head))
+}

@@ -1,0 +1,147 @@
+//! The router: the OpenAI-compatible HTTP gateway in front of the engine.
+//!
+//! Today it serves one engine in the same process (`disagg serve`, aggregated mode).
+//! The disaggregated path (prefill and decode workers) plugs in behind the same
+//! handlers: they talk to an [`EngineHandle`]-shaped backend, not to the engine.
+//!
+//! Routes: `POST /v1/chat/completions`, `POST /v1/completions` (both with `stream`),
+//! `GET /v1/models`, `POST /tokenize`, `POST /detokenize`, `GET /health`, `GET /metrics`.
+//! Every error is OpenAI's JSON error shape (see [`error`]).
+
+pub mod error;
+mod handlers;
+pub mod metrics;
+pub mod openai;
+
+use std::net::SocketAddr;
+use std::sync::{Arc, OnceLock};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use axum::extract::{Request, State};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use engine::handle::EngineHandle;
+use subtle::ConstantTimeEq;
+
+pub use error::ApiError;
+
+#[derive(Clone, Debug)]
+pub struct GatewayConfig {
+    /// The name clients put in `model`.
+    pub served_model_name: String,
+    /// When set, `/v1/*`, `/tokenize` and `/detokenize` need `Authorization: Bearer KEY`.
+    pub api_key: Option<String>,
+    /// Largest request body accepted.
+    pub max_body_bytes: usize,
+}
+
+impl Default for GatewayConfig {
+    fn default() -> Self {
+        GatewayConfig {
+            served_model_name: engine::fetch::EMBEDDED_NAME.into(),
+            api_key: None,
+            max_body_bytes: 4 << 20,
+        }
+    }
+}
+
+pub struct AppState {
+    engine: OnceLock<EngineHandle>,
+    pub cfg: GatewayConfig,
+    pub metrics: metrics::Metrics,
+    created: u64,
+}
+
+impl AppState {
+    pub fn new(cfg: GatewayConfig) -> Arc<AppState> {
+        Arc::new(AppState {
+            engine: OnceLock::new(),
+            metrics: metrics::Metrics::new(&cfg.served_model_name),
+            cfg,
+            created: SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map(|d| d.as_secs())
+                .unwrap_or(0),
+        })
+    }
+
+    /// Makes the gateway ready: from now on requests go to `engine`.
+    pub fn set_engine(&self, engine: EngineHandle) {
+        let _ = self.engine.set(engine);
+    }
+
+    pub fn engine(&self) -> Result<&EngineHandle, ApiError> {
+        self.engine
+            .get()
+            .ok_or_else(|| ApiError::unavailable("the model is still loading; retry shortly"))
+    }
+}
+
+/// The HTTP application.
+pub fn app(state: Arc<AppState>) -> Router {
+    Router::new()
+        .route("/health", get(handlers::health))
+        .route("/metrics", get(handlers::metrics))
+        .route("/v1/models", get(handlers::models))
+        .route("/v1/chat/completions", post(handlers::chat))
+        .route("/v1/completions", post(handlers::completions))
+        .route("/tokenize", post(handlers::tokenize))
+        .route("/detokenize", post(handlers::detokenize))
+        .fallback(|req: Request| async move { ApiError::not_found(req.uri().path()) })
+        .method_not_allowed_fallback(|| async { ApiError::method_not_allowed() })
+        .layer(middleware::from_fn_with_state(state.clone(), guard))
+        .with_state(state)
+}
+
+/// API-key check (constant-time) and error accounting, around every route.
+async fn guard(State(s): State<Arc<AppState>>, req: Request, next: Next) -> Response {
+    let path = req.uri().path();
+    let protected = path.starts_with("/v1/") || path == "/tokenize" || path == "/detokenize";
+    if let (true, Some(key)) = (protected, &s.cfg.api_key) {
+        let given = req
+            .headers()
+            .get(axum::http::header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .unwrap_or("");
+        // Compare equal-length digests so neither content nor length leaks through timing.
+        let ok: bool = digest(given.as_bytes())
+            .ct_eq(&digest(key.as_bytes()))
+            .into();
+        if !ok {
+            s.metrics.http_errors.with_label_values(&["401"]).inc();
+            return ApiError::unauthorized().into_response();
+        }
+    }
+    let resp = next.run(req).await;
+    if resp.status().as_u16() >= 400 {
+        s.metrics
+            .http_errors
+            .with_label_values(&[resp.status().as_str()])
+            .inc();
+    }
+    resp
+}
+
+/// SHA-256 of the key: comparing digests in constant time leaks neither the content
+/// nor the length of the configured key.
+fn digest(b: &[u8]) -> [u8; 32] {
+    use sha2::Digest;
+    sha2::Sha256::digest(b).into()
+}
+
+/// Serves `app` on `listener` until `shutdown` resolves.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    state: Arc<AppState>,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    axum::serve(
+        listener,
+        app(state).into_make_service_with_connect_info::<SocketAddr>(),
+    )
+    .with_graceful_shutdown(shutdown)
+    .await
+}
