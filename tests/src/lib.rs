@@ -2,6 +2,7 @@
 #![forbid(unsafe_code)]
 
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use engine::load::{cpu_engine, EngineOptions};
 use engine::scheduler::EngineCore;
@@ -70,4 +71,111 @@ pub fn test_options() -> EngineOptions {
 /// An engine on the embedded model.
 pub fn engine(opts: &EngineOptions) -> EngineCore<CpuBackend> {
     cpu_engine(opts).expect("the embedded model loads")
+}
+
+/// A gateway on a real loopback socket, serving an engine on the embedded model.
+pub struct TestServer {
+    pub url: String,
+    pub engine: engine::handle::EngineHandle,
+    pub state: Arc<router::AppState>,
+    pub rt: tokio::runtime::Runtime,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+}
+
+impl TestServer {
+    pub fn start(
+        opts: &EngineOptions,
+        cfg: router::GatewayConfig,
+        max_in_flight: usize,
+    ) -> TestServer {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        let core = engine(opts);
+        let handle = engine::handle::EngineHandle::spawn(core, max_in_flight);
+        let state = router::AppState::new(cfg);
+        state.set_engine(handle.clone());
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let listener = rt
+            .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+            .unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let st = state.clone();
+        rt.spawn(async move {
+            let _ = router::serve(listener, st, async move {
+                let _ = rx.await;
+            })
+            .await;
+        });
+        TestServer {
+            url,
+            engine: handle,
+            state,
+            rt,
+            stop: Some(tx),
+        }
+    }
+
+    /// Waits until the engine holds no KV blocks and runs nothing (or panics after 10 s).
+    pub fn wait_idle(&self) {
+        let t0 = std::time::Instant::now();
+        loop {
+            let s = self.engine.stats();
+            if s.kv_blocks_used == 0
+                && s.running == 0
+                && s.waiting == 0
+                && self.engine.in_flight() == 0
+            {
+                return;
+            }
+            assert!(
+                t0.elapsed().as_secs() < 10,
+                "engine not idle: {s:?}, in flight {}",
+                self.engine.in_flight()
+            );
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+    }
+}
+
+impl Drop for TestServer {
+    fn drop(&mut self) {
+        if let Some(tx) = self.stop.take() {
+            let _ = tx.send(());
+        }
+        self.engine.shutdown();
+    }
+}
+
+/// A Python with the official `openai` SDK, installed once into a venv under the
+/// target directory (the test setup; CI needs only python3 and PyPI access).
+pub fn python_with_openai() -> PathBuf {
+    const OPENAI: &str = "openai==3.57.0";
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/py-openai");
+    let py = dir.join("bin/python");
+    let marker = dir.join(format!(".installed-{OPENAI}"));
+    std::fs::create_dir_all(dir.parent().unwrap()).unwrap();
+    let lock = std::fs::File::create(dir.with_extension("lock")).unwrap();
+    lock.lock().unwrap();
+    if !marker.exists() {
+        let run = |cmd: &mut std::process::Command| {
+            let st = cmd.status().expect("python3 runs");
+            assert!(st.success(), "{cmd:?} failed");
+        };
+        run(std::process::Command::new("python3")
+            .args(["-m", "venv"])
+            .arg(&dir));
+        run(std::process::Command::new(&py).args([
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--disable-pip-version-check",
+            OPENAI,
+        ]));
+        std::fs::write(&marker, "").unwrap();
+    }
+    py
 }
