@@ -27,6 +27,9 @@ pub struct ServeArgs {
     /// Requests accepted at once (queued or running); more get 429.
     #[arg(long, default_value_t = 1024)]
     pub max_in_flight: usize,
+    /// Also serve the gRPC API (disagg.v1.Inference + grpc.health.v1) on this port.
+    #[arg(long)]
+    pub grpc_port: Option<u16>,
     /// Largest request body, in MiB.
     #[arg(long, default_value_t = 4)]
     pub max_body_mib: usize,
@@ -66,6 +69,13 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
         let state = AppState::new(cfg);
         // Listen first so /health can say "loading" while the model loads.
         let server = tokio::spawn(router::serve(listener, state.clone(), shutdown_signal()));
+        if let Some(port) = a.grpc_port {
+            let gl = tokio::net::TcpListener::bind((a.host.as_str(), port)).await.map_err(|e| {
+                anyhow::anyhow!("cannot listen on {}:{port} for gRPC: {e}; choose another --grpc-port", a.host)
+            })?;
+            println!("disagg gRPC at {}", gl.local_addr()?);
+            tokio::spawn(router::grpc::serve(gl, state.clone(), shutdown_signal()));
+        }
         let core = tokio::task::spawn_blocking(move || cpu_engine(&opts)).await??;
         tracing::info!(backend = %core.backend().describe(), blocks = core.cfg.n_blocks, "engine ready");
         state.set_engine(EngineHandle::spawn(core, a.max_in_flight));

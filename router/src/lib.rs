@@ -9,6 +9,7 @@
 //! Every error is OpenAI's JSON error shape (see [`error`]).
 
 pub mod error;
+pub mod grpc;
 mod handlers;
 pub mod metrics;
 pub mod openai;

@@ -118,6 +118,20 @@ impl TestServer {
         }
     }
 
+    /// Starts the gRPC service beside the HTTP one; returns its `http://` address.
+    pub fn start_grpc(&self) -> String {
+        let listener = self
+            .rt
+            .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+            .unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let st = self.state.clone();
+        self.rt.spawn(async move {
+            let _ = router::grpc::serve(listener, st, std::future::pending()).await;
+        });
+        url
+    }
+
     /// Waits until the engine holds no KV blocks and runs nothing (or panics after 10 s).
     pub fn wait_idle(&self) {
         let t0 = std::time::Instant::now();

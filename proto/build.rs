@@ -1,0 +1,11 @@
+// Compiles proto/ with protox (a pure-Rust protobuf compiler), so building needs no
+// system protoc.
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let files = ["proto/disagg/v1/inference.proto"];
+    for f in files {
+        println!("cargo:rerun-if-changed={f}");
+    }
+    let fds = protox::compile(files, ["proto"])?;
+    tonic_prost_build::configure().compile_fds(fds)?;
+    Ok(())
+}
