@@ -15,6 +15,9 @@ use crate::EngineArgs;
 pub enum BenchCmd {
     /// Engine throughput: prefill of one prompt, decode at several batch sizes.
     Engine(EngineBenchArgs),
+    /// Gateway overhead: the same streaming load through HTTP and straight into the
+    /// engine, at several concurrency levels.
+    Serve(crate::bench_serve::ServeBenchArgs),
 }
 
 #[derive(Args, Debug)]
@@ -41,10 +44,11 @@ pub struct EngineBenchArgs {
 pub fn run(cmd: BenchCmd) -> anyhow::Result<()> {
     match cmd {
         BenchCmd::Engine(a) => engine_bench(a),
+        BenchCmd::Serve(a) => crate::bench_serve::run(a),
     }
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
+pub fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
     v[v.len() / 2]
 }
@@ -67,27 +71,16 @@ fn engine_bench(a: EngineBenchArgs) -> anyhow::Result<()> {
     let mut opts = a.engine.options()?;
     let max_batch = a.batch.iter().copied().max().unwrap_or(1);
     opts.max_num_seqs = opts.max_num_seqs.max(max_batch);
-    opts.max_batched_tokens = opts
-        .max_batched_tokens
-        .max(a.prompt_tokens)
-        .max(opts.max_num_seqs);
+    opts.max_batched_tokens = opts.max_batched_tokens.max(a.prompt_tokens).max(opts.max_num_seqs);
     let t_load = Instant::now();
     let mut core = cpu_engine(&opts)?;
     let load_s = t_load.elapsed().as_secs_f64();
     let vocab = core.model.cfg.vocab;
     let mut next_id = 0u64;
-    let greedy = |n: usize| SamplingParams {
-        max_tokens: Some(n),
-        ignore_eos: true,
-        ..SamplingParams::greedy()
-    };
+    let greedy = |n: usize| SamplingParams { max_tokens: Some(n), ignore_eos: true, ..SamplingParams::greedy() };
 
     // Warm up caches, page in weights, start the threads.
-    run_batch(
-        &mut core,
-        &mut next_id,
-        vec![(prompt(64, 99, vocab), greedy(8))],
-    )?;
+    run_batch(&mut core, &mut next_id, vec![(prompt(64, 99, vocab), greedy(8))])?;
 
     // Prefill: one prompt of `prompt_tokens` in one step; time that step.
     let mut prefill = Vec::new();
@@ -102,14 +95,8 @@ fn engine_bench(a: EngineBenchArgs) -> anyhow::Result<()> {
         let mut rates = Vec::new();
         let mut step_ms = Vec::new();
         for r in 0..a.repeat {
-            let reqs = (0..b)
-                .map(|i| {
-                    (
-                        prompt(8, 1000 + (r * b + i) as u64, vocab),
-                        greedy(a.gen_tokens + 1),
-                    )
-                })
-                .collect();
+            let reqs =
+                (0..b).map(|i| (prompt(8, 1000 + (r * b + i) as u64, vocab), greedy(a.gen_tokens + 1))).collect();
             let t = run_batch(&mut core, &mut next_id, reqs)?;
             rates.push((b * a.gen_tokens) as f64 / t.decode_s);
             step_ms.push(t.decode_s * 1e3 / a.gen_tokens as f64);
@@ -121,10 +108,7 @@ fn engine_bench(a: EngineBenchArgs) -> anyhow::Result<()> {
         }));
     }
     let w_bytes = core.model.weight_bytes as f64;
-    let b1 = decode
-        .iter()
-        .find(|d| d["batch"] == 1)
-        .map(|d| d["ms_per_step"].as_f64().unwrap_or(0.0));
+    let b1 = decode.iter().find(|d| d["batch"] == 1).map(|d| d["ms_per_step"].as_f64().unwrap_or(0.0));
     let out = json!({
         "bench": "engine",
         "model": core.model.cfg.name,
@@ -172,8 +156,5 @@ fn run_batch<B: Backend>(
             t_decode = Instant::now();
         }
     }
-    Ok(Timing {
-        first_step_s: first_step_s.unwrap_or(0.0),
-        decode_s: t_decode.elapsed().as_secs_f64(),
-    })
+    Ok(Timing { first_step_s: first_step_s.unwrap_or(0.0), decode_s: t_decode.elapsed().as_secs_f64() })
 }

@@ -14,11 +14,7 @@ pub struct GenerateArgs {
     #[command(flatten)]
     engine: EngineArgs,
     /// The prompt text.
-    #[arg(
-        long,
-        conflicts_with = "prompt_ids",
-        required_unless_present = "prompt_ids"
-    )]
+    #[arg(long, conflicts_with = "prompt_ids", required_unless_present = "prompt_ids")]
     prompt: Option<String>,
     /// The prompt as comma-separated token ids.
     #[arg(long, value_delimiter = ',')]
@@ -88,24 +84,16 @@ pub fn run(a: GenerateArgs) -> anyhow::Result<()> {
         skip_special_tokens: true,
     };
     let mut core = cpu_engine(&opts)?;
-    params
-        .validate(core.model.cfg.vocab)
-        .map_err(|e| anyhow::anyhow!("{e} (check the sampling flags)"))?;
+    params.validate(core.model.cfg.vocab).map_err(|e| anyhow::anyhow!("{e} (check the sampling flags)"))?;
     let tok = core.tokenizer.clone();
     let prompt_ids = match (&a.prompt, &a.prompt_ids) {
         (_, Some(ids)) => ids.clone(),
         (Some(text), None) if a.chat => {
             let mut messages = Vec::new();
             if let Some(s) = &a.system {
-                messages.push(ChatMessage {
-                    role: "system".into(),
-                    content: s.clone(),
-                });
+                messages.push(ChatMessage { role: "system".into(), content: s.clone() });
             }
-            messages.push(ChatMessage {
-                role: "user".into(),
-                content: text.clone(),
-            });
+            messages.push(ChatMessage { role: "user".into(), content: text.clone() });
             tok.encode(&tok.apply_chat_template(&messages, true)?)?
         }
         (Some(text), None) => tok.encode_prompt(text)?,

@@ -3,6 +3,7 @@
 #![forbid(unsafe_code)]
 
 mod bench;
+mod bench_serve;
 mod generate;
 mod serve;
 
@@ -11,11 +12,7 @@ use engine::load::EngineOptions;
 use kernels::KvDtype;
 
 #[derive(Parser)]
-#[command(
-    name = "disagg",
-    version,
-    about = "A prefill/decode disaggregated LLM serving cluster"
-)]
+#[command(name = "disagg", version, about = "A prefill/decode disaggregated LLM serving cluster")]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -75,9 +72,8 @@ impl EngineArgs {
                 self.device
             );
         }
-        let kv_dtype = KvDtype::parse(&self.kv_dtype).ok_or_else(|| {
-            anyhow::anyhow!("--kv-dtype must be f16 or f32, got '{}'", self.kv_dtype)
-        })?;
+        let kv_dtype = KvDtype::parse(&self.kv_dtype)
+            .ok_or_else(|| anyhow::anyhow!("--kv-dtype must be f16 or f32, got '{}'", self.kv_dtype))?;
         let o = EngineOptions {
             model: self.model.clone(),
             threads: self.threads,

@@ -38,10 +38,7 @@ pub struct ServeArgs {
 pub fn init_logging() {
     let filter = tracing_subscriber::EnvFilter::try_from_env(kernels::env::LOG)
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .try_init();
+    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
 }
 
 pub fn run(a: ServeArgs) -> anyhow::Result<()> {
@@ -51,20 +48,16 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
         anyhow::bail!("--max-in-flight must be at least 1");
     }
     let cfg = GatewayConfig {
-        served_model_name: a
-            .served_model_name
-            .clone()
-            .unwrap_or_else(|| opts.model.clone()),
+        served_model_name: a.served_model_name.clone().unwrap_or_else(|| opts.model.clone()),
         api_key: a.api_key.clone().filter(|k| !k.is_empty()),
         max_body_bytes: a.max_body_mib.max(1) << 20,
+        ..GatewayConfig::default()
     };
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()?;
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     rt.block_on(async move {
-        let listener = tokio::net::TcpListener::bind((a.host.as_str(), a.port))
-            .await
-            .map_err(|e| anyhow::anyhow!("cannot listen on {}:{}: {e}; choose another --port or --host", a.host, a.port))?;
+        let listener = tokio::net::TcpListener::bind((a.host.as_str(), a.port)).await.map_err(|e| {
+            anyhow::anyhow!("cannot listen on {}:{}: {e}; choose another --port or --host", a.host, a.port)
+        })?;
         let addr = listener.local_addr()?;
         let state = AppState::new(cfg);
         // Listen first so /health can say "loading" while the model loads.
@@ -90,8 +83,8 @@ async fn shutdown_signal() {
     let ctrl_c = tokio::signal::ctrl_c();
     #[cfg(unix)]
     {
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-            .expect("SIGTERM handler");
+        let mut term =
+            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("SIGTERM handler");
         tokio::select! {
             _ = ctrl_c => {},
             _ = term.recv() => {},

@@ -4,11 +4,7 @@
 use std::process::Command;
 
 fn disagg(args: &[&str]) -> (i32, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_disagg"))
-        .args(args)
-        .env("DISAGG_THREADS", "1")
-        .output()
-        .expect("runs");
+    let out = Command::new(env!("CARGO_BIN_EXE_disagg")).args(args).env("DISAGG_THREADS", "1").output().expect("runs");
     (
         out.status.code().unwrap_or(-1),
         String::from_utf8_lossy(&out.stdout).into(),
@@ -18,20 +14,10 @@ fn disagg(args: &[&str]) -> (i32, String, String) {
 
 #[test]
 fn generate_json_has_the_contract_fields() {
-    let (code, out, err) = disagg(&[
-        "generate",
-        "--prompt",
-        "The capital of France is",
-        "--max-tokens",
-        "8",
-        "--json",
-    ]);
+    let (code, out, err) = disagg(&["generate", "--prompt", "The capital of France is", "--max-tokens", "8", "--json"]);
     assert_eq!(code, 0, "{err}");
     let v: serde_json::Value = serde_json::from_str(out.trim()).expect("one JSON object");
-    assert_eq!(
-        v["prompt_ids"],
-        serde_json::json!([504, 3575, 282, 4649, 314])
-    );
+    assert_eq!(v["prompt_ids"], serde_json::json!([504, 3575, 282, 4649, 314]));
     assert_eq!(v["output_ids"].as_array().unwrap().len(), 8);
     assert!(v["text"].as_str().unwrap().starts_with(" Paris"), "{v}");
     assert_eq!(v["finish_reason"], "length");
@@ -58,15 +44,7 @@ fn generate_json_has_the_contract_fields() {
 
 #[test]
 fn chat_prompts_use_the_template() {
-    let (code, out, err) = disagg(&[
-        "generate",
-        "--chat",
-        "--prompt",
-        "What is 2+2?",
-        "--max-tokens",
-        "32",
-        "--json",
-    ]);
+    let (code, out, err) = disagg(&["generate", "--chat", "--prompt", "What is 2+2?", "--max-tokens", "32", "--json"]);
     assert_eq!(code, 0, "{err}");
     let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
     // <|im_start|>system … <|im_start|>assistant\n
@@ -78,63 +56,19 @@ fn chat_prompts_use_the_template() {
 #[test]
 fn bad_flags_say_what_to_change() {
     let cases: &[(&[&str], &str)] = &[
-        (
-            &["generate", "--prompt", "x", "--temperature", "-1"],
-            "temperature",
-        ),
+        (&["generate", "--prompt", "x", "--temperature", "-1"], "temperature"),
         (&["generate", "--prompt", "x", "--top-p", "0"], "top_p"),
-        (
-            &[
-                "generate",
-                "--prompt",
-                "x",
-                "--model",
-                "/no/such/model.gguf",
-            ],
-            "not found",
-        ),
-        (
-            &["generate", "--prompt", "x", "--device", "cuda:0"],
-            "--device",
-        ),
-        (
-            &["generate", "--prompt", "x", "--kv-dtype", "int3"],
-            "--kv-dtype",
-        ),
-        (
-            &[
-                "generate",
-                "--prompt",
-                "x",
-                "--max-batched-tokens",
-                "4",
-                "--max-num-seqs",
-                "8",
-            ],
-            "--max-batched-tokens",
-        ),
-        (
-            &[
-                "generate",
-                "--prompt-ids",
-                "1,2,999999",
-                "--max-tokens",
-                "2",
-            ],
-            "out of range",
-        ),
-        (
-            &["generate", "--prompt", "x", "--max-tokens", "100000"],
-            "max_tokens",
-        ),
+        (&["generate", "--prompt", "x", "--model", "/no/such/model.gguf"], "not found"),
+        (&["generate", "--prompt", "x", "--device", "cuda:0"], "--device"),
+        (&["generate", "--prompt", "x", "--kv-dtype", "int3"], "--kv-dtype"),
+        (&["generate", "--prompt", "x", "--max-batched-tokens", "4", "--max-num-seqs", "8"], "--max-batched-tokens"),
+        (&["generate", "--prompt-ids", "1,2,999999", "--max-tokens", "2"], "out of range"),
+        (&["generate", "--prompt", "x", "--max-tokens", "100000"], "max_tokens"),
     ];
     for (args, needle) in cases {
         let (code, _, err) = disagg(args);
         assert_eq!(code, 1, "{args:?} should fail");
-        assert!(
-            err.contains(needle),
-            "{args:?}: {err:?} should mention {needle}"
-        );
+        assert!(err.contains(needle), "{args:?}: {err:?} should mention {needle}");
         assert!(!err.contains("panicked"), "{args:?}: {err}");
     }
 }

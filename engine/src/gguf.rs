@@ -122,9 +122,7 @@ impl<R: Read> Reader<R> {
 
     fn bytes<const N: usize>(&mut self) -> Result<[u8; N], EngineError> {
         let mut b = [0u8; N];
-        self.r
-            .read_exact(&mut b)
-            .map_err(|_| self.err("unexpected end of file"))?;
+        self.r.read_exact(&mut b).map_err(|_| self.err("unexpected end of file"))?;
         self.pos += N as u64;
         Ok(b)
     }
@@ -149,9 +147,7 @@ impl<R: Read> Reader<R> {
     fn string(&mut self) -> Result<String, EngineError> {
         let n = self.len(1)?;
         let mut b = vec![0u8; n];
-        self.r
-            .read_exact(&mut b)
-            .map_err(|_| self.err("unexpected end of file"))?;
+        self.r.read_exact(&mut b).map_err(|_| self.err("unexpected end of file"))?;
         self.pos += n as u64;
         String::from_utf8(b).map_err(|_| self.err("a string is not valid UTF-8"))
     }
@@ -189,24 +185,16 @@ impl<R: Read> Reader<R> {
 
 impl Gguf {
     pub fn open(path: &Path) -> Result<Gguf, EngineError> {
-        let file = File::open(path).map_err(|e| {
-            EngineError::Model(format!("cannot open model file {}: {e}", path.display()))
-        })?;
+        let file = File::open(path)
+            .map_err(|e| EngineError::Model(format!("cannot open model file {}: {e}", path.display())))?;
         let len = file.metadata().map(|m| m.len()).unwrap_or(0);
-        let mut r = Reader {
-            r: BufReader::with_capacity(1 << 20, file),
-            pos: 0,
-            len,
-            path: path.to_path_buf(),
-        };
+        let mut r = Reader { r: BufReader::with_capacity(1 << 20, file), pos: 0, len, path: path.to_path_buf() };
         if r.u32().map_err(|_| r.err("too short"))? != MAGIC {
             return Err(r.err("bad magic (expected \"GGUF\")"));
         }
         let version = r.u32()?;
         if !(2..=3).contains(&version) {
-            return Err(r.err(&format!(
-                "unsupported GGUF version {version} (supported: 2, 3)"
-            )));
+            return Err(r.err(&format!("unsupported GGUF version {version} (supported: 2, 3)")));
         }
         let n_tensors = r.len(8)?;
         let n_kv = r.len(8)?;
@@ -224,32 +212,14 @@ impl Gguf {
             if n_dims == 0 || n_dims > 4 {
                 return Err(r.err(&format!("tensor {name} has {n_dims} dimensions")));
             }
-            let dims = (0..n_dims)
-                .map(|_| r.u64())
-                .collect::<Result<Vec<_>, _>>()?;
+            let dims = (0..n_dims).map(|_| r.u64()).collect::<Result<Vec<_>, _>>()?;
             let type_id = r.u32()?;
             let offset = r.u64()?;
-            tensors.push(TensorInfo {
-                name,
-                dims,
-                type_id,
-                offset,
-            });
+            tensors.push(TensorInfo { name, dims, type_id, offset });
         }
-        let alignment = metadata
-            .get("general.alignment")
-            .and_then(Value::as_u64)
-            .unwrap_or(32)
-            .max(1);
+        let alignment = metadata.get("general.alignment").and_then(Value::as_u64).unwrap_or(32).max(1);
         let data_start = r.pos.div_ceil(alignment) * alignment;
-        let g = Gguf {
-            path: path.to_path_buf(),
-            version,
-            metadata,
-            tensors,
-            data_start,
-            file_len: len,
-        };
+        let g = Gguf { path: path.to_path_buf(), version, metadata, tensors, data_start, file_len: len };
         for t in &g.tensors {
             let end = g.tensor_range(t).map(|(_, e)| e);
             match end {
@@ -279,10 +249,7 @@ impl Gguf {
         let ty = GgmlType::from_id(t.type_id).map_err(|name| unsupported_type(&t.name, &name))?;
         let n = t.n_elements();
         if !n.is_multiple_of(ty.block_len() as u64) {
-            return Err(EngineError::Model(format!(
-                "tensor {} has a size that is not whole blocks",
-                t.name
-            )));
+            return Err(EngineError::Model(format!("tensor {} has a size that is not whole blocks", t.name)));
         }
         let bytes = n / ty.block_len() as u64 * ty.block_bytes() as u64;
         let start = self.data_start + t.offset;
@@ -294,18 +261,13 @@ impl Gguf {
         let ty = GgmlType::from_id(t.type_id).map_err(|name| unsupported_type(&t.name, &name))?;
         let (start, end) = self.tensor_range(t)?;
         if end > self.file_len {
-            return Err(EngineError::Model(format!(
-                "tensor {} runs past the end of the file",
-                t.name
-            )));
+            return Err(EngineError::Model(format!("tensor {} runs past the end of the file", t.name)));
         }
         let mut f = File::open(&self.path)
             .map_err(|e| EngineError::Model(format!("cannot open {}: {e}", self.path.display())))?;
-        f.seek(SeekFrom::Start(start))
-            .map_err(|e| EngineError::Model(format!("seek failed: {e}")))?;
+        f.seek(SeekFrom::Start(start)).map_err(|e| EngineError::Model(format!("seek failed: {e}")))?;
         let mut buf = vec![0u8; (end - start) as usize];
-        f.read_exact(&mut buf)
-            .map_err(|e| EngineError::Model(format!("reading tensor {} failed: {e}", t.name)))?;
+        f.read_exact(&mut buf).map_err(|e| EngineError::Model(format!("reading tensor {} failed: {e}", t.name)))?;
         Ok((ty, buf))
     }
 

@@ -33,12 +33,7 @@ pub struct StreamItem {
 }
 
 enum Command {
-    Add {
-        id: RequestId,
-        prompt: Vec<u32>,
-        params: SamplingParams,
-        tx: UnboundedSender<StreamItem>,
-    },
+    Add { id: RequestId, prompt: Vec<u32>, params: SamplingParams, tx: UnboundedSender<StreamItem> },
     Abort(RequestId),
     Shutdown,
 }
@@ -102,14 +97,8 @@ impl EngineHandle {
 
     /// Submits a request. The returned stream yields its outputs; dropping it early
     /// cancels the request.
-    pub fn submit(
-        &self,
-        prompt: Vec<u32>,
-        params: SamplingParams,
-    ) -> Result<RequestStream, SubmitError> {
-        self.limits
-            .validate(&prompt, &params)
-            .map_err(SubmitError::Invalid)?;
+    pub fn submit(&self, prompt: Vec<u32>, params: SamplingParams) -> Result<RequestStream, SubmitError> {
+        self.limits.validate(&prompt, &params).map_err(SubmitError::Invalid)?;
         let n = self.shared.in_flight.fetch_add(1, Ordering::SeqCst);
         if n >= self.max_in_flight {
             self.shared.in_flight.fetch_sub(1, Ordering::SeqCst);
@@ -117,34 +106,15 @@ impl EngineHandle {
         }
         let id = self.shared.next_id.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = unbounded_channel();
-        if self
-            .tx
-            .send(Command::Add {
-                id,
-                prompt,
-                params,
-                tx,
-            })
-            .is_err()
-        {
+        if self.tx.send(Command::Add { id, prompt, params, tx }).is_err() {
             self.shared.in_flight.fetch_sub(1, Ordering::SeqCst);
             return Err(SubmitError::Stopped);
         }
-        Ok(RequestStream {
-            id,
-            rx,
-            tx: self.tx.clone(),
-            shared: self.shared.clone(),
-            finished: false,
-        })
+        Ok(RequestStream { id, rx, tx: self.tx.clone(), shared: self.shared.clone(), finished: false })
     }
 
     pub fn stats(&self) -> EngineStats {
-        self.shared
-            .stats
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
+        self.shared.stats.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
     /// Requests accepted and not yet finished or cancelled.
@@ -235,12 +205,7 @@ fn engine_loop<B: Backend>(mut core: EngineCore<B>, rx: Receiver<Command>, share
         };
         while let Some(cmd) = first.take().or_else(|| rx.try_recv().ok()) {
             match cmd {
-                Command::Add {
-                    id,
-                    prompt,
-                    params,
-                    tx,
-                } => match core.add_request(id, prompt, params) {
+                Command::Add { id, prompt, params, tx } => match core.add_request(id, prompt, params) {
                     Ok(()) => {
                         senders.insert(id, tx);
                     }
@@ -267,9 +232,7 @@ fn engine_loop<B: Backend>(mut core: EngineCore<B>, rx: Receiver<Command>, share
             for out in outs {
                 let id = out.id;
                 let done = out.finish.is_some();
-                let delivered = senders
-                    .get(&id)
-                    .is_some_and(|tx| tx.send(StreamItem { out, at }).is_ok());
+                let delivered = senders.get(&id).is_some_and(|tx| tx.send(StreamItem { out, at }).is_ok());
                 if !delivered {
                     // The client is gone: stop spending compute and KV on it.
                     core.abort(id);

@@ -18,11 +18,7 @@ pub struct BlockAllocator {
 impl BlockAllocator {
     pub fn new(n_blocks: usize) -> Self {
         // Hand out low ids first (reversed stack).
-        Self {
-            n_blocks,
-            free: (0..n_blocks as u32).rev().collect(),
-            held: vec![false; n_blocks],
-        }
+        Self { n_blocks, free: (0..n_blocks as u32).rev().collect(), held: vec![false; n_blocks] }
     }
 
     pub fn n_blocks(&self) -> usize {

@@ -55,10 +55,7 @@ impl EngineOptions {
     pub fn validate(&self) -> Result<(), EngineError> {
         let bad = |m: String| Err(EngineError::InvalidRequest(m));
         if self.block_size == 0 || self.block_size > 1024 {
-            return bad(format!(
-                "--block-size must be between 1 and 1024, got {}",
-                self.block_size
-            ));
+            return bad(format!("--block-size must be between 1 and 1024, got {}", self.block_size));
         }
         if self.max_num_seqs == 0 {
             return bad("--max-num-seqs must be at least 1".into());
@@ -83,11 +80,7 @@ impl EngineOptions {
             .ok()
             .and_then(|v| v.parse().ok())
             .filter(|n| *n > 0)
-            .unwrap_or_else(|| {
-                std::thread::available_parallelism()
-                    .map(|n| n.get())
-                    .unwrap_or(1)
-            })
+            .unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1))
     }
 }
 
@@ -127,26 +120,21 @@ pub fn load_model<B: Backend>(
     source: &ModelSource,
     matrix_bytes: impl Fn(&B::Linear) -> usize,
 ) -> Result<(Model<B>, Tokenizer), EngineError> {
-    let (cfg, tokenizer, weights): (ModelConfig, Tokenizer, Box<dyn WeightSource + '_>) =
-        match source {
-            ModelSource::Gguf(g) => {
-                let tok = if g.path.with_file_name("tokenizer.json").exists() {
-                    Tokenizer::from_hf_dir(g.path.parent().unwrap_or(Path::new(".")))?
-                } else {
-                    Tokenizer::from_gguf(g)?
-                };
-                (ModelConfig::from_gguf(g)?, tok, Box::new(GgufRef(g)))
-            }
-            ModelSource::HfDir(dir) => {
-                let text = std::fs::read_to_string(dir.join("config.json"))
-                    .map_err(|e| EngineError::Model(format!("cannot read config.json: {e}")))?;
-                (
-                    ModelConfig::from_hf_json(&text)?,
-                    Tokenizer::from_hf_dir(dir)?,
-                    Box::new(SafetensorsSource::open(dir)?),
-                )
-            }
-        };
+    let (cfg, tokenizer, weights): (ModelConfig, Tokenizer, Box<dyn WeightSource + '_>) = match source {
+        ModelSource::Gguf(g) => {
+            let tok = if g.path.with_file_name("tokenizer.json").exists() {
+                Tokenizer::from_hf_dir(g.path.parent().unwrap_or(Path::new(".")))?
+            } else {
+                Tokenizer::from_gguf(g)?
+            };
+            (ModelConfig::from_gguf(g)?, tok, Box::new(GgufRef(g)))
+        }
+        ModelSource::HfDir(dir) => {
+            let text = std::fs::read_to_string(dir.join("config.json"))
+                .map_err(|e| EngineError::Model(format!("cannot read config.json: {e}")))?;
+            (ModelConfig::from_hf_json(&text)?, Tokenizer::from_hf_dir(dir)?, Box::new(SafetensorsSource::open(dir)?))
+        }
+    };
     if tokenizer.vocab_size() > cfg.vocab {
         return Err(EngineError::Model(format!(
             "the tokenizer has {} tokens but the model only {}; they do not belong together",
@@ -161,10 +149,7 @@ pub fn load_model<B: Backend>(
 struct GgufRef<'a>(&'a Gguf);
 
 impl WeightSource for GgufRef<'_> {
-    fn matrix(
-        &self,
-        name: &str,
-    ) -> Result<(kernels::quant::GgmlType, usize, usize, Vec<u8>), EngineError> {
+    fn matrix(&self, name: &str) -> Result<(kernels::quant::GgmlType, usize, usize, Vec<u8>), EngineError> {
         self.0.matrix(name)
     }
     fn vector(&self, name: &str) -> Result<Vec<f32>, EngineError> {
@@ -178,11 +163,7 @@ impl WeightSource for GgufRef<'_> {
 /// Builds an engine on the CPU backend.
 pub fn cpu_engine(opts: &EngineOptions) -> Result<EngineCore<CpuBackend>, EngineError> {
     opts.validate()?;
-    let backend = CpuBackend::with_options(
-        opts.resolved_threads(),
-        kernels::cpu::Isa::current(),
-        opts.cpu_matmul,
-    );
+    let backend = CpuBackend::with_options(opts.resolved_threads(), kernels::cpu::Isa::current(), opts.cpu_matmul);
     let source = resolve(&opts.model)?;
     let (model, tokenizer) = load_model(&backend, &source, |l| l.n_bytes())?;
     build_engine(backend, model, tokenizer, opts)
@@ -212,14 +193,8 @@ pub fn build_engine<B: Backend>(
             (shape.n_layers * shape.block_bytes_per_layer()) >> 10
         )));
     }
-    let max_model_len = if opts.max_model_len == 0 {
-        c.max_context
-    } else {
-        opts.max_model_len.min(c.max_context)
-    };
-    let kv = backend
-        .kv_cache(shape)
-        .map_err(|e| EngineError::Model(e.to_string()))?;
+    let max_model_len = if opts.max_model_len == 0 { c.max_context } else { opts.max_model_len.min(c.max_context) };
+    let kv = backend.kv_cache(shape).map_err(|e| EngineError::Model(e.to_string()))?;
     let cfg = EngineConfig {
         max_num_seqs: opts.max_num_seqs,
         max_batched_tokens: opts.max_batched_tokens,
@@ -227,11 +202,5 @@ pub fn build_engine<B: Backend>(
         block_size: opts.block_size,
         n_blocks: shape.n_blocks,
     };
-    Ok(EngineCore::new(
-        backend,
-        model,
-        Arc::new(tokenizer),
-        cfg,
-        kv,
-    ))
+    Ok(EngineCore::new(backend, model, Arc::new(tokenizer), cfg, kv))
 }

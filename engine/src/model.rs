@@ -28,10 +28,7 @@ impl WeightSource for Gguf {
     fn matrix(&self, name: &str) -> Result<(GgmlType, usize, usize, Vec<u8>), EngineError> {
         let t = self.tensor(name).ok_or_else(|| missing(name))?;
         if t.dims.len() != 2 {
-            return Err(EngineError::Model(format!(
-                "tensor {name} should be a matrix, has dims {:?}",
-                t.dims
-            )));
+            return Err(EngineError::Model(format!("tensor {name} should be a matrix, has dims {:?}", t.dims)));
         }
         let (cols, rows) = (t.dims[0] as usize, t.dims[1] as usize);
         let (ty, bytes) = self.read_tensor(t)?;
@@ -49,9 +46,7 @@ impl WeightSource for Gguf {
 }
 
 fn missing(name: &str) -> EngineError {
-    EngineError::Model(format!(
-        "the model file has no tensor {name}; is it a complete Llama model?"
-    ))
+    EngineError::Model(format!("the model file has no tensor {name}; is it a complete Llama model?"))
 }
 
 /// Tensors of a Hugging Face directory (all `*.safetensors` files), read into memory.
@@ -68,21 +63,14 @@ impl SafetensorsSource {
             .collect();
         files.sort();
         if files.is_empty() {
-            return Err(EngineError::Model(format!(
-                "{} has no *.safetensors files",
-                dir.display()
-            )));
+            return Err(EngineError::Model(format!("{} has no *.safetensors files", dir.display())));
         }
         let mut tensors = HashMap::new();
         for f in files {
-            let bytes = std::fs::read(&f)
-                .map_err(|e| EngineError::Model(format!("cannot read {}: {e}", f.display())))?;
-            let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| {
-                EngineError::Model(format!(
-                    "{} is not a valid safetensors file: {e}",
-                    f.display()
-                ))
-            })?;
+            let bytes =
+                std::fs::read(&f).map_err(|e| EngineError::Model(format!("cannot read {}: {e}", f.display())))?;
+            let st = safetensors::SafeTensors::deserialize(&bytes)
+                .map_err(|e| EngineError::Model(format!("{} is not a valid safetensors file: {e}", f.display())))?;
             for (name, view) in st.tensors() {
                 let ty = match view.dtype() {
                     safetensors::Dtype::F32 => GgmlType::F32,
@@ -133,9 +121,7 @@ impl WeightSource for SafetensorsSource {
         let hf = Self::hf_name(name);
         let (ty, shape, data) = self.tensors.get(&hf).ok_or_else(|| missing(&hf))?;
         if shape.len() != 2 {
-            return Err(EngineError::Model(format!(
-                "tensor {hf} should be a matrix, has shape {shape:?}"
-            )));
+            return Err(EngineError::Model(format!("tensor {hf} should be a matrix, has shape {shape:?}")));
         }
         Ok((*ty, shape[0], shape[1], data.clone()))
     }
@@ -200,9 +186,7 @@ impl<B: Backend> Model<B> {
     ) -> Result<Self, EngineError> {
         let check = |name: &str, rows: usize, cols: usize, r: usize, c: usize| {
             if (rows, cols) != (r, c) {
-                return Err(EngineError::Model(format!(
-                    "tensor {name} is {rows}x{cols}, the config says {r}x{c}"
-                )));
+                return Err(EngineError::Model(format!("tensor {name} is {rows}x{cols}, the config says {r}x{c}")));
             }
             Ok(())
         };
@@ -215,24 +199,14 @@ impl<B: Backend> Model<B> {
             }
             let parts: Vec<WeightPart> = owned
                 .iter()
-                .map(|(ty, rows, cols, bytes)| WeightPart {
-                    ty: *ty,
-                    rows: *rows,
-                    cols: *cols,
-                    bytes,
-                })
+                .map(|(ty, rows, cols, bytes)| WeightPart { ty: *ty, rows: *rows, cols: *cols, bytes })
                 .collect();
-            backend
-                .linear(&parts)
-                .map_err(|e| EngineError::Model(e.to_string()))
+            backend.linear(&parts).map_err(|e| EngineError::Model(e.to_string()))
         };
         let vector = |name: &str, n: usize| -> Result<B::Vector, EngineError> {
             let v = src.vector(name)?;
             if v.len() != n {
-                return Err(EngineError::Model(format!(
-                    "tensor {name} has {} values, expected {n}",
-                    v.len()
-                )));
+                return Err(EngineError::Model(format!("tensor {name} has {} values, expected {n}", v.len())));
             }
             Ok(backend.vector(&v))
         };
@@ -252,10 +226,7 @@ impl<B: Backend> Model<B> {
                 ])?,
                 attn_out: linear(&[(&n("attn_output.weight"), d, qd)])?,
                 ffn_norm: vector(&n("ffn_norm.weight"), d)?,
-                gate_up: linear(&[
-                    (&n("ffn_gate.weight"), cfg.ffn, d),
-                    (&n("ffn_up.weight"), cfg.ffn, d),
-                ])?,
+                gate_up: linear(&[(&n("ffn_gate.weight"), cfg.ffn, d), (&n("ffn_up.weight"), cfg.ffn, d)])?,
                 down: linear(&[(&n("ffn_down.weight"), d, cfg.ffn)])?,
             };
             weight_bytes += matrix_bytes(&layer.qkv)
@@ -270,31 +241,15 @@ impl<B: Backend> Model<B> {
             None
         };
         weight_bytes += matrix_bytes(output.as_ref().unwrap_or(&embed));
-        let freq_factors = if src.has("rope_freqs.weight") {
-            Some(src.vector("rope_freqs.weight")?)
-        } else {
-            None
-        };
-        let rope = Rope {
-            interleaved: cfg.rope_interleaved,
-            inv_freq: cfg.rope_inv_freq(freq_factors.as_deref()),
-        };
+        let freq_factors = if src.has("rope_freqs.weight") { Some(src.vector("rope_freqs.weight")?) } else { None };
+        let rope = Rope { interleaved: cfg.rope_interleaved, inv_freq: cfg.rope_inv_freq(freq_factors.as_deref()) };
         let attn = AttnShape {
             n_heads: cfg.n_heads,
             n_kv_heads: cfg.n_kv_heads,
             head_dim: hd,
             scale: 1.0 / (hd as f32).sqrt(),
         };
-        Ok(Model {
-            norm: vector("output_norm.weight", d)?,
-            cfg,
-            embed,
-            layers,
-            output,
-            rope,
-            attn,
-            weight_bytes,
-        })
+        Ok(Model { norm: vector("output_norm.weight", d)?, cfg, embed, layers, output, rope, attn, weight_bytes })
     }
 
     pub fn workspace(&self, backend: &B, max_tokens: usize, max_logits: usize) -> Workspace<B> {
@@ -349,13 +304,7 @@ impl<B: Backend> Model<B> {
         }
         be.gather_rows(&ws.x, logit_rows, c.hidden, &mut ws.sel);
         be.rms_norm(&ws.sel, &self.norm, c.rms_eps, m, &mut ws.seln);
-        be.matmul(
-            self.output.as_ref().unwrap_or(&self.embed),
-            &ws.seln,
-            m,
-            &mut ws.logits,
-            false,
-        );
+        be.matmul(self.output.as_ref().unwrap_or(&self.embed), &ws.seln, m, &mut ws.logits, false);
         be.to_host(&ws.logits, &mut logits[..m * c.vocab]);
     }
 }

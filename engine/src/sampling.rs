@@ -74,10 +74,7 @@ impl Default for SamplingParams {
 
 impl SamplingParams {
     pub fn greedy() -> Self {
-        SamplingParams {
-            temperature: 0.0,
-            ..Default::default()
-        }
+        SamplingParams { temperature: 0.0, ..Default::default() }
     }
 
     /// Checks every value; the error names the parameter and the allowed range.
@@ -87,16 +84,10 @@ impl SamplingParams {
             return bad("max_tokens must be at least 1".into());
         }
         if !self.temperature.is_finite() || self.temperature < 0.0 || self.temperature > 100.0 {
-            return bad(format!(
-                "temperature must be between 0 and 100, got {}",
-                self.temperature
-            ));
+            return bad(format!("temperature must be between 0 and 100, got {}", self.temperature));
         }
         if self.top_k < -1 {
-            return bad(format!(
-                "top_k must be -1 or 0 (disabled) or a positive number, got {}",
-                self.top_k
-            ));
+            return bad(format!("top_k must be -1 or 0 (disabled) or a positive number, got {}", self.top_k));
         }
         if !self.top_p.is_finite() || self.top_p <= 0.0 || self.top_p > 1.0 {
             return bad(format!("top_p must be in (0, 1], got {}", self.top_p));
@@ -104,28 +95,17 @@ impl SamplingParams {
         if !self.min_p.is_finite() || !(0.0..=1.0).contains(&self.min_p) {
             return bad(format!("min_p must be in [0, 1], got {}", self.min_p));
         }
-        if !self.repetition_penalty.is_finite()
-            || self.repetition_penalty <= 0.0
-            || self.repetition_penalty > 10.0
-        {
-            return bad(format!(
-                "repetition_penalty must be in (0, 10], got {}",
-                self.repetition_penalty
-            ));
+        if !self.repetition_penalty.is_finite() || self.repetition_penalty <= 0.0 || self.repetition_penalty > 10.0 {
+            return bad(format!("repetition_penalty must be in (0, 10], got {}", self.repetition_penalty));
         }
-        for (name, v) in [
-            ("presence_penalty", self.presence_penalty),
-            ("frequency_penalty", self.frequency_penalty),
-        ] {
+        for (name, v) in [("presence_penalty", self.presence_penalty), ("frequency_penalty", self.frequency_penalty)] {
             if !v.is_finite() || !(-2.0..=2.0).contains(&v) {
                 return bad(format!("{name} must be in [-2, 2], got {v}"));
             }
         }
         if let Some(n) = self.logprobs {
             if n > MAX_LOGPROBS {
-                return bad(format!(
-                    "logprobs (top alternatives) must be at most {MAX_LOGPROBS}, got {n}"
-                ));
+                return bad(format!("logprobs (top alternatives) must be at most {MAX_LOGPROBS}, got {n}"));
             }
         }
         if self.stop.iter().any(|s| s.is_empty()) {
@@ -133,29 +113,20 @@ impl SamplingParams {
         }
         for &id in &self.stop_token_ids {
             if id as usize >= vocab {
-                return bad(format!(
-                    "stop_token_ids: {id} is not a token id (vocabulary size {vocab})"
-                ));
+                return bad(format!("stop_token_ids: {id} is not a token id (vocabulary size {vocab})"));
             }
         }
         for &(id, bias) in &self.logit_bias {
             if id as usize >= vocab {
-                return bad(format!(
-                    "logit_bias: {id} is not a token id (vocabulary size {vocab})"
-                ));
+                return bad(format!("logit_bias: {id} is not a token id (vocabulary size {vocab})"));
             }
             if !bias.is_finite() || !(-100.0..=100.0).contains(&bias) {
-                return bad(format!(
-                    "logit_bias values must be in [-100, 100], got {bias} for token {id}"
-                ));
+                return bad(format!("logit_bias values must be in [-100, 100], got {bias} for token {id}"));
             }
         }
         if let Some(m) = self.max_tokens {
             if self.min_tokens > m {
-                return bad(format!(
-                    "min_tokens ({}) must not exceed max_tokens ({m})",
-                    self.min_tokens
-                ));
+                return bad(format!("min_tokens ({}) must not exceed max_tokens ({m})", self.min_tokens));
             }
         }
         Ok(())
@@ -198,13 +169,7 @@ impl Sampler {
             prompt_tokens.sort_unstable();
             prompt_tokens.dedup();
         }
-        Sampler {
-            rng,
-            counts: HashMap::new(),
-            prompt_tokens,
-            candidates: Vec::new(),
-            raw: Vec::new(),
-        }
+        Sampler { rng, counts: HashMap::new(), prompt_tokens, candidates: Vec::new(), raw: Vec::new() }
     }
 
     /// Picks the next token from `logits` (modified in place). `n_generated` and
@@ -247,11 +212,7 @@ impl Sampler {
                 logits[id as usize] -= p.frequency_penalty * c as f32 + p.presence_penalty;
             }
         }
-        let token = if p.is_greedy() {
-            argmax(logits)
-        } else {
-            self.draw(p, logits)
-        };
+        let token = if p.is_greedy() { argmax(logits) } else { self.draw(p, logits) };
         *self.counts.entry(token).or_insert(0) += 1;
         let lp = raw_lse.map(|lse| TokenLogprob {
             token,
@@ -269,17 +230,12 @@ impl Sampler {
         let c = &mut self.candidates;
         c.clear();
         c.extend(
-            logits
-                .iter()
-                .enumerate()
-                .filter(|(_, l)| **l > f32::NEG_INFINITY)
-                .map(|(i, l)| (i as u32, l * inv_t)),
+            logits.iter().enumerate().filter(|(_, l)| **l > f32::NEG_INFINITY).map(|(i, l)| (i as u32, l * inv_t)),
         );
         if c.is_empty() {
             return argmax(logits);
         }
-        let by_logit_desc =
-            |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+        let by_logit_desc = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
         if p.top_k > 0 && (p.top_k as usize) < c.len() {
             let k = p.top_k as usize;
             c.select_nth_unstable_by(k - 1, by_logit_desc);
@@ -297,8 +253,7 @@ impl Sampler {
             // Most of the mass usually sits in a few hundred tokens: sort those first
             // and fall back to a full sort only when they do not reach `target`.
             let head = 1024.min(c.len());
-            let by_p_desc =
-                |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+            let by_p_desc = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
             if head < c.len() {
                 c.select_nth_unstable_by(head - 1, by_p_desc);
             }

@@ -133,21 +133,12 @@ pub struct EngineCore<B: Backend> {
 }
 
 impl<B: Backend> EngineCore<B> {
-    pub fn new(
-        backend: B,
-        model: Model<B>,
-        tokenizer: Arc<Tokenizer>,
-        cfg: EngineConfig,
-        kv: B::Kv,
-    ) -> Self {
+    pub fn new(backend: B, model: Model<B>, tokenizer: Arc<Tokenizer>, cfg: EngineConfig, kv: B::Kv) -> Self {
         let ws = model.workspace(&backend, cfg.max_batched_tokens, cfg.max_num_seqs);
         let logits = vec![0f32; cfg.max_num_seqs * model.cfg.vocab];
         EngineCore {
             alloc: BlockAllocator::new(cfg.n_blocks),
-            stats: EngineStats {
-                kv_blocks_total: cfg.n_blocks,
-                ..Default::default()
-            },
+            stats: EngineStats { kv_blocks_total: cfg.n_blocks, ..Default::default() },
             model,
             backend,
             kv,
@@ -196,25 +187,12 @@ impl<B: Backend> EngineCore<B> {
     }
 
     /// Queues a request. Nothing is allocated until it is scheduled.
-    pub fn add_request(
-        &mut self,
-        id: RequestId,
-        prompt: Vec<u32>,
-        params: SamplingParams,
-    ) -> Result<(), EngineError> {
+    pub fn add_request(&mut self, id: RequestId, prompt: Vec<u32>, params: SamplingParams) -> Result<(), EngineError> {
         if self.seqs.contains_key(&id) {
-            return Err(EngineError::InvalidRequest(format!(
-                "request id {id} is already in use"
-            )));
+            return Err(EngineError::InvalidRequest(format!("request id {id} is already in use")));
         }
         let max_tokens = self.validate(&prompt, &params)?;
-        let holdback = params
-            .stop
-            .iter()
-            .map(|s| s.len())
-            .max()
-            .unwrap_or(1)
-            .saturating_sub(1);
+        let holdback = params.stop.iter().map(|s| s.len()).max().unwrap_or(1).saturating_sub(1);
         let seq = Sequence {
             id,
             prompt_len: prompt.len(),
@@ -258,35 +236,16 @@ impl<B: Backend> EngineCore<B> {
     /// the token budget) with KV blocks that are returned before this returns. For
     /// tests and diagnostics; call it when no requests are in flight.
     pub fn score(&mut self, prompt: &[u32]) -> Result<Vec<f32>, EngineError> {
-        self.validate(
-            prompt,
-            &SamplingParams {
-                max_tokens: Some(1),
-                ..SamplingParams::greedy()
-            },
-        )?;
+        self.validate(prompt, &SamplingParams { max_tokens: Some(1), ..SamplingParams::greedy() })?;
         let mut table = Vec::new();
-        if !self
-            .alloc
-            .allocate(blocks_for(prompt.len(), self.cfg.block_size), &mut table)
-        {
-            return Err(EngineError::InvalidRequest(
-                "not enough free KV blocks to score this prompt now".into(),
-            ));
+        if !self.alloc.allocate(blocks_for(prompt.len(), self.cfg.block_size), &mut table) {
+            return Err(EngineError::InvalidRequest("not enough free KV blocks to score this prompt now".into()));
         }
         let mut pos = 0;
         while pos < prompt.len() {
             let n = (prompt.len() - pos).min(self.cfg.max_batched_tokens);
-            let spans = [SeqSpan {
-                rows: 0..n,
-                pos0: pos,
-                block_table: &table,
-            }];
-            let batch = StepBatch {
-                n_tokens: n,
-                seqs: &spans,
-                block_size: self.cfg.block_size,
-            };
+            let spans = [SeqSpan { rows: 0..n, pos0: pos, block_table: &table }];
+            let batch = StepBatch { n_tokens: n, seqs: &spans, block_size: self.cfg.block_size };
             let last = pos + n == prompt.len();
             let rows = [n as u32 - 1];
             self.model.forward(
@@ -369,23 +328,14 @@ impl<B: Backend> EngineCore<B> {
         for &(id, n) in &plan {
             let seq = &self.seqs[&id];
             let start = self.step_tokens.len();
-            self.step_tokens
-                .extend_from_slice(&seq.tokens[seq.n_computed..seq.n_computed + n]);
-            spans.push(SeqSpan {
-                rows: start..start + n,
-                pos0: seq.n_computed,
-                block_table: &seq.block_table[..],
-            });
+            self.step_tokens.extend_from_slice(&seq.tokens[seq.n_computed..seq.n_computed + n]);
+            spans.push(SeqSpan { rows: start..start + n, pos0: seq.n_computed, block_table: &seq.block_table[..] });
             if seq.n_computed + n == seq.tokens.len() {
                 self.step_rows.push((start + n - 1) as u32);
                 sampled.push(id);
             }
         }
-        let batch = StepBatch {
-            n_tokens: self.step_tokens.len(),
-            seqs: &spans,
-            block_size: self.cfg.block_size,
-        };
+        let batch = StepBatch { n_tokens: self.step_tokens.len(), seqs: &spans, block_size: self.cfg.block_size };
         self.model.forward(
             &mut self.backend,
             &mut self.ws,
@@ -405,11 +355,7 @@ impl<B: Backend> EngineCore<B> {
         let mut outputs = Vec::with_capacity(sampled.len());
         for (row, id) in sampled.into_iter().enumerate() {
             let logits = &mut self.logits[row * vocab..(row + 1) * vocab];
-            let out = Self::advance(
-                self.seqs.get_mut(&id).expect("exists"),
-                logits,
-                &self.tokenizer,
-            );
+            let out = Self::advance(self.seqs.get_mut(&id).expect("exists"), logits, &self.tokenizer);
             if out.finish.is_some() {
                 self.finish(id);
             }
@@ -427,13 +373,11 @@ impl<B: Backend> EngineCore<B> {
 
     /// Samples the next token of `seq` and turns it into output.
     fn advance(seq: &mut Sequence, logits: &mut [f32], tok: &Tokenizer) -> RequestOutput {
-        let (token, logprob) =
-            seq.sampler
-                .sample(&seq.params, logits, seq.n_generated(), &tok.eos_ids);
+        let (token, logprob) = seq.sampler.sample(&seq.params, logits, seq.n_generated(), &tok.eos_ids);
         seq.tokens.push(token);
         let n_gen = seq.n_generated();
-        let is_end = (!seq.params.ignore_eos && tok.eos_ids.contains(&token))
-            || seq.params.stop_token_ids.contains(&token);
+        let is_end =
+            (!seq.params.ignore_eos && tok.eos_ids.contains(&token)) || seq.params.stop_token_ids.contains(&token);
         let mut finish = None;
         if is_end {
             // End tokens are masked until `min_tokens`, so this is a real end.
@@ -498,9 +442,7 @@ impl Limits {
         params.validate(self.vocab)?;
         let limit = self.max_model_len;
         if prompt.is_empty() {
-            return Err(EngineError::InvalidRequest(
-                "the prompt is empty; send at least one token".into(),
-            ));
+            return Err(EngineError::InvalidRequest("the prompt is empty; send at least one token".into()));
         }
         if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= self.vocab) {
             return Err(EngineError::InvalidRequest(format!(
@@ -586,10 +528,7 @@ pub fn run_to_completion<B: Backend>(
             }
         }
     }
-    Ok(done
-        .into_iter()
-        .map(|c| c.expect("every request finishes"))
-        .collect())
+    Ok(done.into_iter().map(|c| c.expect("every request finishes")).collect())
 }
 
 /// A finished request, as [`run_to_completion`] returns it.

@@ -20,9 +20,7 @@ use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::pre_tokenizers::digits::Digits;
 use tokenizers::pre_tokenizers::sequence::Sequence;
 use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
-use tokenizers::{
-    AddedToken, PreTokenizerWrapper, SplitDelimiterBehavior, Tokenizer as HfTokenizer,
-};
+use tokenizers::{AddedToken, PreTokenizerWrapper, SplitDelimiterBehavior, Tokenizer as HfTokenizer};
 
 use crate::gguf::{Gguf, Value};
 use crate::EngineError;
@@ -32,7 +30,8 @@ const TOKEN_TYPE_CONTROL: u64 = 3;
 const TOKEN_TYPE_USER_DEFINED: u64 = 4;
 
 const LLAMA3_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
-const QWEN2_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+const QWEN2_PATTERN: &str =
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
 /// One chat message. `content` is plain text (the gateway flattens content parts).
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -59,10 +58,7 @@ fn tok_err(e: impl std::fmt::Display) -> EngineError {
 
 impl Tokenizer {
     pub fn from_gguf(g: &Gguf) -> Result<Self, EngineError> {
-        let model = g
-            .get("tokenizer.ggml.model")
-            .and_then(Value::as_str)
-            .unwrap_or("");
+        let model = g.get("tokenizer.ggml.model").and_then(Value::as_str).unwrap_or("");
         if model != "gpt2" {
             return Err(EngineError::Unsupported(format!(
                 "GGUF tokenizer model '{model}' is not supported yet (supported: gpt2-style byte-level BPE); \
@@ -74,11 +70,7 @@ impl Tokenizer {
             .and_then(Value::as_array)
             .ok_or_else(|| tok_err("GGUF metadata has no tokenizer.ggml.tokens"))?
             .iter()
-            .map(|v| {
-                v.as_str()
-                    .map(str::to_string)
-                    .ok_or_else(|| tok_err("a token is not a string"))
-            })
+            .map(|v| v.as_str().map(str::to_string).ok_or_else(|| tok_err("a token is not a string")))
             .collect::<Result<_, _>>()?;
         let types: Vec<u64> = g
             .get("tokenizer.ggml.token_type")
@@ -91,40 +83,21 @@ impl Tokenizer {
             .ok_or_else(|| tok_err("GGUF metadata has no tokenizer.ggml.merges"))?
             .iter()
             .map(|v| {
-                let s = v
-                    .as_str()
-                    .ok_or_else(|| tok_err("a merge is not a string"))?;
-                let (a, b) = s
-                    .split_once(' ')
-                    .ok_or_else(|| tok_err(format!("bad merge '{s}'")))?;
+                let s = v.as_str().ok_or_else(|| tok_err("a merge is not a string"))?;
+                let (a, b) = s.split_once(' ').ok_or_else(|| tok_err(format!("bad merge '{s}'")))?;
                 Ok((a.to_string(), b.to_string()))
             })
             .collect::<Result<_, EngineError>>()?;
-        let vocab: tokenizers::models::bpe::Vocab = tokens
-            .iter()
-            .enumerate()
-            .map(|(i, t)| (t.clone(), i as u32))
-            .collect();
-        let bpe = BPE::builder()
-            .vocab_and_merges(vocab, merges)
-            .build()
-            .map_err(tok_err)?;
+        let vocab: tokenizers::models::bpe::Vocab =
+            tokens.iter().enumerate().map(|(i, t)| (t.clone(), i as u32)).collect();
+        let bpe = BPE::builder().vocab_and_merges(vocab, merges).build().map_err(tok_err)?;
         let mut inner = HfTokenizer::new(bpe);
-        let pre = g
-            .get("tokenizer.ggml.pre")
-            .and_then(Value::as_str)
-            .unwrap_or("default");
-        let byte_level = |use_regex: bool| -> PreTokenizerWrapper {
-            ByteLevel::new(false, true, use_regex).into()
-        };
+        let pre = g.get("tokenizer.ggml.pre").and_then(Value::as_str).unwrap_or("default");
+        let byte_level = |use_regex: bool| -> PreTokenizerWrapper { ByteLevel::new(false, true, use_regex).into() };
         let split = |pattern: &str| -> Result<PreTokenizerWrapper, EngineError> {
-            Ok(Split::new(
-                SplitPattern::Regex(pattern.into()),
-                SplitDelimiterBehavior::Isolated,
-                false,
-            )
-            .map_err(tok_err)?
-            .into())
+            Ok(Split::new(SplitPattern::Regex(pattern.into()), SplitDelimiterBehavior::Isolated, false)
+                .map_err(tok_err)?
+                .into())
         };
         let pre_tokenizer: PreTokenizerWrapper = match pre {
             "default" | "gpt2" | "gpt-2" => byte_level(true),
@@ -156,24 +129,15 @@ impl Tokenizer {
                 eos_ids.push(eot);
             }
         }
-        let text = |i: Option<u32>| {
-            i.and_then(|i| tokens.get(i as usize).cloned())
-                .unwrap_or_default()
-        };
+        let text = |i: Option<u32>| i.and_then(|i| tokens.get(i as usize).cloned()).unwrap_or_default();
         Ok(Tokenizer {
             bos_text: text(bos_id),
             eos_text: text(eos_ids.first().copied()),
             inner,
             bos_id,
             eos_ids,
-            add_bos: g
-                .get("tokenizer.ggml.add_bos_token")
-                .and_then(Value::as_bool)
-                .unwrap_or(false),
-            chat_template: g
-                .get("tokenizer.chat_template")
-                .and_then(Value::as_str)
-                .map(str::to_string),
+            add_bos: g.get("tokenizer.ggml.add_bos_token").and_then(Value::as_bool).unwrap_or(false),
+            chat_template: g.get("tokenizer.chat_template").and_then(Value::as_str).map(str::to_string),
             vocab_size: tokens.len(),
         })
     }
@@ -181,12 +145,8 @@ impl Tokenizer {
     /// From a Hugging Face directory: tokenizer.json, tokenizer_config.json (chat
     /// template, BOS/EOS, add_bos) and generation_config.json (extra EOS ids).
     pub fn from_hf_dir(dir: &Path) -> Result<Self, EngineError> {
-        let inner = HfTokenizer::from_file(dir.join("tokenizer.json")).map_err(|e| {
-            tok_err(format!(
-                "cannot load {}: {e}",
-                dir.join("tokenizer.json").display()
-            ))
-        })?;
+        let inner = HfTokenizer::from_file(dir.join("tokenizer.json"))
+            .map_err(|e| tok_err(format!("cannot load {}: {e}", dir.join("tokenizer.json").display())))?;
         let read_json = |name: &str| -> serde_json::Value {
             std::fs::read_to_string(dir.join(name))
                 .ok()
@@ -199,18 +159,13 @@ impl Tokenizer {
         let token_text = |v: &serde_json::Value| -> Option<String> {
             match v {
                 serde_json::Value::String(s) => Some(s.clone()),
-                serde_json::Value::Object(o) => o
-                    .get("content")
-                    .and_then(|c| c.as_str())
-                    .map(str::to_string),
+                serde_json::Value::Object(o) => o.get("content").and_then(|c| c.as_str()).map(str::to_string),
                 _ => None,
             }
         };
         let bos_text = token_text(&tc["bos_token"]).unwrap_or_default();
         let eos_text = token_text(&tc["eos_token"]).unwrap_or_default();
-        let bos_id = inner
-            .token_to_id(&bos_text)
-            .or_else(|| cfg["bos_token_id"].as_u64().map(|v| v as u32));
+        let bos_id = inner.token_to_id(&bos_text).or_else(|| cfg["bos_token_id"].as_u64().map(|v| v as u32));
         let mut eos_ids: Vec<u32> = inner.token_to_id(&eos_text).into_iter().collect();
         for src in [&gc["eos_token_id"], &cfg["eos_token_id"]] {
             let ids: Vec<u64> = match src {
@@ -246,12 +201,7 @@ impl Tokenizer {
 
     /// Token ids of `text`, special tokens in the text recognised; no BOS added.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, EngineError> {
-        Ok(self
-            .inner
-            .encode_fast(text, false)
-            .map_err(tok_err)?
-            .get_ids()
-            .to_vec())
+        Ok(self.inner.encode_fast(text, false).map_err(tok_err)?.get_ids().to_vec())
     }
 
     /// Token ids of a prompt as the model expects it (BOS first when the model wants it).
@@ -295,35 +245,23 @@ impl Tokenizer {
         add_generation_prompt: bool,
     ) -> Result<String, EngineError> {
         let template = self.chat_template.as_deref().ok_or_else(|| {
-            EngineError::Unsupported(
-                "this model has no chat template; send a plain prompt instead".into(),
-            )
+            EngineError::Unsupported("this model has no chat template; send a plain prompt instead".into())
         })?;
-        render_chat(
-            template,
-            messages,
-            add_generation_prompt,
-            &self.bos_text,
-            &self.eos_text,
-        )
+        render_chat(template, messages, add_generation_prompt, &self.bos_text, &self.eos_text)
     }
 }
 
 /// GPT-2's byte-level alphabet, inverted: printable bytes stand for themselves, the
 /// others were shifted to U+0100 and up in byte order.
 fn byte_level_char_to_byte(c: char) -> Option<u8> {
-    let printable =
-        |b: u32| (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
+    let printable = |b: u32| (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
     let cp = c as u32;
     if cp < 256 && printable(cp) {
         return Some(cp as u8);
     }
     if (256..256 + 68).contains(&cp) {
         let k = cp - 256;
-        return (0..256u32)
-            .filter(|b| !printable(*b))
-            .nth(k as usize)
-            .map(|b| b as u8);
+        return (0..256u32).filter(|b| !printable(*b)).nth(k as usize).map(|b| b as u8);
     }
     None
 }
@@ -342,18 +280,11 @@ pub fn render_chat(
     env.set_trim_blocks(true);
     env.set_lstrip_blocks(true);
     env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-    env.add_function(
-        "raise_exception",
-        |msg: String| -> Result<String, minijinja::Error> {
-            Err(minijinja::Error::new(
-                minijinja::ErrorKind::InvalidOperation,
-                msg,
-            ))
-        },
-    );
-    env.add_template("chat", template).map_err(|e| {
-        EngineError::Model(format!("the model's chat template does not parse: {e}"))
-    })?;
+    env.add_function("raise_exception", |msg: String| -> Result<String, minijinja::Error> {
+        Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
+    });
+    env.add_template("chat", template)
+        .map_err(|e| EngineError::Model(format!("the model's chat template does not parse: {e}")))?;
     let tmpl = env.get_template("chat").expect("just added");
     tmpl.render(minijinja::context! {
         messages => messages,
@@ -361,9 +292,7 @@ pub fn render_chat(
         bos_token => bos_token,
         eos_token => eos_token,
     })
-    .map_err(|e| {
-        EngineError::InvalidRequest(format!("the chat template rejected the messages: {e}"))
-    })
+    .map_err(|e| EngineError::InvalidRequest(format!("the chat template rejected the messages: {e}")))
 }
 
 /// Turns a growing list of output token ids into text deltas, holding back bytes
@@ -378,28 +307,15 @@ pub struct IncrementalDecoder {
 
 impl IncrementalDecoder {
     pub fn new(skip_special: bool) -> Self {
-        Self {
-            skip_special,
-            ..Default::default()
-        }
+        Self { skip_special, ..Default::default() }
     }
 
     /// Adds one token; returns the text it completes (possibly empty).
     pub fn push(&mut self, tok: &Tokenizer, id: u32) -> String {
         self.ids.push(id);
-        let prefix = tok
-            .decode(
-                &self.ids[self.prefix_offset..self.read_offset],
-                self.skip_special,
-            )
-            .unwrap_or_default();
-        let full = tok
-            .decode(&self.ids[self.prefix_offset..], self.skip_special)
-            .unwrap_or_default();
-        if full.len() > prefix.len()
-            && !full.ends_with('\u{FFFD}')
-            && full.is_char_boundary(prefix.len())
-        {
+        let prefix = tok.decode(&self.ids[self.prefix_offset..self.read_offset], self.skip_special).unwrap_or_default();
+        let full = tok.decode(&self.ids[self.prefix_offset..], self.skip_special).unwrap_or_default();
+        if full.len() > prefix.len() && !full.ends_with('\u{FFFD}') && full.is_char_boundary(prefix.len()) {
             let delta = full[prefix.len()..].to_string();
             self.prefix_offset = self.read_offset;
             self.read_offset = self.ids.len();
@@ -412,15 +328,8 @@ impl IncrementalDecoder {
     /// Whatever is still held back (at the end of generation), replacement
     /// characters included.
     pub fn flush(&mut self, tok: &Tokenizer) -> String {
-        let prefix = tok
-            .decode(
-                &self.ids[self.prefix_offset..self.read_offset],
-                self.skip_special,
-            )
-            .unwrap_or_default();
-        let full = tok
-            .decode(&self.ids[self.prefix_offset..], self.skip_special)
-            .unwrap_or_default();
+        let prefix = tok.decode(&self.ids[self.prefix_offset..self.read_offset], self.skip_special).unwrap_or_default();
+        let full = tok.decode(&self.ids[self.prefix_offset..], self.skip_special).unwrap_or_default();
         self.prefix_offset = self.ids.len();
         self.read_offset = self.ids.len();
         if full.len() > prefix.len() && full.is_char_boundary(prefix.len()) {

@@ -10,10 +10,7 @@ use kernels::cpu::{Isa, PackedMatrix, ThreadPool};
 use kernels::quant::GgmlType;
 
 fn main() {
-    let args: Vec<usize> = std::env::args()
-        .skip(1)
-        .map(|a| a.parse().unwrap())
-        .collect();
+    let args: Vec<usize> = std::env::args().skip(1).map(|a| a.parse().unwrap()).collect();
     let threads = args.first().copied().unwrap_or(2);
     let n_tokens = args.get(1).copied().unwrap_or(1);
     let reps = args.get(2).copied().unwrap_or(50);
@@ -22,13 +19,7 @@ fn main() {
     let mut mk = |ty: GgmlType, rows: usize, cols: usize| {
         seed = seed.wrapping_add(1);
         let bytes: Vec<u8> = (0..rows * ty.row_bytes(cols).unwrap())
-            .map(|i| {
-                if i % 20 < 4 {
-                    0x20
-                } else {
-                    (i as u8).wrapping_mul(seed)
-                }
-            })
+            .map(|i| if i % 20 < 4 { 0x20 } else { (i as u8).wrapping_mul(seed) })
             .collect();
         PackedMatrix::from_ggml(ty, rows, cols, &bytes).unwrap()
     };
@@ -42,9 +33,7 @@ fn main() {
     let bytes: usize = mats.iter().map(|m| m.n_bytes()).sum();
     let pool = ThreadPool::new(threads);
     let isa = Isa::current();
-    let x: Vec<f32> = (0..n_tokens * 1536)
-        .map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0)
-        .collect();
+    let x: Vec<f32> = (0..n_tokens * 1536).map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0).collect();
     let mut out = vec![0f32; n_tokens * 49152];
     let mut q8 = Q8Acts::default();
     let mut best = f64::MAX;
@@ -52,23 +41,14 @@ fn main() {
         let t = Instant::now();
         for m in &mats {
             q8.quantize(&pool, isa, &x, n_tokens, m.cols);
-            let input = Input {
-                x: &x,
-                q8: Some(&q8),
-                n_tokens,
-            };
+            let input = Input { x: &x, q8: Some(&q8), n_tokens };
             matmul(
                 &pool,
                 isa,
                 MatmulMode::Q8,
                 m,
                 &input,
-                OutSpec {
-                    out: &mut out,
-                    ld: m.rows,
-                    col0: 0,
-                    accumulate: false,
-                },
+                OutSpec { out: &mut out, ld: m.rows, col0: 0, accumulate: false },
             );
         }
         best = best.min(t.elapsed().as_secs_f64());

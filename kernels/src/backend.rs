@@ -92,8 +92,7 @@ impl StepBatch<'_> {
     /// The KV slot (block × block_size + offset) of position `pos` of sequence `s`.
     #[inline]
     pub fn slot(&self, s: usize, pos: usize) -> usize {
-        self.seqs[s].block_table[pos / self.block_size] as usize * self.block_size
-            + pos % self.block_size
+        self.seqs[s].block_table[pos / self.block_size] as usize * self.block_size + pos % self.block_size
     }
 }
 
@@ -117,23 +116,9 @@ pub trait Backend {
 
     /// `out[t] = table[ids[t]]` (rows of the embedding matrix).
     fn embed(&mut self, table: &Self::Linear, ids: &[u32], out: &mut Self::Act);
-    fn rms_norm(
-        &mut self,
-        x: &Self::Act,
-        w: &Self::Vector,
-        eps: f32,
-        n_tokens: usize,
-        out: &mut Self::Act,
-    );
+    fn rms_norm(&mut self, x: &Self::Act, w: &Self::Vector, eps: f32, n_tokens: usize, out: &mut Self::Act);
     /// `out[t] (+)= W · x[t]` for `n_tokens` rows; `out` rows are `W.rows` wide.
-    fn matmul(
-        &mut self,
-        w: &Self::Linear,
-        x: &Self::Act,
-        n_tokens: usize,
-        out: &mut Self::Act,
-        accumulate: bool,
-    );
+    fn matmul(&mut self, w: &Self::Linear, x: &Self::Act, n_tokens: usize, out: &mut Self::Act, accumulate: bool);
     /// Rotates q and k of each token of the fused `[q|k|v]` rows in place and writes k, v
     /// into the KV cache at the tokens' slots.
     fn rope_write_kv(

@@ -18,7 +18,7 @@ pub const CPU_ISA: &str = "DISAGG_CPU_ISA";
 /// reference).
 pub const CPU_MATMUL: &str = "DISAGG_CPU_MATMUL";
 
-/// Iterations an idle CPU worker thread spins before it sleeps (default 200000).
+/// Iterations an idle CPU worker thread spins before it sleeps (default 2000).
 /// `0` makes workers sleep at once (for A/B of the spin-wait).
 pub const POOL_SPIN: &str = "DISAGG_POOL_SPIN";
 

@@ -78,8 +78,7 @@ impl GgmlType {
 
     /// Bytes of a row of `n` elements, or `None` when `n` is not a whole number of blocks.
     pub fn row_bytes(self, n: usize) -> Option<usize> {
-        n.is_multiple_of(self.block_len())
-            .then(|| n / self.block_len() * self.block_bytes())
+        n.is_multiple_of(self.block_len()).then(|| n / self.block_len() * self.block_bytes())
     }
 }
 
@@ -133,12 +132,7 @@ pub(crate) fn f16_at(bytes: &[u8], at: usize) -> f32 {
 /// follows ggml's definitions.
 pub fn dequantize_row(ty: GgmlType, bytes: &[u8], out: &mut [f32]) {
     let n = out.len();
-    assert_eq!(
-        Some(bytes.len()),
-        ty.row_bytes(n),
-        "row size mismatch for {}",
-        ty.name()
-    );
+    assert_eq!(Some(bytes.len()), ty.row_bytes(n), "row size mismatch for {}", ty.name());
     match ty {
         GgmlType::F32 => {
             for (o, c) in out.iter_mut().zip(bytes.chunks_exact(4)) {
@@ -190,21 +184,13 @@ pub fn dequantize_row(ty: GgmlType, bytes: &[u8], out: &mut [f32]) {
 pub fn quantize_row(ty: GgmlType, src: &[f32]) -> Vec<u8> {
     let mut out = Vec::with_capacity(ty.row_bytes(src.len()).expect("whole blocks"));
     match ty {
-        GgmlType::F32 => src
-            .iter()
-            .for_each(|v| out.extend_from_slice(&v.to_le_bytes())),
-        GgmlType::F16 => src
-            .iter()
-            .for_each(|v| out.extend_from_slice(&f16::from_f32(*v).to_le_bytes())),
-        GgmlType::BF16 => src
-            .iter()
-            .for_each(|v| out.extend_from_slice(&bf16::from_f32(*v).to_le_bytes())),
+        GgmlType::F32 => src.iter().for_each(|v| out.extend_from_slice(&v.to_le_bytes())),
+        GgmlType::F16 => src.iter().for_each(|v| out.extend_from_slice(&f16::from_f32(*v).to_le_bytes())),
+        GgmlType::BF16 => src.iter().for_each(|v| out.extend_from_slice(&bf16::from_f32(*v).to_le_bytes())),
         GgmlType::Q4_0 => {
             for blk in src.chunks_exact(QK) {
                 // ggml: d = max / -8 where max is the value of largest magnitude.
-                let max = blk
-                    .iter()
-                    .fold(0f32, |m, &v| if v.abs() > m.abs() { v } else { m });
+                let max = blk.iter().fold(0f32, |m, &v| if v.abs() > m.abs() { v } else { m });
                 let d = max / -8.0;
                 let id = if d != 0.0 { 1.0 / d } else { 0.0 };
                 out.extend_from_slice(&f16::from_f32(d).to_le_bytes());

@@ -7,22 +7,14 @@ use kernels::quant::{dequantize_row, quantize_row, GgmlType};
 use rand_chacha::ChaCha8Rng;
 use rand_core::{RngCore, SeedableRng};
 
-const TYPES: [GgmlType; 6] = [
-    GgmlType::Q4_0,
-    GgmlType::Q4_1,
-    GgmlType::Q8_0,
-    GgmlType::F32,
-    GgmlType::F16,
-    GgmlType::BF16,
-];
+const TYPES: [GgmlType; 6] =
+    [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::F32, GgmlType::F16, GgmlType::BF16];
 
 fn randn(rng: &mut ChaCha8Rng, n: usize, scale: f32) -> Vec<f32> {
     (0..n)
         .map(|_| {
             // Sum of uniforms: roughly normal, deterministic.
-            let s: f32 = (0..4)
-                .map(|_| (rng.next_u32() as f32 / u32::MAX as f32) - 0.5)
-                .sum();
+            let s: f32 = (0..4).map(|_| (rng.next_u32() as f32 / u32::MAX as f32) - 0.5).sum();
             s * scale
         })
         .collect()
@@ -38,44 +30,17 @@ fn matrix(rng: &mut ChaCha8Rng, ty: GgmlType, rows: usize, cols: usize) -> (Vec<
     let rb = ty.row_bytes(cols).unwrap();
     let mut deq = vec![0f32; rows * cols];
     for r in 0..rows {
-        dequantize_row(
-            ty,
-            &bytes[r * rb..(r + 1) * rb],
-            &mut deq[r * cols..(r + 1) * cols],
-        );
+        dequantize_row(ty, &bytes[r * rb..(r + 1) * rb], &mut deq[r * cols..(r + 1) * cols]);
     }
     (bytes, deq)
 }
 
-fn run(
-    pool: &ThreadPool,
-    isa: Isa,
-    mode: MatmulMode,
-    w: &PackedMatrix,
-    x: &[f32],
-    n_tokens: usize,
-) -> Vec<f32> {
+fn run(pool: &ThreadPool, isa: Isa, mode: MatmulMode, w: &PackedMatrix, x: &[f32], n_tokens: usize) -> Vec<f32> {
     let mut q8 = Q8Acts::default();
     q8.quantize(pool, isa, x, n_tokens, w.cols);
     let mut out = vec![0f32; n_tokens * w.rows];
-    let input = Input {
-        x,
-        q8: Some(&q8),
-        n_tokens,
-    };
-    matmul(
-        pool,
-        isa,
-        mode,
-        w,
-        &input,
-        OutSpec {
-            out: &mut out,
-            ld: w.rows,
-            col0: 0,
-            accumulate: false,
-        },
-    );
+    let input = Input { x, q8: Some(&q8), n_tokens };
+    matmul(pool, isa, mode, w, &input, OutSpec { out: &mut out, ld: w.rows, col0: 0, accumulate: false });
     out
 }
 
@@ -118,10 +83,7 @@ fn isas_agree_bit_for_bit_and_batches_are_invariant() {
                     let one = run(&pool, isa, mode, &w, &x[t * cols..(t + 1) * cols], 1);
                     assert_eq!(
                         one.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-                        got[t * rows..(t + 1) * rows]
-                            .iter()
-                            .map(|v| v.to_bits())
-                            .collect::<Vec<_>>(),
+                        got[t * rows..(t + 1) * rows].iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
                         "{ty:?} {mode:?} {isa:?} token {t} alone differs"
                     );
                 }
@@ -147,9 +109,7 @@ fn results_match_a_double_precision_reference() {
             let xs: Vec<f32> = if mode == MatmulMode::Q8 && ty.is_quantized() {
                 let mut q8 = Q8Acts::default();
                 q8.quantize(&pool, Isa::Scalar, &x, n_tokens, cols);
-                (0..n_tokens * cols)
-                    .map(|i| q8.qs[i] as f32 * q8.d[i / 32])
-                    .collect()
+                (0..n_tokens * cols).map(|i| q8.qs[i] as f32 * q8.d[i / 32]).collect()
             } else {
                 x.clone()
             };
@@ -165,10 +125,7 @@ fn results_match_a_double_precision_reference() {
                     let g = got[t * rows + r] as f64;
                     // f32 accumulation over `cols` terms: error ≲ cols · 2⁻²⁴ · Σ|terms|.
                     let tol = mag * cols as f64 * 6e-8 + 1e-6;
-                    assert!(
-                        (g - want).abs() <= tol,
-                        "{ty:?} {mode:?} t{t} r{r}: {g} vs {want} (tol {tol})"
-                    );
+                    assert!((g - want).abs() <= tol, "{ty:?} {mode:?} t{t} r{r}: {g} vs {want} (tol {tol})");
                 }
             }
         }
@@ -188,31 +145,11 @@ fn accumulate_adds_to_the_output_and_column_offsets_are_respected() {
     q8.quantize(&pool, Isa::current(), &x, n_tokens, cols);
     let ld = 40;
     let mut out = vec![1.0f32; n_tokens * ld];
-    let input = Input {
-        x: &x,
-        q8: Some(&q8),
-        n_tokens,
-    };
-    matmul(
-        &pool,
-        Isa::current(),
-        MatmulMode::Q8,
-        &w,
-        &input,
-        OutSpec {
-            out: &mut out,
-            ld,
-            col0: 8,
-            accumulate: true,
-        },
-    );
+    let input = Input { x: &x, q8: Some(&q8), n_tokens };
+    matmul(&pool, Isa::current(), MatmulMode::Q8, &w, &input, OutSpec { out: &mut out, ld, col0: 8, accumulate: true });
     for t in 0..n_tokens {
         for c in 0..ld {
-            let want = if (8..24).contains(&c) {
-                1.0 + plain[t * rows + c - 8]
-            } else {
-                1.0
-            };
+            let want = if (8..24).contains(&c) { 1.0 + plain[t * rows + c - 8] } else { 1.0 };
             assert_eq!(out[t * ld + c], want, "t{t} c{c}");
         }
     }

@@ -34,10 +34,7 @@ impl ApiError {
     pub fn unsupported(param: &str) -> Self {
         ApiError {
             code: Some("unsupported_parameter"),
-            ..Self::invalid(
-                Some(param.to_string()),
-                format!("the parameter '{param}' is not supported by this server"),
-            )
+            ..Self::invalid(Some(param.to_string()), format!("the parameter '{param}' is not supported by this server"))
         }
     }
 
@@ -64,10 +61,7 @@ impl ApiError {
     pub fn model_not_found(model: &str) -> Self {
         ApiError {
             status: StatusCode::NOT_FOUND,
-            message: format!(
-                "the model '{}' does not exist; GET /v1/models lists the served model",
-                truncate(model)
-            ),
+            message: format!("the model '{}' does not exist; GET /v1/models lists the served model", truncate(model)),
             kind: "invalid_request_error",
             param: Some("model".into()),
             code: Some("model_not_found"),
@@ -155,10 +149,7 @@ impl From<EngineError> for ApiError {
                 let param = m
                     .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
                     .next()
-                    .filter(|w| {
-                        w.contains('_')
-                            || ["temperature", "logprobs", "stop", "prompt", "n"].contains(w)
-                    })
+                    .filter(|w| w.contains('_') || ["temperature", "logprobs", "stop", "prompt", "n"].contains(w))
                     .map(str::to_string);
                 ApiError::invalid(param, m)
             }
@@ -181,11 +172,8 @@ impl From<SubmitError> for ApiError {
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let mut r = (self.status, axum::Json(self.body())).into_response();
-        if self.status == StatusCode::TOO_MANY_REQUESTS
-            || self.status == StatusCode::SERVICE_UNAVAILABLE
-        {
-            r.headers_mut()
-                .insert("retry-after", HeaderValue::from_static("1"));
+        if self.status == StatusCode::TOO_MANY_REQUESTS || self.status == StatusCode::SERVICE_UNAVAILABLE {
+            r.headers_mut().insert("retry-after", HeaderValue::from_static("1"));
         }
         r
     }

@@ -17,9 +17,8 @@ use engine::tokenizer::ChatMessage;
 use futures::Stream;
 use proto::v1::inference_server::{Inference, InferenceServer};
 use proto::v1::{
-    generate_request, tokenize_request, FinishReason, GenerateRequest, GenerateResponse,
-    ModelInfoRequest, ModelInfoResponse, TokenLogprob, TokenizeRequest, TokenizeResponse,
-    TopLogprob, Usage,
+    generate_request, tokenize_request, FinishReason, GenerateRequest, GenerateResponse, ModelInfoRequest,
+    ModelInfoResponse, TokenLogprob, TokenizeRequest, TokenizeResponse, TopLogprob, Usage,
 };
 use subtle::ConstantTimeEq;
 use tonic::{Request, Response, Status};
@@ -52,9 +51,7 @@ impl GrpcService {
                 .and_then(|v| v.to_str().ok())
                 .and_then(|v| v.strip_prefix("Bearer "))
                 .unwrap_or("");
-            let ok: bool = crate::digest(given.as_bytes())
-                .ct_eq(&crate::digest(key.as_bytes()))
-                .into();
+            let ok: bool = crate::digest(given.as_bytes()).ct_eq(&crate::digest(key.as_bytes())).into();
             if !ok {
                 return Err(status(ApiError::unauthorized()));
             }
@@ -67,10 +64,7 @@ impl GrpcService {
         let msgs: Vec<ChatMessage> = messages
             .iter()
             .map(|m| match m.role.as_str() {
-                "system" | "user" | "assistant" => Ok(ChatMessage {
-                    role: m.role.clone(),
-                    content: m.content.clone(),
-                }),
+                "system" | "user" | "assistant" => Ok(ChatMessage { role: m.role.clone(), content: m.content.clone() }),
                 other => Err(Status::invalid_argument(format!(
                     "chat.messages.role '{}' is not one of system, user, assistant",
                     other.chars().take(32).collect::<String>()
@@ -80,9 +74,7 @@ impl GrpcService {
         if msgs.is_empty() {
             return Err(Status::invalid_argument("chat.messages must not be empty"));
         }
-        e.tokenizer
-            .apply_chat_template(&msgs, true)
-            .map_err(|x| status(x.into()))
+        e.tokenizer.apply_chat_template(&msgs, true).map_err(|x| status(x.into()))
     }
 }
 
@@ -133,25 +125,16 @@ impl Inference for GrpcService {
             return Err(status(ApiError::model_not_found(&r.model)));
         }
         let prompt = match r.prompt {
-            Some(generate_request::Prompt::Text(t)) => e
-                .tokenizer
-                .encode_prompt(&t)
-                .map_err(|x| status(x.into()))?,
+            Some(generate_request::Prompt::Text(t)) => e.tokenizer.encode_prompt(&t).map_err(|x| status(x.into()))?,
             Some(generate_request::Prompt::TokenIds(ids)) => ids.ids,
             Some(generate_request::Prompt::Chat(c)) => {
                 let text = self.chat_text(&c.messages)?;
                 e.tokenizer.encode(&text).map_err(|x| status(x.into()))?
             }
-            None => {
-                return Err(Status::invalid_argument(
-                    "prompt: give text, token_ids or chat",
-                ))
-            }
+            None => return Err(Status::invalid_argument("prompt: give text, token_ids or chat")),
         };
         let params = sampling(r.sampling);
-        let mut stream = e
-            .submit(prompt.clone(), params)
-            .map_err(|x: SubmitError| status(x.into()))?;
+        let mut stream = e.submit(prompt.clone(), params).map_err(|x: SubmitError| status(x.into()))?;
         self.state.metrics.prompt_tokens.inc_by(prompt.len() as u64);
         let state = self.state.clone();
         let prompt_len = prompt.len();
@@ -161,21 +144,15 @@ impl Inference for GrpcService {
             while let Some(item) = stream.next().await {
                 let m = &state.metrics;
                 match last {
-                    None => m
-                        .time_to_first_token
-                        .observe(item.at.duration_since(arrival).as_secs_f64()),
-                    Some(p) => m
-                        .inter_token_latency
-                        .observe(item.at.duration_since(p).as_secs_f64()),
+                    None => m.time_to_first_token.observe(item.at.duration_since(arrival).as_secs_f64()),
+                    Some(p) => m.inter_token_latency.observe(item.at.duration_since(p).as_secs_f64()),
                 }
                 last = Some(item.at);
-                m.generation_tokens
-                    .inc_by(item.out.new_token_ids.len() as u64);
+                m.generation_tokens.inc_by(item.out.new_token_ids.len() as u64);
                 let o = item.out;
                 let done = o.finish.is_some();
                 if let Some(f) = &o.finish {
-                    m.e2e_latency
-                        .observe(item.at.duration_since(arrival).as_secs_f64());
+                    m.e2e_latency.observe(item.at.duration_since(arrival).as_secs_f64());
                     m.request_success.with_label_values(&[f.as_str()]).inc();
                 }
                 let resp = GenerateResponse {
@@ -187,14 +164,7 @@ impl Inference for GrpcService {
                         .map(|l| TokenLogprob {
                             token_id: l.token,
                             logprob: l.logprob,
-                            top: l
-                                .top
-                                .into_iter()
-                                .map(|(t, x)| TopLogprob {
-                                    token_id: t,
-                                    logprob: x,
-                                })
-                                .collect(),
+                            top: l.top.into_iter().map(|(t, x)| TopLogprob { token_id: t, logprob: x }).collect(),
                         })
                         .collect(),
                     finish_reason: finish(&o.finish),
@@ -209,36 +179,24 @@ impl Inference for GrpcService {
                     return;
                 }
             }
-            let _ = tx
-                .send(Err(Status::unavailable(
-                    "the engine stopped before the request finished",
-                )))
-                .await;
+            let _ = tx.send(Err(Status::unavailable("the engine stopped before the request finished"))).await;
         });
         Ok(Response::new(out))
     }
 
-    async fn tokenize(
-        &self,
-        req: Request<TokenizeRequest>,
-    ) -> Result<Response<TokenizeResponse>, Status> {
+    async fn tokenize(&self, req: Request<TokenizeRequest>) -> Result<Response<TokenizeResponse>, Status> {
         self.check_auth(&req)?;
         let e = self.state.engine().map_err(status)?;
         let ids = match req.into_inner().input {
             Some(tokenize_request::Input::Text(t)) => e.tokenizer.encode_prompt(&t),
-            Some(tokenize_request::Input::Chat(c)) => {
-                e.tokenizer.encode(&self.chat_text(&c.messages)?)
-            }
+            Some(tokenize_request::Input::Chat(c)) => e.tokenizer.encode(&self.chat_text(&c.messages)?),
             None => return Err(Status::invalid_argument("input: give text or chat")),
         }
         .map_err(|x| status(x.into()))?;
         Ok(Response::new(TokenizeResponse { token_ids: ids }))
     }
 
-    async fn model_info(
-        &self,
-        req: Request<ModelInfoRequest>,
-    ) -> Result<Response<ModelInfoResponse>, Status> {
+    async fn model_info(&self, req: Request<ModelInfoRequest>) -> Result<Response<ModelInfoResponse>, Status> {
         self.check_auth(&req)?;
         let e = self.state.engine().map_err(status)?;
         Ok(Response::new(ModelInfoResponse {
@@ -277,9 +235,7 @@ pub async fn serve(
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<(), tonic::transport::Error> {
     let (reporter, health) = tonic_health::server::health_reporter();
-    reporter
-        .set_not_serving::<InferenceServer<GrpcService>>()
-        .await;
+    reporter.set_not_serving::<InferenceServer<GrpcService>>().await;
     let ready_state = state.clone();
     tokio::spawn(async move {
         while ready_state.engine().is_err() {
@@ -290,9 +246,6 @@ pub async fn serve(
     tonic::transport::Server::builder()
         .add_service(health)
         .add_service(InferenceServer::new(GrpcService { state }))
-        .serve_with_incoming_shutdown(
-            tokio_stream::wrappers::TcpListenerStream::new(listener),
-            shutdown,
-        )
+        .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(listener), shutdown)
         .await
 }

@@ -23,18 +23,13 @@ use rand_core::{OsRng, TryRngCore};
 use serde_json::{json, Value};
 
 use crate::error::ApiError;
-use crate::metrics::Metrics;
-use crate::openai::{
-    self, ChatRequest, CompletionRequest, DetokenizeRequest, Prompt, TokenizeRequest,
-};
+use crate::openai::{self, ChatRequest, CompletionRequest, DetokenizeRequest, Prompt, TokenizeRequest};
 use crate::AppState;
 
 type AppResult = Result<Response, ApiError>;
 
 async fn read_body(s: &AppState, body: Body) -> Result<Bytes, ApiError> {
-    axum::body::to_bytes(body, s.cfg.max_body_bytes)
-        .await
-        .map_err(|_| ApiError::too_large(s.cfg.max_body_bytes))
+    axum::body::to_bytes(body, s.cfg.max_body_bytes).await.map_err(|_| ApiError::too_large(s.cfg.max_body_bytes))
 }
 
 fn check_model(s: &AppState, model: Option<&str>) -> Result<(), ApiError> {
@@ -47,17 +42,11 @@ fn check_model(s: &AppState, model: Option<&str>) -> Result<(), ApiError> {
 fn request_id(prefix: &str) -> String {
     let mut b = [0u8; 12];
     let _ = OsRng.try_fill_bytes(&mut b);
-    format!(
-        "{prefix}-{}",
-        b.iter().map(|x| format!("{x:02x}")).collect::<String>()
-    )
+    format!("{prefix}-{}", b.iter().map(|x| format!("{x:02x}")).collect::<String>())
 }
 
 fn now_s() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0)
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
 }
 
 /// JSON cannot hold -inf; OpenAI reports impossible tokens as -9999.
@@ -76,11 +65,7 @@ pub async fn health(State(s): State<Arc<AppState>>) -> AppResult {
 
 pub async fn metrics(State(s): State<Arc<AppState>>) -> Response {
     let stats = s.engine.get().map(|e| e.stats()).unwrap_or_default();
-    (
-        [("content-type", "text/plain; version=0.0.4")],
-        s.metrics.render(&stats),
-    )
-        .into_response()
+    ([("content-type", "text/plain; version=0.0.4")], s.metrics.render(&stats)).into_response()
 }
 
 pub async fn models(State(s): State<Arc<AppState>>) -> AppResult {
@@ -123,23 +108,12 @@ pub async fn tokenize(State(s): State<Arc<AppState>>, body: Body) -> AppResult {
                 unsupported: Default::default(),
                 extra: Default::default(),
             };
-            let text = e.tokenizer.apply_chat_template(
-                &chat.messages()?,
-                req.add_generation_prompt.unwrap_or(true),
-            )?;
+            let text = e.tokenizer.apply_chat_template(&chat.messages()?, req.add_generation_prompt.unwrap_or(true))?;
             e.tokenizer.encode(&text)?
         }
-        _ => {
-            return Err(ApiError::invalid(
-                Some("prompt".into()),
-                "give exactly one of 'prompt' or 'messages'",
-            ))
-        }
+        _ => return Err(ApiError::invalid(Some("prompt".into()), "give exactly one of 'prompt' or 'messages'")),
     };
-    Ok(
-        Json(json!({"count": ids.len(), "max_model_len": e.limits.max_model_len, "tokens": ids}))
-            .into_response(),
-    )
+    Ok(Json(json!({"count": ids.len(), "max_model_len": e.limits.max_model_len, "tokens": ids})).into_response())
 }
 
 pub async fn detokenize(State(s): State<Arc<AppState>>, body: Body) -> AppResult {
@@ -149,10 +123,7 @@ pub async fn detokenize(State(s): State<Arc<AppState>>, body: Body) -> AppResult
     if let Some(bad) = req.tokens.iter().find(|t| **t as usize >= e.limits.vocab) {
         return Err(ApiError::invalid(
             Some("tokens".into()),
-            format!(
-                "{bad} is not a token id (vocabulary size {})",
-                e.limits.vocab
-            ),
+            format!("{bad} is not a token id (vocabulary size {})", e.limits.vocab),
         ));
     }
     let text = e.tokenizer.decode(&req.tokens, false)?;
@@ -163,27 +134,57 @@ pub async fn detokenize(State(s): State<Arc<AppState>>, body: Body) -> AppResult
 struct Tracker {
     arrival: Instant,
     last: Option<Instant>,
+    /// (response id, submission time) when timings are recorded.
+    record: Option<(String, Instant)>,
+    /// Engine time of the first output that carried text, and when the gateway had its
+    /// bytes ready.
+    first_text: Option<(Instant, Instant)>,
 }
 
 impl Tracker {
-    fn observe(&mut self, m: &Metrics, item: &StreamItem) {
+    fn new(s: &AppState, arrival: Instant, id: &str, submitted: Instant) -> Tracker {
+        let record = s.cfg.record_timings.then(|| (id.to_string(), submitted));
+        Tracker { arrival, last: None, record, first_text: None }
+    }
+
+    /// Metrics for one engine output.
+    fn observe(&mut self, s: &AppState, item: &StreamItem) {
+        let m = &s.metrics;
         match self.last {
             None => {
                 let ttft = item.at.duration_since(self.arrival).as_secs_f64();
                 m.time_to_first_token.observe(ttft);
                 m.queue_time.observe(ttft);
             }
-            Some(prev) => m
-                .inter_token_latency
-                .observe(item.at.duration_since(prev).as_secs_f64()),
+            Some(prev) => m.inter_token_latency.observe(item.at.duration_since(prev).as_secs_f64()),
         }
         self.last = Some(item.at);
-        m.generation_tokens
-            .inc_by(item.out.new_token_ids.len() as u64);
+        m.generation_tokens.inc_by(item.out.new_token_ids.len() as u64);
         if let Some(f) = &item.out.finish {
-            m.e2e_latency
-                .observe(item.at.duration_since(self.arrival).as_secs_f64());
+            m.e2e_latency.observe(item.at.duration_since(self.arrival).as_secs_f64());
             m.request_success.with_label_values(&[f.as_str()]).inc();
+        }
+    }
+
+    /// Notes that the gateway has the bytes for `item` ready to send (now).
+    fn emitted(&mut self, s: &AppState, item: &StreamItem) {
+        let now = Instant::now();
+        if self.first_text.is_none() && !item.out.new_text.is_empty() {
+            self.first_text = Some((item.at, now));
+        }
+        if item.out.finish.is_some() {
+            if let Some((id, submitted)) = self.record.take() {
+                let (engine_first_text, emit_first_text) = self.first_text.unwrap_or((item.at, now));
+                s.timings.lock().unwrap_or_else(|e| e.into_inner()).push(crate::RequestTiming {
+                    id,
+                    arrival: self.arrival,
+                    submitted,
+                    engine_first_text,
+                    emit_first_text,
+                    engine_finish: item.at,
+                    emit_finish: now,
+                });
+            }
         }
     }
 }
@@ -216,18 +217,11 @@ struct Collected {
     finish: Option<FinishReason>,
 }
 
-async fn collect(
-    mut st: RequestStream,
-    m: &Metrics,
-    arrival: Instant,
-) -> Result<Collected, ApiError> {
+async fn collect(mut st: RequestStream, s: &AppState, mut t: Tracker) -> Result<Collected, ApiError> {
     let mut c = Collected::default();
-    let mut t = Tracker {
-        arrival,
-        last: None,
-    };
     while let Some(item) = st.next().await {
-        t.observe(m, &item);
+        t.observe(s, &item);
+        t.emitted(s, &item);
         c.ids.extend(&item.out.new_token_ids);
         c.text.push_str(&item.out.new_text);
         c.logprobs.extend(item.out.logprobs);
@@ -236,9 +230,7 @@ async fn collect(
             return Ok(c);
         }
     }
-    Err(ApiError::unavailable(
-        "the engine stopped before the request finished",
-    ))
+    Err(ApiError::unavailable("the engine stopped before the request finished"))
 }
 
 fn finish_str(f: &Option<FinishReason>) -> Value {
@@ -284,11 +276,8 @@ fn completion_logprobs(tok: &Tokenizer, lps: &[TokenLogprob], mut offset: usize)
         offset += t.len();
         tokens.push(t);
         token_logprobs.push(lp(l.logprob));
-        let m: serde_json::Map<String, Value> = l
-            .top
-            .iter()
-            .map(|(id, x)| (token_text(tok, *id).0, json!(lp(*x))))
-            .collect();
+        let m: serde_json::Map<String, Value> =
+            l.top.iter().map(|(id, x)| (token_text(tok, *id).0, json!(lp(*x)))).collect();
         top.push(Value::Object(m));
     }
     json!({"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets})
@@ -306,10 +295,7 @@ fn usage(prompt: usize, completion: usize) -> Value {
 /// One merged stream over several choices: `(choice index, item)`.
 fn merge(streams: Vec<(usize, RequestStream)>) -> BoxStream<'static, (usize, StreamItem)> {
     stream::select_all(streams.into_iter().map(|(i, st)| {
-        stream::unfold(st, move |mut st| async move {
-            st.next().await.map(|it| ((i, it), st))
-        })
-        .boxed()
+        stream::unfold(st, move |mut st| async move { st.next().await.map(|it| ((i, it), st)) }).boxed()
     }))
     .boxed()
 }
@@ -355,11 +341,12 @@ impl<F: ChunkFormat> EventStream<F> {
                 }
                 match me.merged.next().await {
                     Some((i, item)) => {
-                        me.trackers[i].observe(&me.state.metrics, &item);
+                        me.trackers[i].observe(&me.state, &item);
                         me.completion_tokens += item.out.new_token_ids.len();
                         if let Some(v) = me.format.piece(i, &item.out) {
                             me.pending.push_back(event(&v));
                         }
+                        me.trackers[i].emitted(&me.state, &item);
                     }
                     None => {
                         if me.include_usage {
@@ -372,9 +359,7 @@ impl<F: ChunkFormat> EventStream<F> {
                 }
             }
         });
-        Sse::new(events)
-            .keep_alive(KeepAlive::default())
-            .into_response()
+        Sse::new(events).keep_alive(KeepAlive::default()).into_response()
     }
 }
 
@@ -397,16 +382,8 @@ impl ChunkFormat for ChatChunks {
         if o.new_text.is_empty() && !self.want_lp && o.finish.is_none() {
             return None;
         }
-        let delta = if o.new_text.is_empty() {
-            json!({})
-        } else {
-            json!({"content": o.new_text})
-        };
-        let lps = if self.want_lp {
-            chat_logprobs(&self.tok, &o.logprobs)
-        } else {
-            Value::Null
-        };
+        let delta = if o.new_text.is_empty() { json!({}) } else { json!({"content": o.new_text}) };
+        let lps = if self.want_lp { chat_logprobs(&self.tok, &o.logprobs) } else { Value::Null };
         Some(self.chunk(json!([{"index": i, "delta": delta, "logprobs": lps, "finish_reason": finish_str(&o.finish)}])))
     }
 
@@ -425,16 +402,13 @@ pub async fn chat(State(s): State<Arc<AppState>>, body: Body) -> AppResult {
     req.unsupported.check()?;
     check_model(&s, Some(&req.model))?;
     let messages = req.messages()?;
-    let text = e
-        .tokenizer
-        .apply_chat_template(&messages, req.add_generation_prompt.unwrap_or(true))?;
+    let text = e.tokenizer.apply_chat_template(&messages, req.add_generation_prompt.unwrap_or(true))?;
     let prompt = e.tokenizer.encode(&text)?;
     let max_tokens = req.max_completion_tokens.or(req.sampling.max_tokens);
-    let params = req
-        .sampling
-        .to_params(max_tokens, req.top_logprobs()?, e.limits.vocab)?;
+    let params = req.sampling.to_params(max_tokens, req.top_logprobs()?, e.limits.vocab)?;
     let n = req.sampling.n();
     let streams = submit_n(&s, &e, &prompt, &params, n)?;
+    let submitted = Instant::now();
     let format = ChatChunks {
         id: request_id("chatcmpl"),
         created: now_s(),
@@ -444,9 +418,7 @@ pub async fn chat(State(s): State<Arc<AppState>>, body: Body) -> AppResult {
     };
     if !req.sampling.stream() {
         let results = futures::future::join_all(
-            streams
-                .into_iter()
-                .map(|st| collect(st, &s.metrics, arrival)),
+            streams.into_iter().map(|st| collect(st, &s, Tracker::new(&s, arrival, &format.id, submitted))),
         )
         .await;
         let mut choices = Vec::with_capacity(n);
@@ -474,12 +446,7 @@ pub async fn chat(State(s): State<Arc<AppState>>, body: Body) -> AppResult {
     Ok(EventStream {
         merged: merge(streams.into_iter().enumerate().collect()),
         pending: Default::default(),
-        trackers: (0..n)
-            .map(|_| Tracker {
-                arrival,
-                last: None,
-            })
-            .collect(),
+        trackers: (0..n).map(|_| Tracker::new(&s, arrival, &format.id, submitted)).collect(),
         state: s.clone(),
         format,
         prompt_tokens: prompt.len(),
@@ -511,13 +478,13 @@ impl ChunkFormat for CompletionChunks {
         if o.new_text.is_empty() && !self.want_lp && o.finish.is_none() {
             return None;
         }
-        let lps = if self.want_lp {
-            completion_logprobs(&self.tok, &o.logprobs, self.offsets[i])
-        } else {
-            Value::Null
-        };
+        let lps = if self.want_lp { completion_logprobs(&self.tok, &o.logprobs, self.offsets[i]) } else { Value::Null };
         self.offsets[i] += o.new_text.len();
-        Some(self.chunk(json!([{"index": i, "text": o.new_text, "logprobs": lps, "finish_reason": finish_str(&o.finish)}])))
+        Some(
+            self.chunk(
+                json!([{"index": i, "text": o.new_text, "logprobs": lps, "finish_reason": finish_str(&o.finish)}]),
+            ),
+        )
     }
 
     fn usage_chunk(&self, usage: Value) -> Value {
@@ -544,39 +511,26 @@ pub async fn completions(State(s): State<Arc<AppState>>, body: Body) -> AppResul
     }
     let prompts: Vec<Vec<u32>> = match &req.prompt {
         Prompt::Text(t) => vec![e.tokenizer.encode_prompt(t)?],
-        Prompt::Texts(ts) => ts
-            .iter()
-            .map(|t| e.tokenizer.encode_prompt(t))
-            .collect::<Result<_, _>>()?,
+        Prompt::Texts(ts) => ts.iter().map(|t| e.tokenizer.encode_prompt(t)).collect::<Result<_, _>>()?,
         Prompt::Ids(ids) => vec![ids.clone()],
         Prompt::IdLists(l) => l.clone(),
     };
     if prompts.is_empty() || prompts.len() > 64 {
-        return Err(ApiError::invalid(
-            Some("prompt".into()),
-            "give between 1 and 64 prompts",
-        ));
+        return Err(ApiError::invalid(Some("prompt".into()), "give between 1 and 64 prompts"));
     }
-    let params = req.sampling.to_params(
-        req.sampling.max_tokens.or(Some(16)),
-        logprobs,
-        e.limits.vocab,
-    )?;
+    let params = req.sampling.to_params(req.sampling.max_tokens.or(Some(16)), logprobs, e.limits.vocab)?;
     let n = req.sampling.n();
     let mut streams = Vec::new();
     for p in &prompts {
         streams.extend(submit_n(&s, &e, p, &params, n)?);
     }
+    let submitted = Instant::now();
     let prompt_tokens: usize = prompts.iter().map(Vec::len).sum();
     // With echo, each choice's text starts with its prompt.
     let prefixes: Vec<String> = prompts
         .iter()
         .flat_map(|p| {
-            let t = if echo {
-                e.tokenizer.decode(p, false).unwrap_or_default()
-            } else {
-                String::new()
-            };
+            let t = if echo { e.tokenizer.decode(p, false).unwrap_or_default() } else { String::new() };
             std::iter::repeat_n(t, n)
         })
         .collect();
@@ -591,9 +545,7 @@ pub async fn completions(State(s): State<Arc<AppState>>, body: Body) -> AppResul
     let total = streams.len();
     if !req.sampling.stream() {
         let results = futures::future::join_all(
-            streams
-                .into_iter()
-                .map(|st| collect(st, &s.metrics, arrival)),
+            streams.into_iter().map(|st| collect(st, &s, Tracker::new(&s, arrival, &format.id, submitted))),
         )
         .await;
         let mut choices = Vec::with_capacity(total);
@@ -614,27 +566,17 @@ pub async fn completions(State(s): State<Arc<AppState>>, body: Body) -> AppResul
         }))
         .into_response());
     }
-    let head =
-        prefixes
-            .iter()
-            .enumerate()
-            .filter(|(_, p)| !p.is_empty())
-            .map(|(i, p)| {
-                event(&format.chunk(
-                    json!([{"index": i, "text": p, "logprobs": null, "finish_reason": null}]),
-                ))
-            })
-            .collect();
+    let head = prefixes
+        .iter()
+        .enumerate()
+        .filter(|(_, p)| !p.is_empty())
+        .map(|(i, p)| event(&format.chunk(json!([{"index": i, "text": p, "logprobs": null, "finish_reason": null}]))))
+        .collect();
     format.offsets = prefixes.iter().map(String::len).collect();
     Ok(EventStream {
         merged: merge(streams.into_iter().enumerate().collect()),
         pending: Default::default(),
-        trackers: (0..total)
-            .map(|_| Tracker {
-                arrival,
-                last: None,
-            })
-            .collect(),
+        trackers: (0..total).map(|_| Tracker::new(&s, arrival, &format.id, submitted)).collect(),
         state: s.clone(),
         format,
         prompt_tokens,

@@ -36,6 +36,41 @@ pub struct GatewayConfig {
     pub api_key: Option<String>,
     /// Largest request body accepted.
     pub max_body_bytes: usize,
+    /// Keep a per-request timing record (for `disagg bench serve`).
+    pub record_timings: bool,
+}
+
+/// When one request passed the gateway's and the engine's milestones (same clock).
+#[derive(Clone, Debug)]
+pub struct RequestTiming {
+    /// The response id (`cmpl-…`, `chatcmpl-…`).
+    pub id: String,
+    /// The handler started.
+    pub arrival: std::time::Instant,
+    /// The engine accepted the request.
+    pub submitted: std::time::Instant,
+    /// The engine produced the first output that carried text; the gateway had its
+    /// event bytes ready.
+    pub engine_first_text: std::time::Instant,
+    pub emit_first_text: std::time::Instant,
+    /// The engine produced the last output; the gateway had the final event ready.
+    pub engine_finish: std::time::Instant,
+    pub emit_finish: std::time::Instant,
+}
+
+impl RequestTiming {
+    /// Time this request spent in the gateway rather than in the engine: parsing,
+    /// tokenization and validation before submission, plus shaping the last output.
+    pub fn gateway_e2e_s(&self) -> f64 {
+        self.submitted.duration_since(self.arrival).as_secs_f64()
+            + self.emit_finish.duration_since(self.engine_finish).as_secs_f64()
+    }
+
+    /// The same for the first token.
+    pub fn gateway_first_token_s(&self) -> f64 {
+        self.submitted.duration_since(self.arrival).as_secs_f64()
+            + self.emit_first_text.duration_since(self.engine_first_text).as_secs_f64()
+    }
 }
 
 impl Default for GatewayConfig {
@@ -44,6 +79,7 @@ impl Default for GatewayConfig {
             served_model_name: engine::fetch::EMBEDDED_NAME.into(),
             api_key: None,
             max_body_bytes: 4 << 20,
+            record_timings: false,
         }
     }
 }
@@ -53,6 +89,8 @@ pub struct AppState {
     pub cfg: GatewayConfig,
     pub metrics: metrics::Metrics,
     created: u64,
+    /// Filled when `cfg.record_timings` is set.
+    pub timings: std::sync::Mutex<Vec<RequestTiming>>,
 }
 
 impl AppState {
@@ -61,10 +99,8 @@ impl AppState {
             engine: OnceLock::new(),
             metrics: metrics::Metrics::new(&cfg.served_model_name),
             cfg,
-            created: SystemTime::now()
-                .duration_since(UNIX_EPOCH)
-                .map(|d| d.as_secs())
-                .unwrap_or(0),
+            created: SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
+            timings: Default::default(),
         })
     }
 
@@ -74,9 +110,7 @@ impl AppState {
     }
 
     pub fn engine(&self) -> Result<&EngineHandle, ApiError> {
-        self.engine
-            .get()
-            .ok_or_else(|| ApiError::unavailable("the model is still loading; retry shortly"))
+        self.engine.get().ok_or_else(|| ApiError::unavailable("the model is still loading; retry shortly"))
     }
 }
 
@@ -108,9 +142,7 @@ async fn guard(State(s): State<Arc<AppState>>, req: Request, next: Next) -> Resp
             .and_then(|v| v.strip_prefix("Bearer "))
             .unwrap_or("");
         // Compare equal-length digests so neither content nor length leaks through timing.
-        let ok: bool = digest(given.as_bytes())
-            .ct_eq(&digest(key.as_bytes()))
-            .into();
+        let ok: bool = digest(given.as_bytes()).ct_eq(&digest(key.as_bytes())).into();
         if !ok {
             s.metrics.http_errors.with_label_values(&["401"]).inc();
             return ApiError::unauthorized().into_response();
@@ -118,10 +150,7 @@ async fn guard(State(s): State<Arc<AppState>>, req: Request, next: Next) -> Resp
     }
     let resp = next.run(req).await;
     if resp.status().as_u16() >= 400 {
-        s.metrics
-            .http_errors
-            .with_label_values(&[resp.status().as_str()])
-            .inc();
+        s.metrics.http_errors.with_label_values(&[resp.status().as_str()]).inc();
     }
     resp
 }
@@ -139,10 +168,13 @@ pub async fn serve(
     state: Arc<AppState>,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(
-        listener,
-        app(state).into_make_service_with_connect_info::<SocketAddr>(),
-    )
-    .with_graceful_shutdown(shutdown)
-    .await
+    use axum::serve::ListenerExt;
+    // Streamed tokens are small writes: without TCP_NODELAY, Nagle's algorithm and the
+    // peer's delayed ACKs hold them back by ~40 ms on a kept-alive connection.
+    let listener = listener.tap_io(|tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
+    axum::serve(listener, app(state).into_make_service_with_connect_info::<SocketAddr>())
+        .with_graceful_shutdown(shutdown)
+        .await
 }

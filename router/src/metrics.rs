@@ -2,10 +2,7 @@
 //!
 //! Labels never carry prompts, user names or error messages.
 
-use prometheus::{
-    Encoder, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry,
-    TextEncoder,
-};
+use prometheus::{Encoder, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry, TextEncoder};
 
 pub struct Metrics {
     registry: Registry,
@@ -24,24 +21,20 @@ pub struct Metrics {
 }
 
 fn histogram(name: &str, help: &str, buckets: &[f64]) -> Histogram {
-    Histogram::with_opts(HistogramOpts::new(name, help).buckets(buckets.to_vec()))
-        .expect("valid histogram")
+    Histogram::with_opts(HistogramOpts::new(name, help).buckets(buckets.to_vec())).expect("valid histogram")
 }
 
 impl Metrics {
     pub fn new(model: &str) -> Metrics {
-        let registry = Registry::new_custom(
-            None,
-            Some([("model_name".to_string(), model.to_string())].into()),
-        )
-        .expect("valid registry");
+        let registry = Registry::new_custom(None, Some([("model_name".to_string(), model.to_string())].into()))
+            .expect("valid registry");
         let lat = [
-            0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-            10.0, 20.0, 40.0, 80.0,
+            0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+            80.0,
         ];
         let itl = [
-            0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15,
-            0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+            0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+            0.75, 1.0, 2.5,
         ];
         let m = Metrics {
             time_to_first_token: histogram(
@@ -64,9 +57,13 @@ impl Metrics {
                 "Histogram of time from arrival to the first scheduled step, in seconds (includes the first step).",
                 &lat,
             ),
-            prompt_tokens: IntCounter::new("disagg:prompt_tokens_total", "Number of prefill tokens processed.").unwrap(),
-            generation_tokens: IntCounter::new("disagg:generation_tokens_total", "Number of generation tokens processed.")
+            prompt_tokens: IntCounter::new("disagg:prompt_tokens_total", "Number of prefill tokens processed.")
                 .unwrap(),
+            generation_tokens: IntCounter::new(
+                "disagg:generation_tokens_total",
+                "Number of generation tokens processed.",
+            )
+            .unwrap(),
             request_success: IntCounterVec::new(
                 Opts::new("disagg:request_success_total", "Count of successfully processed requests."),
                 &["finished_reason"],
@@ -77,10 +74,15 @@ impl Metrics {
                 &["status"],
             )
             .unwrap(),
-            running: IntGauge::new("disagg:num_requests_running", "Number of requests in model execution batches.").unwrap(),
-            waiting: IntGauge::new("disagg:num_requests_waiting", "Number of requests waiting to be processed.").unwrap(),
-            kv_usage: prometheus::Gauge::new("disagg:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+            running: IntGauge::new("disagg:num_requests_running", "Number of requests in model execution batches.")
                 .unwrap(),
+            waiting: IntGauge::new("disagg:num_requests_waiting", "Number of requests waiting to be processed.")
+                .unwrap(),
+            kv_usage: prometheus::Gauge::new(
+                "disagg:kv_cache_usage_perc",
+                "KV-cache usage. 1 means 100 percent usage.",
+            )
+            .unwrap(),
             preemptions: IntGauge::new("disagg:num_preemptions", "Cumulative number of preemptions.").unwrap(),
             registry,
         };
@@ -112,9 +114,7 @@ impl Metrics {
         let total = stats.kv_blocks_total.max(1) as f64;
         self.kv_usage.set(stats.kv_blocks_used as f64 / total);
         let mut buf = Vec::new();
-        TextEncoder::new()
-            .encode(&self.registry.gather(), &mut buf)
-            .expect("text encoding cannot fail");
+        TextEncoder::new().encode(&self.registry.gather(), &mut buf).expect("text encoding cannot fail");
         String::from_utf8(buf).expect("prometheus text is UTF-8")
     }
 }

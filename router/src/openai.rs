@@ -19,43 +19,22 @@ pub fn parse<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
     let value: serde_json::Value = serde_json::from_slice(bytes)
         .map_err(|e| ApiError::unparsable(format!("the request body is not valid JSON: {e}")))?;
     if !value.is_object() {
-        return Err(ApiError::invalid(
-            None,
-            "the request body must be a JSON object",
-        ));
+        return Err(ApiError::invalid(None, "the request body must be a JSON object"));
     }
     let raw = value.clone();
     serde_path_to_error::deserialize(value).map_err(|e| {
         let path = e.path().to_string();
         let inner = e.into_inner().to_string();
-        if let Some(field) = inner
-            .strip_prefix("unknown field `")
-            .and_then(|r| r.split('`').next())
-        {
-            let field = if path == "." {
-                field.to_string()
-            } else {
-                format!("{path}.{field}")
-            };
-            return ApiError::invalid(
-                Some(field.clone()),
-                format!("unrecognized request argument supplied: {field}"),
-            );
+        if let Some(field) = inner.strip_prefix("unknown field `").and_then(|r| r.split('`').next()) {
+            let field = if path == "." { field.to_string() } else { format!("{path}.{field}") };
+            return ApiError::invalid(Some(field.clone()), format!("unrecognized request argument supplied: {field}"));
         }
         // Fields of flattened structs lose their path; find the culprit by trying each
         // top-level field on its own.
-        let param = if path == "." {
-            culprit(&raw)
-        } else {
-            Some(path.clone())
-        };
+        let param = if path == "." { culprit(&raw) } else { Some(path.clone()) };
         let what = param.clone().unwrap_or_else(|| "the request".into());
         // serde's message, without its position suffix (positions refer to our re-encoding).
-        let msg = inner
-            .split(" at line ")
-            .next()
-            .unwrap_or(&inner)
-            .to_string();
+        let msg = inner.split(" at line ").next().unwrap_or(&inner).to_string();
         ApiError::invalid(param, format!("invalid value for {what}: {msg}"))
     })
 }
@@ -138,10 +117,7 @@ impl Sampling {
     ) -> Result<SamplingParams, ApiError> {
         let n = self.n.unwrap_or(1);
         if n == 0 || n > MAX_N {
-            return Err(ApiError::invalid(
-                Some("n".into()),
-                format!("n must be between 1 and {MAX_N}, got {n}"),
-            ));
+            return Err(ApiError::invalid(Some("n".into()), format!("n must be between 1 and {MAX_N}, got {n}")));
         }
         if let Some(lp) = logprobs {
             if lp > MAX_LOGPROBS {
@@ -155,17 +131,12 @@ impl Sampling {
             usize::try_from(v)
                 .ok()
                 .filter(|v| *v <= 1 << 30)
-                .ok_or_else(|| {
-                    ApiError::invalid(Some(name.into()), format!("{name} is too large ({v})"))
-                })
+                .ok_or_else(|| ApiError::invalid(Some(name.into()), format!("{name} is too large ({v})")))
         };
         let mut logit_bias = Vec::new();
         for (k, v) in self.logit_bias.iter().flatten() {
             let id: u32 = k.parse().map_err(|_| {
-                ApiError::invalid(
-                    Some("logit_bias".into()),
-                    "logit_bias keys must be token ids (as strings)",
-                )
+                ApiError::invalid(Some("logit_bias".into()), "logit_bias keys must be token ids (as strings)")
             })?;
             if id as usize >= vocab {
                 return Err(ApiError::invalid(
@@ -175,24 +146,13 @@ impl Sampling {
             }
             logit_bias.push((id, *v));
         }
-        let stop = self
-            .stop
-            .clone()
-            .map(StopSpec::into_vec)
-            .unwrap_or_default();
+        let stop = self.stop.clone().map(StopSpec::into_vec).unwrap_or_default();
         if stop.len() > 16 {
-            return Err(ApiError::invalid(
-                Some("stop".into()),
-                "at most 16 stop sequences are allowed",
-            ));
+            return Err(ApiError::invalid(Some("stop".into()), "at most 16 stop sequences are allowed"));
         }
         let p = SamplingParams {
             max_tokens: max_tokens.map(|m| to_usize("max_tokens", m)).transpose()?,
-            min_tokens: self
-                .min_tokens
-                .map(|m| to_usize("min_tokens", m))
-                .transpose()?
-                .unwrap_or(0),
+            min_tokens: self.min_tokens.map(|m| to_usize("min_tokens", m)).transpose()?.unwrap_or(0),
             temperature: self.temperature.unwrap_or(1.0),
             top_k: self.top_k.unwrap_or(0),
             top_p: self.top_p.unwrap_or(1.0),
@@ -209,10 +169,7 @@ impl Sampling {
             skip_special_tokens: self.skip_special_tokens.unwrap_or(true),
         };
         if matches!(p.max_tokens, Some(0)) {
-            return Err(ApiError::invalid(
-                Some("max_tokens".into()),
-                "max_tokens must be at least 1",
-            ));
+            return Err(ApiError::invalid(Some("max_tokens".into()), "max_tokens must be at least 1"));
         }
         p.validate(vocab).map_err(ApiError::from)?;
         Ok(p)
@@ -227,9 +184,7 @@ impl Sampling {
     }
 
     pub fn include_usage(&self) -> bool {
-        self.stream_options
-            .as_ref()
-            .is_some_and(|o| o.include_usage)
+        self.stream_options.as_ref().is_some_and(|o| o.include_usage)
     }
 }
 
@@ -257,9 +212,8 @@ pub struct Unsupported {
 impl Unsupported {
     pub fn check(&self) -> Result<(), ApiError> {
         let set = |v: &Option<serde_json::Value>| v.as_ref().is_some_and(|v| !v.is_null());
-        let harmless = |v: &Option<serde_json::Value>, ok: serde_json::Value| {
-            v.as_ref().is_none_or(|v| v.is_null() || *v == ok)
-        };
+        let harmless =
+            |v: &Option<serde_json::Value>, ok: serde_json::Value| v.as_ref().is_none_or(|v| v.is_null() || *v == ok);
         for (name, v) in [
             ("tools", &self.tools),
             ("functions", &self.functions),
@@ -278,9 +232,7 @@ impl Unsupported {
         if !harmless(&self.tool_choice, "none".into()) {
             return Err(ApiError::unsupported("tool_choice"));
         }
-        if !harmless(&self.parallel_tool_calls, false.into())
-            && !harmless(&self.parallel_tool_calls, true.into())
-        {
+        if !harmless(&self.parallel_tool_calls, false.into()) && !harmless(&self.parallel_tool_calls, true.into()) {
             return Err(ApiError::unsupported("parallel_tool_calls"));
         }
         if !harmless(&self.response_format, serde_json::json!({"type": "text"})) {
@@ -295,9 +247,7 @@ impl Unsupported {
         if !harmless(&self.store, false.into()) {
             return Err(ApiError::unsupported("store"));
         }
-        if !harmless(&self.service_tier, "auto".into())
-            && !harmless(&self.service_tier, "default".into())
-        {
+        if !harmless(&self.service_tier, "auto".into()) && !harmless(&self.service_tier, "default".into()) {
             return Err(ApiError::unsupported("service_tier"));
         }
         Ok(())
@@ -349,10 +299,7 @@ pub fn reject_extra(extra: &serde_json::Map<String, serde_json::Value>) -> Resul
     match extra.keys().next() {
         Some(k) => {
             let k: String = k.chars().take(64).collect();
-            Err(ApiError::invalid(
-                Some(k.clone()),
-                format!("unrecognized request argument supplied: {k}"),
-            ))
+            Err(ApiError::invalid(Some(k.clone()), format!("unrecognized request argument supplied: {k}")))
         }
         None => Ok(()),
     }
@@ -362,22 +309,14 @@ impl ChatRequest {
     /// The messages as the chat template takes them: text only, roles checked.
     pub fn messages(&self) -> Result<Vec<ChatMessage>, ApiError> {
         if self.messages.is_empty() {
-            return Err(ApiError::invalid(
-                Some("messages".into()),
-                "messages must contain at least one message",
-            ));
+            return Err(ApiError::invalid(Some("messages".into()), "messages must contain at least one message"));
         }
         let mut out = Vec::with_capacity(self.messages.len());
         for (i, m) in self.messages.iter().enumerate() {
             let role = match m.role.as_str() {
                 "system" | "user" | "assistant" => m.role.clone(),
                 "developer" => "system".to_string(),
-                "tool" | "function" => {
-                    return Err(ApiError::unsupported(&format!(
-                        "messages[{i}].role: {}",
-                        m.role
-                    )))
-                }
+                "tool" | "function" => return Err(ApiError::unsupported(&format!("messages[{i}].role: {}", m.role))),
                 other => {
                     return Err(ApiError::invalid(
                         Some(format!("messages[{i}].role")),
@@ -427,10 +366,9 @@ impl ChatRequest {
 
     pub fn top_logprobs(&self) -> Result<Option<usize>, ApiError> {
         match (self.logprobs.unwrap_or(false), self.top_logprobs) {
-            (false, Some(n)) if n > 0 => Err(ApiError::invalid(
-                Some("top_logprobs".into()),
-                "top_logprobs needs logprobs: true",
-            )),
+            (false, Some(n)) if n > 0 => {
+                Err(ApiError::invalid(Some("top_logprobs".into()), "top_logprobs needs logprobs: true"))
+            }
             (true, n) => Ok(Some(n.unwrap_or(0) as usize)),
             _ => Ok(None),
         }

@@ -46,26 +46,13 @@ pub fn reference() -> Reference {
 
 /// The reference logits at the last prompt position of a case.
 pub fn reference_logits(case: &str) -> Vec<f32> {
-    let bytes = std::fs::read(
-        data_dir()
-            .join("smollm2_logits")
-            .join(format!("{case}.f32")),
-    )
-    .expect("fixture");
-    bytes
-        .chunks_exact(4)
-        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-        .collect()
+    let bytes = std::fs::read(data_dir().join("smollm2_logits").join(format!("{case}.f32"))).expect("fixture");
+    bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
 }
 
 /// Options for test engines: one thread (tests run in parallel), a modest cache.
 pub fn test_options() -> EngineOptions {
-    EngineOptions {
-        threads: 1,
-        kv_cache_mib: 64,
-        kv_dtype: KvDtype::F16,
-        ..EngineOptions::default()
-    }
+    EngineOptions { threads: 1, kv_cache_mib: 64, kv_dtype: KvDtype::F16, ..EngineOptions::default() }
 }
 
 /// An engine on the embedded model.
@@ -83,24 +70,14 @@ pub struct TestServer {
 }
 
 impl TestServer {
-    pub fn start(
-        opts: &EngineOptions,
-        cfg: router::GatewayConfig,
-        max_in_flight: usize,
-    ) -> TestServer {
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .unwrap();
+    pub fn start(opts: &EngineOptions, cfg: router::GatewayConfig, max_in_flight: usize) -> TestServer {
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
         let core = engine(opts);
         let handle = engine::handle::EngineHandle::spawn(core, max_in_flight);
         let state = router::AppState::new(cfg);
         state.set_engine(handle.clone());
         let (tx, rx) = tokio::sync::oneshot::channel();
-        let listener = rt
-            .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
-            .unwrap();
+        let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0")).unwrap();
         let url = format!("http://{}", listener.local_addr().unwrap());
         let st = state.clone();
         rt.spawn(async move {
@@ -109,21 +86,12 @@ impl TestServer {
             })
             .await;
         });
-        TestServer {
-            url,
-            engine: handle,
-            state,
-            rt,
-            stop: Some(tx),
-        }
+        TestServer { url, engine: handle, state, rt, stop: Some(tx) }
     }
 
     /// Starts the gRPC service beside the HTTP one; returns its `http://` address.
     pub fn start_grpc(&self) -> String {
-        let listener = self
-            .rt
-            .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
-            .unwrap();
+        let listener = self.rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0")).unwrap();
         let url = format!("http://{}", listener.local_addr().unwrap());
         let st = self.state.clone();
         self.rt.spawn(async move {
@@ -137,18 +105,10 @@ impl TestServer {
         let t0 = std::time::Instant::now();
         loop {
             let s = self.engine.stats();
-            if s.kv_blocks_used == 0
-                && s.running == 0
-                && s.waiting == 0
-                && self.engine.in_flight() == 0
-            {
+            if s.kv_blocks_used == 0 && s.running == 0 && s.waiting == 0 && self.engine.in_flight() == 0 {
                 return;
             }
-            assert!(
-                t0.elapsed().as_secs() < 10,
-                "engine not idle: {s:?}, in flight {}",
-                self.engine.in_flight()
-            );
+            assert!(t0.elapsed().as_secs() < 10, "engine not idle: {s:?}, in flight {}", self.engine.in_flight());
             std::thread::sleep(std::time::Duration::from_millis(10));
         }
     }
@@ -178,9 +138,7 @@ pub fn python_with_openai() -> PathBuf {
             let st = cmd.status().expect("python3 runs");
             assert!(st.success(), "{cmd:?} failed");
         };
-        run(std::process::Command::new("python3")
-            .args(["-m", "venv"])
-            .arg(&dir));
+        run(std::process::Command::new("python3").args(["-m", "venv"]).arg(&dir));
         run(std::process::Command::new(&py).args([
             "-m",
             "pip",

@@ -9,20 +9,11 @@ use engine::EngineError;
 use kernels::cpu::CpuBackend;
 
 fn greedy(n: usize) -> SamplingParams {
-    SamplingParams {
-        max_tokens: Some(n),
-        ignore_eos: true,
-        logprobs: Some(3),
-        ..SamplingParams::greedy()
-    }
+    SamplingParams { max_tokens: Some(n), ignore_eos: true, logprobs: Some(3), ..SamplingParams::greedy() }
 }
 
 fn prompts() -> Vec<Vec<u32>> {
-    reference()
-        .cases
-        .into_iter()
-        .map(|c| c.prompt_ids)
-        .collect()
+    reference().cases.into_iter().map(|c| c.prompt_ids).collect()
 }
 
 /// Tokens and the exact bits of every reported logprob.
@@ -47,31 +38,17 @@ fn run(core: &mut EngineCore<CpuBackend>, reqs: Vec<(Vec<u32>, SamplingParams)>)
 fn batched_decoding_equals_one_at_a_time() {
     let mut core = engine(&test_options());
     let ps = prompts();
-    let alone: Vec<_> = ps
-        .iter()
-        .map(|p| fingerprint(&run(&mut core, vec![(p.clone(), greedy(24))])[0]))
-        .collect();
-    let batched = run(
-        &mut core,
-        ps.iter().map(|p| (p.clone(), greedy(24))).collect(),
-    );
+    let alone: Vec<_> = ps.iter().map(|p| fingerprint(&run(&mut core, vec![(p.clone(), greedy(24))])[0])).collect();
+    let batched = run(&mut core, ps.iter().map(|p| (p.clone(), greedy(24))).collect());
     for (i, b) in batched.iter().enumerate() {
-        assert_eq!(
-            fingerprint(b),
-            alone[i],
-            "prompt {i}: batched output differs from alone (tokens or logprob bits)"
-        );
+        assert_eq!(fingerprint(b), alone[i], "prompt {i}: batched output differs from alone (tokens or logprob bits)");
     }
 }
 
 #[test]
 fn chunked_prefill_equals_whole_prefill() {
     let ps = prompts();
-    let reqs = || {
-        ps.iter()
-            .map(|p| (p.clone(), greedy(8)))
-            .collect::<Vec<_>>()
-    };
+    let reqs = || ps.iter().map(|p| (p.clone(), greedy(8))).collect::<Vec<_>>();
     let whole = run(&mut engine(&test_options()), reqs());
     let mut opts = test_options();
     opts.max_batched_tokens = 7;
@@ -84,11 +61,7 @@ fn chunked_prefill_equals_whole_prefill() {
     // Under a 7-token budget the prompts can only have been prefilled in chunks.
     let prompt_tokens: usize = ps.iter().map(Vec::len).sum();
     assert!(ps.iter().any(|p| p.len() > 7));
-    assert!(
-        core.stats().steps as usize >= prompt_tokens / 7,
-        "prompts were not chunked: {:?}",
-        core.stats()
-    );
+    assert!(core.stats().steps as usize >= prompt_tokens / 7, "prompts were not chunked: {:?}", core.stats());
 }
 
 #[test]
@@ -108,12 +81,7 @@ fn preempted_sequences_recompute_to_the_same_tokens() {
             }
         }
     };
-    let reqs = || {
-        ps.iter()
-            .enumerate()
-            .map(|(i, p)| (p.clone(), params(i)))
-            .collect::<Vec<_>>()
-    };
+    let reqs = || ps.iter().enumerate().map(|(i, p)| (p.clone(), params(i))).collect::<Vec<_>>();
     let calm = run(&mut engine(&test_options()), reqs());
     let mut opts = test_options();
     // 4 MiB holds 11 blocks of 16 tokens: far less than six sequences of ~70 tokens.
@@ -121,16 +89,9 @@ fn preempted_sequences_recompute_to_the_same_tokens() {
     let mut tight = engine(&opts);
     assert_eq!(tight.cfg.n_blocks, 11);
     let squeezed = run(&mut tight, reqs());
-    assert!(
-        tight.stats().preemptions > 0,
-        "the small cache caused no preemption"
-    );
+    assert!(tight.stats().preemptions > 0, "the small cache caused no preemption");
     for (i, (a, b)) in calm.iter().zip(&squeezed).enumerate() {
-        assert_eq!(
-            fingerprint(a),
-            fingerprint(b),
-            "sequence {i} changed after preemption"
-        );
+        assert_eq!(fingerprint(a), fingerprint(b), "sequence {i} changed after preemption");
     }
 }
 
@@ -149,11 +110,7 @@ fn cancellation_frees_blocks_at_once() {
     let own = ps[1].len().div_ceil(16);
     assert!(core.abort(1));
     let after = core.stats().kv_blocks_used;
-    assert!(
-        after < used && used - after >= own,
-        "abort freed {} blocks, expected at least {own}",
-        used - after
-    );
+    assert!(after < used && used - after >= own, "abort freed {} blocks, expected at least {own}", used - after);
     assert!(!core.abort(1), "aborting twice is a no-op");
     // The others keep going and finish normally.
     let mut finished = 0;
@@ -179,28 +136,18 @@ fn seeded_sampling_is_reproducible_and_seeds_differ() {
         ignore_eos: true,
         ..Default::default()
     };
-    let a = run(&mut core, vec![(p.clone(), sp(7))])
-        .remove(0)
-        .output_ids;
+    let a = run(&mut core, vec![(p.clone(), sp(7))]).remove(0).output_ids;
     // Same seed, this time batched with other requests.
-    let b = run(
-        &mut core,
-        vec![(p.clone(), sp(8)), (p.clone(), sp(7)), (p.clone(), sp(9))],
-    );
+    let b = run(&mut core, vec![(p.clone(), sp(8)), (p.clone(), sp(7)), (p.clone(), sp(9))]);
     assert_eq!(b[1].output_ids, a);
-    assert!(
-        b[0].output_ids != a || b[2].output_ids != a,
-        "different seeds gave the same sample"
-    );
+    assert!(b[0].output_ids != a || b[2].output_ids != a, "different seeds gave the same sample");
 }
 
 #[test]
 fn filters_that_leave_one_candidate_are_greedy() {
     let mut core = engine(&test_options());
     let p = prompts()[1].clone();
-    let g = run(&mut core, vec![(p.clone(), greedy(16))])
-        .remove(0)
-        .output_ids;
+    let g = run(&mut core, vec![(p.clone(), greedy(16))]).remove(0).output_ids;
     let base = SamplingParams {
         max_tokens: Some(16),
         temperature: 1.5,
@@ -209,33 +156,11 @@ fn filters_that_leave_one_candidate_are_greedy() {
         ..Default::default()
     };
     for (name, sp) in [
-        (
-            "top_k=1",
-            SamplingParams {
-                top_k: 1,
-                ..base.clone()
-            },
-        ),
-        (
-            "top_p=1e-6",
-            SamplingParams {
-                top_p: 1e-6,
-                ..base.clone()
-            },
-        ),
-        (
-            "min_p=1",
-            SamplingParams {
-                min_p: 1.0,
-                ..base.clone()
-            },
-        ),
+        ("top_k=1", SamplingParams { top_k: 1, ..base.clone() }),
+        ("top_p=1e-6", SamplingParams { top_p: 1e-6, ..base.clone() }),
+        ("min_p=1", SamplingParams { min_p: 1.0, ..base.clone() }),
     ] {
-        assert_eq!(
-            run(&mut core, vec![(p.clone(), sp)]).remove(0).output_ids,
-            g,
-            "{name}"
-        );
+        assert_eq!(run(&mut core, vec![(p.clone(), sp)]).remove(0).output_ids, g, "{name}");
     }
 }
 
@@ -247,31 +172,19 @@ fn stop_strings_stop_tokens_and_lengths() {
     assert_eq!(free.finish, Some(FinishReason::Length));
     assert_eq!(free.output_ids.len(), 32);
     // Stop at the first newline: the text up to it, without it.
-    let nl = free
-        .text
-        .find('\n')
-        .expect("the continuation has a newline");
-    let sp = SamplingParams {
-        stop: vec!["\n".into()],
-        ..greedy(32)
-    };
+    let nl = free.text.find('\n').expect("the continuation has a newline");
+    let sp = SamplingParams { stop: vec!["\n".into()], ..greedy(32) };
     let stopped = run(&mut core, vec![(p.clone(), sp)]).remove(0);
     assert_eq!(stopped.finish, Some(FinishReason::Stop));
     assert_eq!(stopped.text, free.text[..nl]);
     // A stop string spanning tokens, and one that never appears.
     let span = &free.text[nl - 3..nl + 2];
-    let sp = SamplingParams {
-        stop: vec!["never appears".into(), span.into()],
-        ..greedy(32)
-    };
+    let sp = SamplingParams { stop: vec!["never appears".into(), span.into()], ..greedy(32) };
     let stopped = run(&mut core, vec![(p.clone(), sp)]).remove(0);
     assert_eq!(stopped.text, free.text[..nl - 3]);
     // A stop token id: generation ends with it.
     let third = free.output_ids[2];
-    let sp = SamplingParams {
-        stop_token_ids: vec![third],
-        ..greedy(32)
-    };
+    let sp = SamplingParams { stop_token_ids: vec![third], ..greedy(32) };
     let stopped = run(&mut core, vec![(p.clone(), sp)]).remove(0);
     assert_eq!(stopped.finish, Some(FinishReason::Stop));
     assert_eq!(*stopped.output_ids.last().unwrap(), third);
@@ -281,31 +194,17 @@ fn stop_strings_stop_tokens_and_lengths() {
 #[test]
 fn end_of_sequence_ends_generation_and_min_tokens_defers_it() {
     let r = reference();
-    let chat = r
-        .cases
-        .iter()
-        .find(|c| c.name == "chat_default_system")
-        .unwrap();
+    let chat = r.cases.iter().find(|c| c.name == "chat_default_system").unwrap();
     let mut core = engine(&test_options());
     let eos = core.tokenizer.eos_ids.clone();
-    let sp = SamplingParams {
-        max_tokens: Some(64),
-        ..SamplingParams::greedy()
-    };
+    let sp = SamplingParams { max_tokens: Some(64), ..SamplingParams::greedy() };
     let done = run(&mut core, vec![(chat.prompt_ids.clone(), sp.clone())]).remove(0);
     assert_eq!(done.finish, Some(FinishReason::Stop));
     assert!(eos.contains(done.output_ids.last().unwrap()));
-    assert!(
-        !done.text.contains("<|im_end|>"),
-        "special tokens are not in the text: {:?}",
-        done.text
-    );
+    assert!(!done.text.contains("<|im_end|>"), "special tokens are not in the text: {:?}", done.text);
     assert!(done.text.contains('4'), "{:?}", done.text);
     let n = done.output_ids.len();
-    let sp = SamplingParams {
-        min_tokens: n + 5,
-        ..sp
-    };
+    let sp = SamplingParams { min_tokens: n + 5, ..sp };
     let longer = run(&mut core, vec![(chat.prompt_ids.clone(), sp)]).remove(0);
     assert!(longer.output_ids.len() >= n + 5);
     assert!(longer.output_ids[..n + 4].iter().all(|t| !eos.contains(t)));
@@ -315,10 +214,7 @@ fn end_of_sequence_ends_generation_and_min_tokens_defers_it() {
 fn penalties_and_logit_bias_change_the_choice() {
     let mut core = engine(&test_options());
     // A prompt that invites repetition.
-    let p = core
-        .tokenizer
-        .encode("one two one two one two one two one two")
-        .unwrap();
+    let p = core.tokenizer.encode("one two one two one two one two one two").unwrap();
     let distinct = |c: &Completed| {
         let mut v = c.output_ids.clone();
         v.sort();
@@ -327,18 +223,9 @@ fn penalties_and_logit_bias_change_the_choice() {
     };
     let plain = run(&mut core, vec![(p.clone(), greedy(24))]).remove(0);
     for sp in [
-        SamplingParams {
-            frequency_penalty: 2.0,
-            ..greedy(24)
-        },
-        SamplingParams {
-            presence_penalty: 2.0,
-            ..greedy(24)
-        },
-        SamplingParams {
-            repetition_penalty: 3.0,
-            ..greedy(24)
-        },
+        SamplingParams { frequency_penalty: 2.0, ..greedy(24) },
+        SamplingParams { presence_penalty: 2.0, ..greedy(24) },
+        SamplingParams { repetition_penalty: 3.0, ..greedy(24) },
     ] {
         let pen = run(&mut core, vec![(p.clone(), sp.clone())]).remove(0);
         assert!(
@@ -349,10 +236,7 @@ fn penalties_and_logit_bias_change_the_choice() {
         );
     }
     let target = core.tokenizer.encode(" banana").unwrap()[0];
-    let sp = SamplingParams {
-        logit_bias: vec![(target, 100.0)],
-        ..greedy(3)
-    };
+    let sp = SamplingParams { logit_bias: vec![(target, 100.0)], ..greedy(3) };
     let biased = run(&mut core, vec![(p, sp)]).remove(0);
     assert_eq!(biased.output_ids, vec![target; 3]);
 }
@@ -362,19 +246,11 @@ fn logprobs_are_the_models_distribution() {
     let mut core = engine(&test_options());
     let p = prompts()[0].clone();
     let logits = core.score(&p).unwrap();
-    let sp = SamplingParams {
-        logprobs: Some(5),
-        ..greedy(2)
-    };
+    let sp = SamplingParams { logprobs: Some(5), ..greedy(2) };
     let done = run(&mut core, vec![(p, sp)]).remove(0);
     let lp = &done.logprobs[0];
     let max = logits.iter().fold(f32::NEG_INFINITY, |a, b| a.max(*b)) as f64;
-    let lse = max
-        + logits
-            .iter()
-            .map(|l| (*l as f64 - max).exp())
-            .sum::<f64>()
-            .ln();
+    let lse = max + logits.iter().map(|l| (*l as f64 - max).exp()).sum::<f64>().ln();
     assert_eq!(lp.top.len(), 5);
     assert_eq!(lp.token, lp.top[0].0, "greedy picks the most likely token");
     assert_eq!(lp.logprob, lp.top[0].1);
@@ -390,10 +266,7 @@ fn logprobs_are_the_models_distribution() {
 
 fn invalid(core: &mut EngineCore<CpuBackend>, prompt: Vec<u32>, sp: SamplingParams, needle: &str) {
     match core.add_request(99, prompt, sp) {
-        Err(EngineError::InvalidRequest(m)) => assert!(
-            m.contains(needle),
-            "message {m:?} should mention {needle:?}"
-        ),
+        Err(EngineError::InvalidRequest(m)) => assert!(m.contains(needle), "message {m:?} should mention {needle:?}"),
         other => panic!("expected an InvalidRequest mentioning {needle:?}, got {other:?}"),
     }
     assert!(!core.has_work());
@@ -407,161 +280,27 @@ fn bad_requests_are_clear_errors() {
     let mut core = engine(&opts);
     let p = vec![100u32; 10];
     let g = SamplingParams::greedy;
-    invalid(
-        &mut core,
-        p.clone(),
-        SamplingParams {
-            temperature: -1.0,
-            ..g()
-        },
-        "temperature",
-    );
-    invalid(
-        &mut core,
-        p.clone(),
-        SamplingParams {
-            temperature: f32::NAN,
-            ..g()
-        },
-        "temperature",
-    );
-    invalid(
-        &mut core,
-        p.clone(),
-        SamplingParams { top_p: 0.0, ..g() },
-        "top_p",
-    );
-    invalid(
-        &mut core,
-        p.clone(),
-        SamplingParams { top_p: 1.5, ..g() },
-        "top_p",
-    );
-    invalid(
-        &mut core,
-        p.clone(),
-        SamplingParams { top_k: -5, ..g() },
-        "top_k",
-    );
-    invalid(
-        &mut core,
-        p.clone(),
-        SamplingParams { min_p: 2.0, ..g() },
-        "min_p",
-    );
-    invalid(
-        &mut core,
-        p.clone(),
-        SamplingParams {
-            repetition_penalty: 0.0,
-            ..g()
-        },
-        "repetition_penalty",
-    );
-    invalid(
-        &mut core,
-        p.clone(),
-        SamplingParams {
-            presence_penalty: 3.0,
-            ..g()
-        },
-        "presence_penalty",
-    );
-    invalid(
-        &mut core,
-        p.clone(),
-        SamplingParams {
-            frequency_penalty: -2.5,
-            ..g()
-        },
-        "frequency_penalty",
-    );
-    invalid(
-        &mut core,
-        p.clone(),
-        SamplingParams {
-            logprobs: Some(21),
-            ..g()
-        },
-        "logprobs",
-    );
-    invalid(
-        &mut core,
-        p.clone(),
-        SamplingParams {
-            max_tokens: Some(0),
-            ..g()
-        },
-        "max_tokens",
-    );
-    invalid(
-        &mut core,
-        p.clone(),
-        SamplingParams {
-            stop: vec![String::new()],
-            ..g()
-        },
-        "stop",
-    );
-    invalid(
-        &mut core,
-        p.clone(),
-        SamplingParams {
-            logit_bias: vec![(1 << 30, 1.0)],
-            ..g()
-        },
-        "logit_bias",
-    );
-    invalid(
-        &mut core,
-        p.clone(),
-        SamplingParams {
-            logit_bias: vec![(5, 1000.0)],
-            ..g()
-        },
-        "logit_bias",
-    );
-    invalid(
-        &mut core,
-        p.clone(),
-        SamplingParams {
-            stop_token_ids: vec![u32::MAX],
-            ..g()
-        },
-        "stop_token_ids",
-    );
-    invalid(
-        &mut core,
-        p.clone(),
-        SamplingParams {
-            min_tokens: 9,
-            max_tokens: Some(3),
-            ..g()
-        },
-        "min_tokens",
-    );
+    invalid(&mut core, p.clone(), SamplingParams { temperature: -1.0, ..g() }, "temperature");
+    invalid(&mut core, p.clone(), SamplingParams { temperature: f32::NAN, ..g() }, "temperature");
+    invalid(&mut core, p.clone(), SamplingParams { top_p: 0.0, ..g() }, "top_p");
+    invalid(&mut core, p.clone(), SamplingParams { top_p: 1.5, ..g() }, "top_p");
+    invalid(&mut core, p.clone(), SamplingParams { top_k: -5, ..g() }, "top_k");
+    invalid(&mut core, p.clone(), SamplingParams { min_p: 2.0, ..g() }, "min_p");
+    invalid(&mut core, p.clone(), SamplingParams { repetition_penalty: 0.0, ..g() }, "repetition_penalty");
+    invalid(&mut core, p.clone(), SamplingParams { presence_penalty: 3.0, ..g() }, "presence_penalty");
+    invalid(&mut core, p.clone(), SamplingParams { frequency_penalty: -2.5, ..g() }, "frequency_penalty");
+    invalid(&mut core, p.clone(), SamplingParams { logprobs: Some(21), ..g() }, "logprobs");
+    invalid(&mut core, p.clone(), SamplingParams { max_tokens: Some(0), ..g() }, "max_tokens");
+    invalid(&mut core, p.clone(), SamplingParams { stop: vec![String::new()], ..g() }, "stop");
+    invalid(&mut core, p.clone(), SamplingParams { logit_bias: vec![(1 << 30, 1.0)], ..g() }, "logit_bias");
+    invalid(&mut core, p.clone(), SamplingParams { logit_bias: vec![(5, 1000.0)], ..g() }, "logit_bias");
+    invalid(&mut core, p.clone(), SamplingParams { stop_token_ids: vec![u32::MAX], ..g() }, "stop_token_ids");
+    invalid(&mut core, p.clone(), SamplingParams { min_tokens: 9, max_tokens: Some(3), ..g() }, "min_tokens");
     invalid(&mut core, vec![], g(), "empty");
     invalid(&mut core, vec![100, 49152], g(), "out of range");
     invalid(&mut core, vec![100; 70], g(), "context length");
-    invalid(
-        &mut core,
-        p.clone(),
-        SamplingParams {
-            max_tokens: Some(60),
-            ..g()
-        },
-        "max_tokens",
-    );
+    invalid(&mut core, p.clone(), SamplingParams { max_tokens: Some(60), ..g() }, "max_tokens");
     // The engine still works afterwards.
-    let ok = run(
-        &mut core,
-        vec![(
-            p,
-            SamplingParams {
-                max_tokens: Some(3),
-                ..g()
-            },
-        )],
-    );
+    let ok = run(&mut core, vec![(p, SamplingParams { max_tokens: Some(3), ..g() })]);
     assert_eq!(ok[0].output_ids.len(), 3);
 }

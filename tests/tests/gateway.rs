@@ -17,42 +17,24 @@ fn server(max_in_flight: usize, api_key: Option<&str>) -> TestServer {
     let mut o = test_options();
     o.threads = 2;
     o.max_num_seqs = 64;
-    let cfg = GatewayConfig {
-        api_key: api_key.map(str::to_string),
-        ..GatewayConfig::default()
-    };
+    let cfg = GatewayConfig { api_key: api_key.map(str::to_string), ..GatewayConfig::default() };
     TestServer::start(&o, cfg, max_in_flight)
 }
 
 /// Greedy ids and text of `prompt` straight from an engine (what `disagg generate` prints).
 fn direct(prompt: Vec<u32>, max_tokens: usize) -> (Vec<u32>, String) {
     let mut core = engine(&test_options());
-    let sp = SamplingParams {
-        max_tokens: Some(max_tokens),
-        ..SamplingParams::greedy()
-    };
-    let d = run_to_completion(&mut core, vec![(prompt, sp)], 0)
-        .unwrap()
-        .remove(0);
+    let sp = SamplingParams { max_tokens: Some(max_tokens), ..SamplingParams::greedy() };
+    let d = run_to_completion(&mut core, vec![(prompt, sp)], 0).unwrap().remove(0);
     (d.output_ids, d.text)
 }
 
 async fn post(client: &reqwest::Client, url: &str, body: impl Into<reqwest::Body>) -> (u16, Value) {
-    let r = client
-        .post(url)
-        .header("content-type", "application/json")
-        .body(body)
-        .send()
-        .await
-        .unwrap();
+    let r = client.post(url).header("content-type", "application/json").body(body).send().await.unwrap();
     let status = r.status().as_u16();
     let bytes = r.bytes().await.unwrap();
-    let v = serde_json::from_slice(&bytes).unwrap_or_else(|_| {
-        panic!(
-            "status {status}: body is not JSON: {:?}",
-            String::from_utf8_lossy(&bytes)
-        )
-    });
+    let v = serde_json::from_slice(&bytes)
+        .unwrap_or_else(|_| panic!("status {status}: body is not JSON: {:?}", String::from_utf8_lossy(&bytes)));
     (status, v)
 }
 
@@ -68,17 +50,8 @@ fn the_openai_sdk_works_and_agrees_with_generate() {
     let py = python_with_openai();
     let srv = server(1024, None);
     let script = disagg_tests::data_dir().join("openai_sdk_check.py");
-    let out = std::process::Command::new(py)
-        .arg(script)
-        .arg(format!("{}/v1", srv.url))
-        .arg(MODEL)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "SDK script failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let out = std::process::Command::new(py).arg(script).arg(format!("{}/v1", srv.url)).arg(MODEL).output().unwrap();
+    assert!(out.status.success(), "SDK script failed: {}", String::from_utf8_lossy(&out.stderr));
     let r: Value = serde_json::from_slice(&out.stdout).unwrap();
 
     // Chat, plain and streamed, equal to the engine's own greedy answer.
@@ -101,10 +74,7 @@ fn the_openai_sdk_works_and_agrees_with_generate() {
     assert_eq!(r["chat"]["object"], "chat.completion");
     assert_eq!(r["chat"]["usage"]["prompt_tokens"], chat_prompt.len());
     assert_eq!(r["chat"]["usage"]["completion_tokens"], ids.len());
-    assert_eq!(
-        r["chat"]["usage"]["prompt_tokens_details"]["cached_tokens"],
-        0
-    );
+    assert_eq!(r["chat"]["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
     assert_eq!(r["chat_stream"]["text"], text);
     assert_eq!(r["chat_stream"]["finish"], r["chat"]["finish"]);
     assert_eq!(r["chat_stream"]["usage"], r["chat"]["usage"]);
@@ -120,16 +90,8 @@ fn the_openai_sdk_works_and_agrees_with_generate() {
         assert!(!lps.is_empty());
         for l in lps {
             assert_eq!(l["top"].as_array().unwrap().len(), 2);
-            let bytes: Vec<u8> = l["bytes"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|b| b.as_u64().unwrap() as u8)
-                .collect();
-            assert_eq!(
-                String::from_utf8_lossy(&bytes),
-                l["token"].as_str().unwrap()
-            );
+            let bytes: Vec<u8> = l["bytes"].as_array().unwrap().iter().map(|b| b.as_u64().unwrap() as u8).collect();
+            assert_eq!(String::from_utf8_lossy(&bytes), l["token"].as_str().unwrap());
             assert!(l["logprob"].as_f64().unwrap() <= 0.0);
         }
     }
@@ -146,10 +108,7 @@ fn the_openai_sdk_works_and_agrees_with_generate() {
     let multi = r["completion_multi"].as_array().unwrap();
     assert_eq!(multi.len(), 4);
     assert!(multi[0]["text"].as_str().unwrap().starts_with("Hello"));
-    assert!(multi[2]["text"]
-        .as_str()
-        .unwrap()
-        .starts_with("The capital of France is Paris"));
+    assert!(multi[2]["text"].as_str().unwrap().starts_with("The capital of France is Paris"));
     let lp = &r["completion_logprobs"];
     assert_eq!(lp["tokens"].as_array().unwrap().len(), 3);
     assert_eq!(lp["text_offset"][0], 0);
@@ -158,10 +117,7 @@ fn the_openai_sdk_works_and_agrees_with_generate() {
     // Errors as the SDK sees them.
     assert_eq!(r["errors"]["bad_model"]["status"], 404);
     assert_eq!(r["errors"]["bad_temperature"]["status"], 400);
-    assert_eq!(
-        r["errors"]["bad_temperature"]["body"]["param"],
-        "temperature"
-    );
+    assert_eq!(r["errors"]["bad_temperature"]["body"]["param"], "temperature");
     assert_eq!(r["errors"]["tools"]["status"], 400);
     srv.wait_idle();
 }
@@ -174,24 +130,14 @@ fn error_cases_have_openai_shape_and_status() {
     let msgs = json!([{"role": "user", "content": "hi"}]);
     let cases: Vec<(&str, String, u16, Option<&str>)> = vec![
         ("not json", "{oops".into(), 422, None),
-        (
-            "invalid utf-8",
-            String::from_utf8_lossy(b"{\"model\": \"\xff\xfe\"}").into_owned(),
-            400,
-            None,
-        ),
+        ("invalid utf-8", String::from_utf8_lossy(b"{\"model\": \"\xff\xfe\"}").into_owned(), 400, None),
         (
             "wrong type",
             json!({"model": MODEL, "messages": msgs, "temperature": "hot"}).to_string(),
             400,
             Some("temperature"),
         ),
-        (
-            "out of range",
-            json!({"model": MODEL, "messages": msgs, "top_p": 7}).to_string(),
-            400,
-            Some("top_p"),
-        ),
+        ("out of range", json!({"model": MODEL, "messages": msgs, "top_p": 7}).to_string(), 400, Some("top_p")),
         (
             "huge number",
             json!({"model": MODEL, "messages": msgs, "max_tokens": 1e300}).to_string(),
@@ -212,39 +158,22 @@ fn error_cases_have_openai_shape_and_status() {
         ),
         (
             "unsupported",
-            json!({"model": MODEL, "messages": msgs, "response_format": {"type": "json_object"}})
-                .to_string(),
+            json!({"model": MODEL, "messages": msgs, "response_format": {"type": "json_object"}}).to_string(),
             400,
             Some("response_format"),
         ),
-        (
-            "unknown model",
-            json!({"model": "gpt-5", "messages": msgs}).to_string(),
-            404,
-            Some("model"),
-        ),
-        (
-            "missing messages",
-            json!({"model": MODEL}).to_string(),
-            400,
-            None,
-        ),
+        ("unknown model", json!({"model": "gpt-5", "messages": msgs}).to_string(), 404, Some("model")),
+        ("missing messages", json!({"model": MODEL}).to_string(), 400, None),
         (
             "bad role",
             json!({"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}).to_string(),
             400,
             Some("messages[0].role"),
         ),
-        (
-            "n too large",
-            json!({"model": MODEL, "messages": msgs, "n": 1000}).to_string(),
-            400,
-            Some("n"),
-        ),
+        ("n too large", json!({"model": MODEL, "messages": msgs, "n": 1000}).to_string(), 400, Some("n")),
         (
             "logprobs too many",
-            json!({"model": MODEL, "messages": msgs, "logprobs": true, "top_logprobs": 50})
-                .to_string(),
+            json!({"model": MODEL, "messages": msgs, "logprobs": true, "top_logprobs": 50}).to_string(),
             400,
             Some("top_logprobs"),
         ),
@@ -254,12 +183,7 @@ fn error_cases_have_openai_shape_and_status() {
             400,
             Some("logit_bias"),
         ),
-        (
-            "empty stop",
-            json!({"model": MODEL, "messages": msgs, "stop": [""]}).to_string(),
-            400,
-            Some("stop"),
-        ),
+        ("empty stop", json!({"model": MODEL, "messages": msgs, "stop": [""]}).to_string(), 400, Some("stop")),
     ];
     srv.rt.block_on(async {
         for (name, body, status, param) in cases {
@@ -271,10 +195,7 @@ fn error_cases_have_openai_shape_and_status() {
             }
         }
         // 413: a body over the limit (4 MiB by default).
-        let big = format!(
-            "{{\"model\":\"{MODEL}\",\"prompt\":\"{}\"}}",
-            "a".repeat(5 << 20)
-        );
+        let big = format!("{{\"model\":\"{MODEL}\",\"prompt\":\"{}\"}}", "a".repeat(5 << 20));
         let (st, v) = post(&client, &format!("{}/v1/completions", srv.url), big).await;
         assert_eq!(st, 413, "{v}");
         assert_error_shape(&v);
@@ -282,26 +203,12 @@ fn error_cases_have_openai_shape_and_status() {
         let long = json!({"model": MODEL, "prompt": vec![100u32; 9000]}).to_string();
         let (st, v) = post(&client, &format!("{}/v1/completions", srv.url), long).await;
         assert_eq!(st, 400, "{v}");
-        assert!(
-            v["error"]["message"]
-                .as_str()
-                .unwrap()
-                .contains("context length"),
-            "{v}"
-        );
+        assert!(v["error"]["message"].as_str().unwrap().contains("context length"), "{v}");
         // Unknown route and method.
-        let r = client
-            .get(format!("{}/v2/nothing", srv.url))
-            .send()
-            .await
-            .unwrap();
+        let r = client.get(format!("{}/v2/nothing", srv.url)).send().await.unwrap();
         assert_eq!(r.status().as_u16(), 404);
         assert_error_shape(&serde_json::from_slice(&r.bytes().await.unwrap()).unwrap());
-        let r = client
-            .delete(format!("{}/v1/models", srv.url))
-            .send()
-            .await
-            .unwrap();
+        let r = client.delete(format!("{}/v1/models", srv.url)).send().await.unwrap();
         assert_eq!(r.status().as_u16(), 405);
     });
     srv.wait_idle();
@@ -313,12 +220,7 @@ fn api_key_is_required_when_configured() {
     let client = reqwest::Client::new();
     srv.rt.block_on(async {
         let models = format!("{}/v1/models", srv.url);
-        for auth in [
-            None,
-            Some("Bearer wrong"),
-            Some("Bearer s3cre"),
-            Some("s3cret"),
-        ] {
+        for auth in [None, Some("Bearer wrong"), Some("Bearer s3cre"), Some("s3cret")] {
             let mut rq = client.get(&models);
             if let Some(a) = auth {
                 rq = rq.header("authorization", a);
@@ -328,45 +230,17 @@ fn api_key_is_required_when_configured() {
             let v: Value = serde_json::from_slice(&r.bytes().await.unwrap()).unwrap();
             assert_eq!(v["error"]["code"], "invalid_api_key");
         }
-        let r = client
-            .get(&models)
-            .header("authorization", "Bearer s3cret")
-            .send()
-            .await
-            .unwrap();
+        let r = client.get(&models).header("authorization", "Bearer s3cret").send().await.unwrap();
         assert_eq!(r.status().as_u16(), 200);
         // Health and metrics stay open for probes and scrapers.
-        assert_eq!(
-            client
-                .get(format!("{}/health", srv.url))
-                .send()
-                .await
-                .unwrap()
-                .status()
-                .as_u16(),
-            200
-        );
-        assert_eq!(
-            client
-                .get(format!("{}/metrics", srv.url))
-                .send()
-                .await
-                .unwrap()
-                .status()
-                .as_u16(),
-            200
-        );
+        assert_eq!(client.get(format!("{}/health", srv.url)).send().await.unwrap().status().as_u16(), 200);
+        assert_eq!(client.get(format!("{}/metrics", srv.url)).send().await.unwrap().status().as_u16(), 200);
     });
 }
 
 /// Reads an SSE completion stream to the end; returns the concatenated text.
 async fn stream_text(client: &reqwest::Client, url: &str, body: Value) -> String {
-    let r = client
-        .post(url)
-        .body(body.to_string())
-        .send()
-        .await
-        .unwrap();
+    let r = client.post(url).body(body.to_string()).send().await.unwrap();
     assert_eq!(r.status().as_u16(), 200);
     let mut buf = Vec::new();
     let mut s = r.bytes_stream();
@@ -393,28 +267,16 @@ async fn stream_text(client: &reqwest::Client, url: &str, body: Value) -> String
 #[test]
 fn two_hundred_concurrent_streams_get_their_own_answers() {
     let srv = server(1024, None);
-    let prompts: Vec<String> = (0..20)
-        .map(|i| format!("Item {i}: the number {} is", i * 37 + 11))
-        .collect();
+    let prompts: Vec<String> = (0..20).map(|i| format!("Item {i}: the number {} is", i * 37 + 11)).collect();
     // What each prompt must produce, from a separate engine.
     let mut core = engine(&test_options());
     let reqs = prompts
         .iter()
         .map(|p| {
-            (
-                core.tokenizer.encode(p).unwrap(),
-                SamplingParams {
-                    max_tokens: Some(12),
-                    ..SamplingParams::greedy()
-                },
-            )
+            (core.tokenizer.encode(p).unwrap(), SamplingParams { max_tokens: Some(12), ..SamplingParams::greedy() })
         })
         .collect();
-    let want: Vec<String> = run_to_completion(&mut core, reqs, 0)
-        .unwrap()
-        .into_iter()
-        .map(|c| c.text)
-        .collect();
+    let want: Vec<String> = run_to_completion(&mut core, reqs, 0).unwrap().into_iter().map(|c| c.text).collect();
     let client = reqwest::Client::new();
     let url = format!("{}/v1/completions", srv.url);
     let got = srv.rt.block_on(async {
@@ -504,12 +366,9 @@ fn tokenize_detokenize_health_and_metrics() {
     let srv = server(1024, None);
     let client = reqwest::Client::new();
     srv.rt.block_on(async {
-        let (st, v) = post(
-            &client,
-            &format!("{}/tokenize", srv.url),
-            json!({"prompt": "The capital of France is"}).to_string(),
-        )
-        .await;
+        let (st, v) =
+            post(&client, &format!("{}/tokenize", srv.url), json!({"prompt": "The capital of France is"}).to_string())
+                .await;
         assert_eq!(st, 200);
         assert_eq!(v["tokens"], json!([504, 3575, 282, 4649, 314]));
         assert_eq!(v["count"], 5);
@@ -529,36 +388,20 @@ fn tokenize_detokenize_health_and_metrics() {
         .await;
         assert_eq!(st, 200);
         assert_eq!(v["prompt"], "The capital of France is");
-        let (st, v) = post(
-            &client,
-            &format!("{}/detokenize", srv.url),
-            json!({"tokens": [99999999]}).to_string(),
-        )
-        .await;
+        let (st, v) =
+            post(&client, &format!("{}/detokenize", srv.url), json!({"tokens": [99999999]}).to_string()).await;
         assert_eq!(st, 400, "{v}");
-        let r = client
-            .get(format!("{}/health", srv.url))
-            .send()
-            .await
-            .unwrap();
+        let r = client.get(format!("{}/health", srv.url)).send().await.unwrap();
         assert_eq!(r.status().as_u16(), 200);
         // One request, then the histograms and counters show it.
         let (st, _) = post(
             &client,
             &format!("{}/v1/completions", srv.url),
-            json!({"model": MODEL, "prompt": "Hi", "max_tokens": 5, "ignore_eos": true})
-                .to_string(),
+            json!({"model": MODEL, "prompt": "Hi", "max_tokens": 5, "ignore_eos": true}).to_string(),
         )
         .await;
         assert_eq!(st, 200);
-        let m = client
-            .get(format!("{}/metrics", srv.url))
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
+        let m = client.get(format!("{}/metrics", srv.url)).send().await.unwrap().text().await.unwrap();
         for name in [
             "disagg:time_to_first_token_seconds_count",
             "disagg:inter_token_latency_seconds_count",
@@ -571,15 +414,9 @@ fn tokenize_detokenize_health_and_metrics() {
         ] {
             assert!(m.contains(name), "metrics lack {name}");
         }
-        let line = m
-            .lines()
-            .find(|l| l.starts_with("disagg:generation_tokens_total"))
-            .unwrap();
+        let line = m.lines().find(|l| l.starts_with("disagg:generation_tokens_total")).unwrap();
         assert!(line.ends_with(" 5"), "{line}");
-        let line = m
-            .lines()
-            .find(|l| l.starts_with("disagg:e2e_request_latency_seconds_count"))
-            .unwrap();
+        let line = m.lines().find(|l| l.starts_with("disagg:e2e_request_latency_seconds_count")).unwrap();
         assert!(line.ends_with(" 1"), "{line}");
     });
     srv.wait_idle();

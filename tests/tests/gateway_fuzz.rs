@@ -34,11 +34,7 @@ fn random_value(r: &mut Rng, depth: u32) -> Value {
         6 => json!("\u{0}\u{fffd}😀<|im_end|>"),
         7 => json!(r.below(100_000)),
         8 => json!(1e300),
-        9 => Value::Array(
-            (0..r.below(4))
-                .map(|_| random_value(r, depth + 1))
-                .collect(),
-        ),
+        9 => Value::Array((0..r.below(4)).map(|_| random_value(r, depth + 1)).collect()),
         _ => {
             let mut m = serde_json::Map::new();
             for k in ["role", "content", "type", "text", "include_usage", "zz"] {
@@ -120,15 +116,8 @@ fn case(r: &mut Rng, endpoint: &str) -> Vec<u8> {
         // Numbers past every range.
         4 => {
             let f = FIELDS[r.below(FIELDS.len() as u64) as usize];
-            let n = [
-                "1e400",
-                "-1e400",
-                "18446744073709551616",
-                "-9223372036854775809",
-                "NaN",
-                "0.0000001",
-                "-0",
-            ][r.below(7) as usize];
+            let n = ["1e400", "-1e400", "18446744073709551616", "-9223372036854775809", "NaN", "0.0000001", "-0"]
+                [r.below(7) as usize];
             let s = base(endpoint).to_string();
             format!("{{\"{f}\":{n},{}", &s[1..]).into_bytes()
         }
@@ -150,16 +139,8 @@ fn malformed_requests_get_well_formed_answers() {
     o.threads = 2;
     o.max_model_len = 128;
     let srv = TestServer::start(&o, GatewayConfig::default(), 1024);
-    let client = reqwest::Client::builder()
-        .timeout(Duration::from_secs(60))
-        .build()
-        .unwrap();
-    let endpoints = [
-        "/v1/chat/completions",
-        "/v1/completions",
-        "/tokenize",
-        "/detokenize",
-    ];
+    let client = reqwest::Client::builder().timeout(Duration::from_secs(60)).build().unwrap();
+    let endpoints = ["/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize"];
     let mut rng = Rng(0x5eed_1234_abcd_9876);
     let mut bodies: Vec<(String, Vec<u8>)> = Vec::new();
     for i in 0..600 {
@@ -168,10 +149,7 @@ fn malformed_requests_get_well_formed_answers() {
     }
     // Strings of 10 MB (over the body limit) on every endpoint.
     for ep in endpoints {
-        bodies.push((
-            ep.to_string(),
-            format!("{{\"prompt\":\"{}\"}}", "a".repeat(10 << 20)).into_bytes(),
-        ));
+        bodies.push((ep.to_string(), format!("{{\"prompt\":\"{}\"}}", "a".repeat(10 << 20)).into_bytes()));
     }
     let results = srv.rt.block_on(async {
         let mut out = Vec::new();
@@ -180,12 +158,7 @@ fn malformed_requests_get_well_formed_answers() {
                 let (client, url) = (client.clone(), format!("{}{ep}", srv.url));
                 let body = body.clone();
                 async move {
-                    let r = client
-                        .post(&url)
-                        .body(body.clone())
-                        .send()
-                        .await
-                        .expect("no hang, no dropped connection");
+                    let r = client.post(&url).body(body.clone()).send().await.expect("no hang, no dropped connection");
                     let status = r.status().as_u16();
                     let ct = r
                         .headers()
@@ -207,36 +180,19 @@ fn malformed_requests_get_well_formed_answers() {
         assert!(status < 500, "{url} answered {status} to {shown:?}");
         if ct.starts_with("text/event-stream") {
             assert_eq!(status, 200);
-            assert!(
-                String::from_utf8_lossy(&bytes).contains("data: [DONE]"),
-                "{url}: stream without [DONE]"
-            );
+            assert!(String::from_utf8_lossy(&bytes).contains("data: [DONE]"), "{url}: stream without [DONE]");
             continue;
         }
-        let v: Value = serde_json::from_slice(&bytes)
-            .unwrap_or_else(|_| panic!("{url}: non-JSON answer to {shown:?}"));
+        let v: Value = serde_json::from_slice(&bytes).unwrap_or_else(|_| panic!("{url}: non-JSON answer to {shown:?}"));
         if status != 200 {
             let e = &v["error"];
-            assert!(
-                e["message"].is_string() && e["type"].is_string(),
-                "{url}: {v} for {shown:?}"
-            );
+            assert!(e["message"].is_string() && e["type"].is_string(), "{url}: {v} for {shown:?}");
         }
     }
     eprintln!("statuses: {by_status:?}");
-    assert!(
-        by_status.len() >= 3,
-        "the cases should hit several outcomes: {by_status:?}"
-    );
-    let ok = srv.rt.block_on(async {
-        client
-            .get(format!("{}/health", srv.url))
-            .send()
-            .await
-            .unwrap()
-            .status()
-            .as_u16()
-    });
+    assert!(by_status.len() >= 3, "the cases should hit several outcomes: {by_status:?}");
+    let ok =
+        srv.rt.block_on(async { client.get(format!("{}/health", srv.url)).send().await.unwrap().status().as_u16() });
     assert_eq!(ok, 200);
     srv.wait_idle();
 }

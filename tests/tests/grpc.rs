@@ -7,9 +7,7 @@ use disagg_tests::{engine, test_options, TestServer};
 use engine::sampling::SamplingParams;
 use engine::scheduler::run_to_completion;
 use proto::v1::inference_client::InferenceClient;
-use proto::v1::{
-    generate_request, ChatMessage, ChatPrompt, GenerateRequest, TokenIds, TokenizeRequest,
-};
+use proto::v1::{generate_request, ChatMessage, ChatPrompt, GenerateRequest, TokenIds, TokenizeRequest};
 use router::GatewayConfig;
 use tonic::Code;
 
@@ -38,11 +36,7 @@ fn generate_streams_the_engines_tokens() {
         &mut core,
         vec![(
             vec![504, 3575, 282, 4649, 314],
-            SamplingParams {
-                max_tokens: Some(12),
-                logprobs: Some(2),
-                ..SamplingParams::greedy()
-            },
+            SamplingParams { max_tokens: Some(12), logprobs: Some(2), ..SamplingParams::greedy() },
         )],
         0,
     )
@@ -52,15 +46,9 @@ fn generate_streams_the_engines_tokens() {
         let mut c = InferenceClient::connect(addr.clone()).await.unwrap();
         for prompt in [
             generate_request::Prompt::Text("The capital of France is".into()),
-            generate_request::Prompt::TokenIds(TokenIds {
-                ids: vec![504, 3575, 282, 4649, 314],
-            }),
+            generate_request::Prompt::TokenIds(TokenIds { ids: vec![504, 3575, 282, 4649, 314] }),
         ] {
-            let req = GenerateRequest {
-                model: String::new(),
-                prompt: Some(prompt),
-                sampling: greedy(12),
-            };
+            let req = GenerateRequest { model: String::new(), prompt: Some(prompt), sampling: greedy(12) };
             let mut s = c.generate(req).await.unwrap().into_inner();
             let (mut ids, mut text, mut lps, mut first, mut last): (
                 Vec<u32>,
@@ -82,25 +70,15 @@ fn generate_streams_the_engines_tokens() {
             assert_eq!(first.unwrap(), vec![504, 3575, 282, 4649, 314]);
             assert_eq!(ids, want.output_ids);
             assert_eq!(text, want.text);
-            assert_eq!(
-                lps,
-                want.logprobs.iter().map(|l| l.logprob).collect::<Vec<_>>()
-            );
+            assert_eq!(lps, want.logprobs.iter().map(|l| l.logprob).collect::<Vec<_>>());
             assert_eq!(last.finish_reason, proto::v1::FinishReason::Length as i32);
             let u = last.usage.unwrap();
             assert_eq!((u.prompt_tokens, u.completion_tokens), (5, 12));
         }
         // A chat prompt and tokenize agree with the template.
-        let chat = ChatPrompt {
-            messages: vec![ChatMessage {
-                role: "user".into(),
-                content: "What is 2+2?".into(),
-            }],
-        };
+        let chat = ChatPrompt { messages: vec![ChatMessage { role: "user".into(), content: "What is 2+2?".into() }] };
         let t = c
-            .tokenize(TokenizeRequest {
-                input: Some(proto::v1::tokenize_request::Input::Chat(chat.clone())),
-            })
+            .tokenize(TokenizeRequest { input: Some(proto::v1::tokenize_request::Input::Chat(chat.clone())) })
             .await
             .unwrap()
             .into_inner();
@@ -119,11 +97,7 @@ fn generate_streams_the_engines_tokens() {
         }
         assert!(text.contains('4'), "{text}");
         assert_eq!(fin, proto::v1::FinishReason::Stop as i32);
-        let info = c
-            .model_info(proto::v1::ModelInfoRequest {})
-            .await
-            .unwrap()
-            .into_inner();
+        let info = c.model_info(proto::v1::ModelInfoRequest {}).await.unwrap().into_inner();
         assert_eq!(info.served_model_name, "smollm2-135m-instruct");
         assert_eq!(info.vocab_size, 49152);
     });
@@ -137,46 +111,18 @@ fn bad_requests_get_grpc_status_codes() {
         let mut c = InferenceClient::connect(addr.clone()).await.unwrap();
         let ids = |v: Vec<u32>| Some(generate_request::Prompt::TokenIds(TokenIds { ids: v }));
         let cases = vec![
+            (GenerateRequest { model: "other".into(), prompt: ids(vec![1]), sampling: greedy(2) }, Code::NotFound),
+            (GenerateRequest { model: String::new(), prompt: None, sampling: greedy(2) }, Code::InvalidArgument),
+            (GenerateRequest { model: String::new(), prompt: ids(vec![]), sampling: greedy(2) }, Code::InvalidArgument),
             (
-                GenerateRequest {
-                    model: "other".into(),
-                    prompt: ids(vec![1]),
-                    sampling: greedy(2),
-                },
-                Code::NotFound,
-            ),
-            (
-                GenerateRequest {
-                    model: String::new(),
-                    prompt: None,
-                    sampling: greedy(2),
-                },
-                Code::InvalidArgument,
-            ),
-            (
-                GenerateRequest {
-                    model: String::new(),
-                    prompt: ids(vec![]),
-                    sampling: greedy(2),
-                },
-                Code::InvalidArgument,
-            ),
-            (
-                GenerateRequest {
-                    model: String::new(),
-                    prompt: ids(vec![1 << 30]),
-                    sampling: greedy(2),
-                },
+                GenerateRequest { model: String::new(), prompt: ids(vec![1 << 30]), sampling: greedy(2) },
                 Code::InvalidArgument,
             ),
             (
                 GenerateRequest {
                     model: String::new(),
                     prompt: ids(vec![5]),
-                    sampling: Some(proto::v1::SamplingParams {
-                        top_p: Some(3.0),
-                        ..Default::default()
-                    }),
+                    sampling: Some(proto::v1::SamplingParams { top_p: Some(3.0), ..Default::default() }),
                 },
                 Code::InvalidArgument,
             ),
@@ -194,16 +140,10 @@ fn bad_requests_get_grpc_status_codes() {
 fn health_and_cancellation() {
     let (srv, addr) = server();
     srv.rt.block_on(async {
-        let ch = tonic::transport::Channel::from_shared(addr.clone())
-            .unwrap()
-            .connect()
-            .await
-            .unwrap();
+        let ch = tonic::transport::Channel::from_shared(addr.clone()).unwrap().connect().await.unwrap();
         let mut h = tonic_health::pb::health_client::HealthClient::new(ch);
         let r = h
-            .check(tonic_health::pb::HealthCheckRequest {
-                service: "disagg.v1.Inference".into(),
-            })
+            .check(tonic_health::pb::HealthCheckRequest { service: "disagg.v1.Inference".into() })
             .await
             .unwrap()
             .into_inner();
@@ -216,18 +156,13 @@ fn health_and_cancellation() {
             }
             tokio::time::sleep(Duration::from_millis(25)).await;
             status = h
-                .check(tonic_health::pb::HealthCheckRequest {
-                    service: "disagg.v1.Inference".into(),
-                })
+                .check(tonic_health::pb::HealthCheckRequest { service: "disagg.v1.Inference".into() })
                 .await
                 .unwrap()
                 .into_inner()
                 .status;
         }
-        assert_eq!(
-            status,
-            tonic_health::pb::health_check_response::ServingStatus::Serving as i32
-        );
+        assert_eq!(status, tonic_health::pb::health_check_response::ServingStatus::Serving as i32);
 
         let mut c = InferenceClient::connect(addr.clone()).await.unwrap();
         let req = GenerateRequest {
@@ -247,11 +182,7 @@ fn health_and_cancellation() {
         drop(s);
         let t0 = std::time::Instant::now();
         while srv.engine.stats().kv_blocks_used > 0 || srv.engine.in_flight() > 0 {
-            assert!(
-                t0.elapsed() < Duration::from_secs(2),
-                "cancelled call kept its blocks: {:?}",
-                srv.engine.stats()
-            );
+            assert!(t0.elapsed() < Duration::from_secs(2), "cancelled call kept its blocks: {:?}", srv.engine.stats());
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
     });

@@ -16,20 +16,14 @@ use kernels::KvDtype;
 
 fn temp_path(name: &str) -> PathBuf {
     static N: AtomicUsize = AtomicUsize::new(0);
-    let dir = std::env::temp_dir().join(format!(
-        "disagg-test-{}-{}",
-        std::process::id(),
-        N.fetch_add(1, Ordering::Relaxed)
-    ));
+    let dir =
+        std::env::temp_dir().join(format!("disagg-test-{}-{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed)));
     std::fs::create_dir_all(&dir).unwrap();
     dir.join(name)
 }
 
 fn opts_for(path: &std::path::Path) -> EngineOptions {
-    EngineOptions {
-        model: path.display().to_string(),
-        ..test_options()
-    }
+    EngineOptions { model: path.display().to_string(), ..test_options() }
 }
 
 fn load_err(opts: &EngineOptions) -> EngineError {
@@ -130,8 +124,7 @@ fn gguf(meta: &[(&str, V)], tensors: &[Tensor]) -> Vec<u8> {
 
 /// GPT-2's byte-to-character map, so that a 256-token byte-level vocabulary works.
 fn byte_vocab() -> Vec<String> {
-    let printable =
-        |b: u32| (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
+    let printable = |b: u32| (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
     let mut n = 0;
     (0..256u32)
         .map(|b| {
@@ -197,11 +190,7 @@ fn tiny_tensors(ty: GgmlType, dequantized: bool) -> Vec<Tensor> {
             let rb = ty.row_bytes(cols).unwrap();
             let mut f = vec![0f32; rows * cols];
             for r in 0..rows {
-                dequantize_row(
-                    ty,
-                    &q[r * rb..(r + 1) * rb],
-                    &mut f[r * cols..(r + 1) * cols],
-                );
+                dequantize_row(ty, &q[r * rb..(r + 1) * rb], &mut f[r * cols..(r + 1) * cols]);
             }
             (0, f.iter().flat_map(|v| v.to_le_bytes()).collect())
         } else {
@@ -215,27 +204,15 @@ fn tiny_tensors(ty: GgmlType, dequantized: bool) -> Vec<Tensor> {
             };
             (id, q)
         };
-        Tensor {
-            name,
-            dims: vec![cols as u64, rows as u64],
-            type_id,
-            data,
-        }
+        Tensor { name, dims: vec![cols as u64, rows as u64], type_id, data }
     };
     let norm = |name: String| Tensor {
         name,
         dims: vec![HIDDEN as u64],
         type_id: 0,
-        data: weights(HIDDEN, 99, 0.5)
-            .iter()
-            .map(|v| v + 1.0)
-            .flat_map(|v| v.to_le_bytes())
-            .collect(),
+        data: weights(HIDDEN, 99, 0.5).iter().map(|v| v + 1.0).flat_map(|v| v.to_le_bytes()).collect(),
     };
-    let mut t = vec![
-        matrix("token_embd.weight".into(), VOCAB, HIDDEN),
-        norm("output_norm.weight".into()),
-    ];
+    let mut t = vec![matrix("token_embd.weight".into(), VOCAB, HIDDEN), norm("output_norm.weight".into())];
     for l in 0..2 {
         t.push(norm(format!("blk.{l}.attn_norm.weight")));
         t.push(norm(format!("blk.{l}.ffn_norm.weight")));
@@ -259,49 +236,22 @@ fn write(name: &str, bytes: &[u8]) -> PathBuf {
 #[test]
 fn every_supported_gguf_type_loads_and_computes_the_function_it_stores() {
     let prompt: Vec<u32> = b"hello, tiny model".iter().map(|b| *b as u32).collect();
-    for ty in [
-        GgmlType::F32,
-        GgmlType::F16,
-        GgmlType::BF16,
-        GgmlType::Q8_0,
-        GgmlType::Q4_0,
-        GgmlType::Q4_1,
-    ] {
-        let stored = write(
-            "m.gguf",
-            &gguf(&tiny_meta("llama"), &tiny_tensors(ty, false)),
-        );
-        let plain = write(
-            "m.gguf",
-            &gguf(&tiny_meta("llama"), &tiny_tensors(ty, true)),
-        );
+    for ty in [GgmlType::F32, GgmlType::F16, GgmlType::BF16, GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::Q4_1] {
+        let stored = write("m.gguf", &gguf(&tiny_meta("llama"), &tiny_tensors(ty, false)));
+        let plain = write("m.gguf", &gguf(&tiny_meta("llama"), &tiny_tensors(ty, true)));
         let mut o = opts_for(&stored);
         o.cpu_matmul = MatmulMode::F32;
         o.kv_dtype = KvDtype::F32;
         let a = cpu_engine(&o).unwrap().score(&prompt).unwrap();
-        let b = cpu_engine(&EngineOptions {
-            model: plain.display().to_string(),
-            ..o.clone()
-        })
-        .unwrap()
-        .score(&prompt)
-        .unwrap();
-        let worst = a
-            .iter()
-            .zip(&b)
-            .map(|(x, y)| (x - y).abs())
-            .fold(0f32, f32::max);
-        assert!(
-            worst < 1e-4,
-            "{ty:?}: logits differ from the dequantized F32 model by {worst}"
-        );
+        let b = cpu_engine(&EngineOptions { model: plain.display().to_string(), ..o.clone() })
+            .unwrap()
+            .score(&prompt)
+            .unwrap();
+        let worst = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+        assert!(worst < 1e-4, "{ty:?}: logits differ from the dequantized F32 model by {worst}");
         // The default (Q8) path generates from it too.
         let mut core = cpu_engine(&opts_for(&stored)).unwrap();
-        let sp = SamplingParams {
-            max_tokens: Some(5),
-            ignore_eos: true,
-            ..SamplingParams::greedy()
-        };
+        let sp = SamplingParams { max_tokens: Some(5), ignore_eos: true, ..SamplingParams::greedy() };
         let out = run_to_completion(&mut core, vec![(prompt.clone(), sp)], 0).unwrap();
         assert_eq!(out[0].output_ids.len(), 5, "{ty:?}");
     }
@@ -322,46 +272,23 @@ fn hugging_face_directory_matches_transformers() {
         cases: Vec<Case>,
         chat_example: String,
     }
-    let fx: Fixture = serde_json::from_str(
-        &std::fs::read_to_string(data_dir().join("tiny_hf_reference.json")).unwrap(),
-    )
-    .unwrap();
+    let fx: Fixture =
+        serde_json::from_str(&std::fs::read_to_string(data_dir().join("tiny_hf_reference.json")).unwrap()).unwrap();
     let dir = data_dir().join("tiny_hf");
     let mut o = opts_for(&dir);
     o.cpu_matmul = MatmulMode::F32;
     o.kv_dtype = KvDtype::F32;
     let mut core = cpu_engine(&o).unwrap();
-    let chat = core
-        .tokenizer
-        .apply_chat_template(
-            &[ChatMessage {
-                role: "user".into(),
-                content: "hi".into(),
-            }],
-            true,
-        )
-        .unwrap();
+    let chat =
+        core.tokenizer.apply_chat_template(&[ChatMessage { role: "user".into(), content: "hi".into() }], true).unwrap();
     assert_eq!(chat, fx.chat_example);
     for c in &fx.cases {
-        assert_eq!(
-            core.tokenizer.encode(&c.text).unwrap(),
-            c.prompt_ids,
-            "{}",
-            c.name
-        );
+        assert_eq!(core.tokenizer.encode(&c.text).unwrap(), c.prompt_ids, "{}", c.name);
         let got = core.score(&c.prompt_ids).unwrap();
-        let worst = got
-            .iter()
-            .zip(&c.last_logits)
-            .map(|(g, w)| (g - w).abs())
-            .fold(0f32, f32::max);
+        let worst = got.iter().zip(&c.last_logits).map(|(g, w)| (g - w).abs()).fold(0f32, f32::max);
         // bf16 weights are exact in f32; only summation order differs.
         assert!(worst < 1e-3, "{}: logits differ by {worst}", c.name);
-        let sp = SamplingParams {
-            max_tokens: Some(c.greedy_ids.len()),
-            ignore_eos: true,
-            ..SamplingParams::greedy()
-        };
+        let sp = SamplingParams { max_tokens: Some(c.greedy_ids.len()), ignore_eos: true, ..SamplingParams::greedy() };
         let out = run_to_completion(&mut core, vec![(c.prompt_ids.clone(), sp)], 0).unwrap();
         assert_eq!(out[0].output_ids, c.greedy_ids, "{}", c.name);
     }
@@ -370,57 +297,31 @@ fn hugging_face_directory_matches_transformers() {
 #[test]
 fn missing_corrupt_and_unsupported_models_are_clear_errors() {
     let msg = |e: EngineError| e.to_string();
-    let e = msg(load_err(&opts_for(std::path::Path::new(
-        "/nonexistent/model.gguf",
-    ))));
+    let e = msg(load_err(&opts_for(std::path::Path::new("/nonexistent/model.gguf"))));
     assert!(e.contains("not found") && e.contains(".gguf"), "{e}");
 
-    let e = msg(load_err(&opts_for(&write(
-        "junk.gguf",
-        b"this is not a model file at all",
-    ))));
+    let e = msg(load_err(&opts_for(&write("junk.gguf", b"this is not a model file at all"))));
     assert!(e.contains("not a valid GGUF"), "{e}");
 
     let full = gguf(&tiny_meta("llama"), &tiny_tensors(GgmlType::Q4_1, false));
-    let e = msg(load_err(&opts_for(&write(
-        "cut.gguf",
-        &full[..full.len() - 100],
-    ))));
-    assert!(
-        e.contains("truncated") || e.contains("end of the file"),
-        "{e}"
-    );
+    let e = msg(load_err(&opts_for(&write("cut.gguf", &full[..full.len() - 100]))));
+    assert!(e.contains("truncated") || e.contains("end of the file"), "{e}");
     let e = msg(load_err(&opts_for(&write("cut2.gguf", &full[..200]))));
     assert!(e.contains("not a valid GGUF"), "{e}");
 
-    let e = load_err(&opts_for(&write(
-        "arch.gguf",
-        &gguf(&tiny_meta("gpt2"), &tiny_tensors(GgmlType::F32, false)),
-    )));
-    assert!(
-        matches!(e, EngineError::Unsupported(_)) && e.to_string().contains("architecture 'gpt2'"),
-        "{e}"
-    );
+    let e = load_err(&opts_for(&write("arch.gguf", &gguf(&tiny_meta("gpt2"), &tiny_tensors(GgmlType::F32, false)))));
+    assert!(matches!(e, EngineError::Unsupported(_)) && e.to_string().contains("architecture 'gpt2'"), "{e}");
 
     let mut t = tiny_tensors(GgmlType::F32, false);
     t[2].type_id = 12; // Q4_K
     t[2].data = vec![0; 144 * 2]; // keeps the file self-consistent
-    let e = load_err(&opts_for(&write(
-        "q4k.gguf",
-        &gguf(&tiny_meta("llama"), &t),
-    )));
+    let e = load_err(&opts_for(&write("q4k.gguf", &gguf(&tiny_meta("llama"), &t))));
     assert!(matches!(e, EngineError::Unsupported(_)), "{e}");
-    assert!(
-        e.to_string().contains("Q4_K") && e.to_string().contains("Q4_1"),
-        "{e}"
-    );
+    assert!(e.to_string().contains("Q4_K") && e.to_string().contains("Q4_1"), "{e}");
 
     let mut t = tiny_tensors(GgmlType::F32, false);
     t.retain(|t| t.name != "blk.1.ffn_down.weight");
-    let e = msg(load_err(&opts_for(&write(
-        "missing.gguf",
-        &gguf(&tiny_meta("llama"), &t),
-    ))));
+    let e = msg(load_err(&opts_for(&write("missing.gguf", &gguf(&tiny_meta("llama"), &t)))));
     assert!(e.contains("blk.1.ffn_down.weight"), "{e}");
 
     let dir = temp_path("dir");

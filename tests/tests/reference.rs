@@ -32,11 +32,7 @@ const KL_Q8: f64 = 0.01;
 const KL_F32: f64 = 1e-8;
 
 fn greedy(n: usize) -> SamplingParams {
-    SamplingParams {
-        max_tokens: Some(n),
-        ignore_eos: true,
-        ..SamplingParams::greedy()
-    }
+    SamplingParams { max_tokens: Some(n), ignore_eos: true, ..SamplingParams::greedy() }
 }
 
 #[test]
@@ -48,18 +44,9 @@ fn tokenizer_and_chat_template_match_the_reference() {
     for c in &r.cases {
         if let Some(messages) = &c.messages {
             let text = tok.apply_chat_template(messages, true).unwrap();
-            assert_eq!(
-                text, c.text,
-                "{}: chat template renders differently",
-                c.name
-            );
+            assert_eq!(text, c.text, "{}: chat template renders differently", c.name);
         }
-        assert_eq!(
-            tok.encode(&c.text).unwrap(),
-            c.prompt_ids,
-            "{}: token ids differ",
-            c.name
-        );
+        assert_eq!(tok.encode(&c.text).unwrap(), c.prompt_ids, "{}: token ids differ", c.name);
     }
 }
 
@@ -75,34 +62,19 @@ fn check_logits(mode: MatmulMode, kv: KvDtype, tol: f32, kl_max: f64) {
         let got = core.score(&c.prompt_ids).unwrap();
         assert_eq!(got.len(), want.len());
         let kl = kl_divergence(&want, &got);
-        let maxd = got
-            .iter()
-            .zip(&want)
-            .map(|(g, w)| (g - w).abs())
-            .fold(0f32, f32::max);
+        let maxd = got.iter().zip(&want).map(|(g, w)| (g - w).abs()).fold(0f32, f32::max);
         eprintln!("{mode:?} {}: KL {kl:.2e} max|d| {maxd:.4}", c.name);
-        assert!(
-            kl <= kl_max,
-            "{}: KL divergence {kl} above {kl_max} ({mode:?})",
-            c.name
-        );
+        assert!(kl <= kl_max, "{}: KL divergence {kl} above {kl_max} ({mode:?})", c.name);
         for (i, (g, w)) in got.iter().zip(&want).enumerate() {
             let d = (g - w).abs();
-            assert!(
-                d <= tol,
-                "{}: logit of token {i} is {g}, reference {w} ({mode:?}, tolerance {tol})",
-                c.name
-            );
+            assert!(d <= tol, "{}: logit of token {i} is {g}, reference {w} ({mode:?}, tolerance {tol})", c.name);
             if d > worst.0 {
                 worst = (d, c.name.clone());
             }
         }
     }
     assert_eq!(core.stats().kv_blocks_used, 0);
-    eprintln!(
-        "{mode:?}/{kv:?}: worst logit difference {} ({})",
-        worst.0, worst.1
-    );
+    eprintln!("{mode:?}/{kv:?}: worst logit difference {} ({})", worst.0, worst.1);
 }
 
 #[test]
@@ -160,11 +132,7 @@ fn check_greedy(mode: MatmulMode, kv: KvDtype, tol: f32) -> (usize, usize) {
     opts.threads = 2;
     let mut core = engine(&opts);
     let n = r.cases[0].greedy_ids.len();
-    let reqs = r
-        .cases
-        .iter()
-        .map(|c| (c.prompt_ids.clone(), greedy(n)))
-        .collect();
+    let reqs = r.cases.iter().map(|c| (c.prompt_ids.clone(), greedy(n))).collect();
     let done = run_to_completion(&mut core, reqs, 0).unwrap();
     let mut matched = 0;
     for (c, d) in r.cases.iter().zip(&done) {
@@ -180,18 +148,12 @@ fn greedy_continuations_match_in_f32_mode() {
     let (matched, total) = check_greedy(MatmulMode::F32, KvDtype::F32, TOL_F32);
     eprintln!("f32 mode: {matched}/{total} greedy tokens identical before any near-tie divergence");
     // With the float reference's own numerics, near ties within 0.02 are rare.
-    assert!(
-        matched * 10 >= total * 9,
-        "only {matched}/{total} tokens matched"
-    );
+    assert!(matched * 10 >= total * 9, "only {matched}/{total} tokens matched");
 }
 
 #[test]
 fn greedy_continuations_match_in_q8_mode() {
     let (matched, total) = check_greedy(MatmulMode::Q8, KvDtype::F16, TOL_Q8);
     eprintln!("q8 mode: {matched}/{total} greedy tokens identical before any near-tie divergence");
-    assert!(
-        matched * 2 >= total,
-        "only {matched}/{total} tokens matched"
-    );
+    assert!(matched * 2 >= total, "only {matched}/{total} tokens matched");
 }

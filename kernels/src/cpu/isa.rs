@@ -29,9 +29,8 @@ impl Isa {
     pub fn best_supported() -> Isa {
         #[cfg(target_arch = "x86_64")]
         {
-            let avx2 = is_x86_feature_detected!("avx2")
-                && is_x86_feature_detected!("fma")
-                && is_x86_feature_detected!("f16c");
+            let avx2 =
+                is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c");
             let avx512 = avx2
                 && is_x86_feature_detected!("avx512f")
                 && is_x86_feature_detected!("avx512bw")
@@ -50,10 +49,7 @@ impl Isa {
     /// Every level this CPU can run, lowest first (for tests).
     pub fn all_supported() -> Vec<Isa> {
         let best = Self::best_supported();
-        [Isa::Scalar, Isa::Avx2, Isa::Avx512]
-            .into_iter()
-            .filter(|i| *i <= best)
-            .collect()
+        [Isa::Scalar, Isa::Avx2, Isa::Avx512].into_iter().filter(|i| *i <= best).collect()
     }
 
     /// The level in use: the best supported, or lower when [`crate::env::CPU_ISA`] asks.

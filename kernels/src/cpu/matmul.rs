@@ -64,14 +64,7 @@ pub struct Q8Acts {
 
 impl Q8Acts {
     /// Quantizes `n_tokens` rows of `cols` values each (`x` row-major).
-    pub fn quantize(
-        &mut self,
-        pool: &ThreadPool,
-        isa: Isa,
-        x: &[f32],
-        n_tokens: usize,
-        cols: usize,
-    ) {
+    pub fn quantize(&mut self, pool: &ThreadPool, isa: Isa, x: &[f32], n_tokens: usize, cols: usize) {
         assert!(cols.is_multiple_of(QK) && x.len() >= n_tokens * cols);
         let nb = cols / QK;
         self.n_tokens = n_tokens;
@@ -88,10 +81,7 @@ impl Q8Acts {
         let rows_per_task = (4096 / cols).max(1);
         let n_tasks = n_tokens.div_ceil(rows_per_task);
         pool.run(n_tasks, |task, _| {
-            let (r0, r1) = (
-                task * rows_per_task,
-                ((task + 1) * rows_per_task).min(n_tokens),
-            );
+            let (r0, r1) = (task * rows_per_task, ((task + 1) * rows_per_task).min(n_tokens));
             let (b0, b1) = (r0 * nb, r1 * nb);
             // SAFETY: tasks cover disjoint row ranges of the four arrays, each sized above.
             let (qs, d, sumq, s) = unsafe {
@@ -107,14 +97,7 @@ impl Q8Acts {
     }
 }
 
-fn quantize_blocks(
-    isa: Isa,
-    x: &[f32],
-    qs: &mut [i8],
-    d: &mut [f32],
-    sumq: &mut [i32],
-    s: &mut [f32],
-) {
+fn quantize_blocks(isa: Isa, x: &[f32], qs: &mut [i8], d: &mut [f32], sumq: &mut [i32], s: &mut [f32]) {
     match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `isa` is only Avx2/Avx512 when the CPU supports AVX2.
@@ -125,25 +108,14 @@ fn quantize_blocks(
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn quantize_blocks_avx2(
-    x: &[f32],
-    qs: &mut [i8],
-    d: &mut [f32],
-    sumq: &mut [i32],
-    s: &mut [f32],
-) {
+unsafe fn quantize_blocks_avx2(x: &[f32], qs: &mut [i8], d: &mut [f32], sumq: &mut [i32], s: &mut [f32]) {
     use std::arch::x86_64::*;
     let abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fff_ffff));
     // packs_epi32/packs_epi16 interleave 128-bit lanes; this puts the bytes back in order.
     let unshuffle = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     for (b, xb) in x.chunks_exact(QK).enumerate() {
         let p = xb.as_ptr();
-        let v = [
-            _mm256_loadu_ps(p),
-            _mm256_loadu_ps(p.add(8)),
-            _mm256_loadu_ps(p.add(16)),
-            _mm256_loadu_ps(p.add(24)),
-        ];
+        let v = [_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8)), _mm256_loadu_ps(p.add(16)), _mm256_loadu_ps(p.add(24))];
         let a01 = _mm256_max_ps(_mm256_and_ps(v[0], abs_mask), _mm256_and_ps(v[1], abs_mask));
         let a23 = _mm256_max_ps(_mm256_and_ps(v[2], abs_mask), _mm256_and_ps(v[3], abs_mask));
         let m8 = _mm256_max_ps(a01, a23);
@@ -156,22 +128,16 @@ unsafe fn quantize_blocks_avx2(
         let id = if db != 0.0 { 1.0 / db } else { 0.0 };
         let idv = _mm256_set1_ps(id);
         let q: [__m256i; 4] = std::array::from_fn(|i| {
-            _mm256_cvtps_epi32(_mm256_round_ps::<
-                { _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC },
-            >(_mm256_mul_ps(v[i], idv)))
+            _mm256_cvtps_epi32(_mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(
+                v[i], idv,
+            )))
         });
         let sum8 = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
-        let sum4 = _mm_add_epi32(
-            _mm256_castsi256_si128(sum8),
-            _mm256_extracti128_si256::<1>(sum8),
-        );
+        let sum4 = _mm_add_epi32(_mm256_castsi256_si128(sum8), _mm256_extracti128_si256::<1>(sum8));
         let sum2 = _mm_add_epi32(sum4, _mm_shuffle_epi32::<0b01_00_11_10>(sum4));
         let sum1 = _mm_add_epi32(sum2, _mm_shuffle_epi32::<0b10_11_00_01>(sum2));
         let sum = _mm_cvtsi128_si32(sum1);
-        let packed = _mm256_packs_epi16(
-            _mm256_packs_epi32(q[0], q[1]),
-            _mm256_packs_epi32(q[2], q[3]),
-        );
+        let packed = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
         let ordered = _mm256_permutevar8x32_epi32(packed, unshuffle);
         _mm256_storeu_si256(qs.as_mut_ptr().add(b * QK) as *mut __m256i, ordered);
         d[b] = db;
@@ -182,13 +148,7 @@ unsafe fn quantize_blocks_avx2(
 
 /// One block: `d = max|x| / 127`, `q = round_half_even(x / d)` (as `x * (1/d)`).
 #[inline(always)]
-fn quantize_blocks_generic(
-    x: &[f32],
-    qs: &mut [i8],
-    d: &mut [f32],
-    sumq: &mut [i32],
-    s: &mut [f32],
-) {
+fn quantize_blocks_generic(x: &[f32], qs: &mut [i8], d: &mut [f32], sumq: &mut [i32], s: &mut [f32]) {
     for (b, xb) in x.chunks_exact(QK).enumerate() {
         let mut amax = 0f32;
         for v in xb {
@@ -212,12 +172,7 @@ fn quantize_blocks_generic(
 /// Blocks ahead the AVX-512 kernel prefetches weights (`DISAGG_CPU_PREFETCH`, 0 = off).
 fn prefetch_distance() -> usize {
     static PF: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *PF.get_or_init(|| {
-        std::env::var(crate::env::CPU_PREFETCH)
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(8)
-    })
+    *PF.get_or_init(|| std::env::var(crate::env::CPU_PREFETCH).ok().and_then(|v| v.parse().ok()).unwrap_or(8))
 }
 
 /// A raw pointer that tasks of one `run` share; each writes a disjoint part.
@@ -250,14 +205,7 @@ pub struct Input<'a> {
 }
 
 /// `out[t][r] (+)= Σ_k W[r][k] · x[t][k]` for all tokens and rows, on the pool.
-pub fn matmul(
-    pool: &ThreadPool,
-    isa: Isa,
-    mode: MatmulMode,
-    w: &PackedMatrix,
-    input: &Input,
-    out: OutSpec,
-) {
+pub fn matmul(pool: &ThreadPool, isa: Isa, mode: MatmulMode, w: &PackedMatrix, input: &Input, out: OutSpec) {
     let n_tokens = input.n_tokens;
     assert!(input.x.len() >= n_tokens * w.cols);
     assert!(n_tokens == 0 || out.out.len() >= (n_tokens - 1) * out.ld + out.col0 + w.rows);
@@ -269,11 +217,7 @@ pub fn matmul(
     // Enough tasks per thread that dynamic hand-out evens out uneven cores; a tile is
     // at least ~0.3 µs of work, far above the cost of handing it out.
     let n_threads = pool.n_threads();
-    let tiles_per_task = if n_threads == 1 {
-        w.n_tiles
-    } else {
-        w.n_tiles.div_ceil(n_threads * 4).max(1)
-    };
+    let tiles_per_task = if n_threads == 1 { w.n_tiles } else { w.n_tiles.div_ceil(n_threads * 4).max(1) };
     let n_tasks = w.n_tiles.div_ceil(tiles_per_task);
     let ptr = SendPtr(out.out.as_mut_ptr());
     let (ld, col0, accumulate) = (out.ld, out.col0, out.accumulate);
@@ -282,13 +226,7 @@ pub fn matmul(
         let tile1 = (tile0 + tiles_per_task).min(w.n_tiles);
         for tile in tile0..tile1 {
             let valid = (w.rows - tile * TILE_ROWS).min(TILE_ROWS);
-            let o = TileOut {
-                ptr: ptr.get(),
-                ld,
-                col: col0 + tile * TILE_ROWS,
-                accumulate,
-                valid,
-            };
+            let o = TileOut { ptr: ptr.get(), ld, col: col0 + tile * TILE_ROWS, accumulate, valid };
             match mode {
                 MatmulMode::Q8 => q_tile(isa, w, tile, input.q8.unwrap(), n_tokens, &o),
                 MatmulMode::F32 => f_tile(isa, w, tile, input.x, n_tokens, &o),
@@ -481,38 +419,19 @@ unsafe fn q_tile_avx512<const KIND: u8, const NT: usize>(
                     let mut s0 = _mm512_setzero_si512();
                     let mut s1 = _mm512_setzero_si512();
                     for g in (0..8).step_by(2) {
-                        s0 = _mm512_dpbusd_epi32(
-                            s0,
-                            wv[g],
-                            _mm512_set1_epi32(xp.add(g).read_unaligned()),
-                        );
-                        s1 = _mm512_dpbusd_epi32(
-                            s1,
-                            wv[g + 1],
-                            _mm512_set1_epi32(xp.add(g + 1).read_unaligned()),
-                        );
+                        s0 = _mm512_dpbusd_epi32(s0, wv[g], _mm512_set1_epi32(xp.add(g).read_unaligned()));
+                        s1 = _mm512_dpbusd_epi32(s1, wv[g + 1], _mm512_set1_epi32(xp.add(g + 1).read_unaligned()));
                     }
                     let mut isum = _mm512_add_epi32(s0, s1);
                     match KIND {
-                        K_Q4OFF8 => {
-                            isum = _mm512_sub_epi32(
-                                isum,
-                                _mm512_set1_epi32(*xq.sumq.get_unchecked(xi) << 3),
-                            )
-                        }
-                        K_Q8OFF128 => {
-                            isum = _mm512_sub_epi32(
-                                isum,
-                                _mm512_set1_epi32(*xq.sumq.get_unchecked(xi) << 7),
-                            )
-                        }
+                        K_Q4OFF8 => isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(*xq.sumq.get_unchecked(xi) << 3)),
+                        K_Q8OFF128 => isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(*xq.sumq.get_unchecked(xi) << 7)),
                         _ => {}
                     }
                     let scale = _mm512_mul_ps(d, _mm512_set1_ps(*xq.d.get_unchecked(xi)));
                     acc[$t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, acc[$t]);
                     if KIND == K_Q4MIN {
-                        acc[$t] =
-                            _mm512_fmadd_ps(m, _mm512_set1_ps(*xq.s.get_unchecked(xi)), acc[$t]);
+                        acc[$t] = _mm512_fmadd_ps(m, _mm512_set1_ps(*xq.s.get_unchecked(xi)), acc[$t]);
                     }
                 }
             };
@@ -529,11 +448,7 @@ unsafe fn q_tile_avx512<const KIND: u8, const NT: usize>(
     for (t, a) in acc.iter().enumerate().take(NT) {
         let optr = o.ptr.add((t0 + t) * o.ld + o.col);
         if o.valid == TILE_ROWS {
-            let v = if o.accumulate {
-                _mm512_add_ps(_mm512_loadu_ps(optr), *a)
-            } else {
-                *a
-            };
+            let v = if o.accumulate { _mm512_add_ps(_mm512_loadu_ps(optr), *a) } else { *a };
             _mm512_storeu_ps(optr, v);
         } else {
             o.store(t0 + t, &std::mem::transmute::<__m512, [f32; 16]>(*a));
@@ -567,8 +482,7 @@ unsafe fn q_tile_avx2<const KIND: u8, const NT: usize>(
             if KIND == K_Q8OFF128 {
                 for (g, v) in wv.iter_mut().enumerate() {
                     // Back to signed bytes for the sign trick below.
-                    *v =
-                        _mm256_xor_si256(_mm256_loadu_si256(q.add(g * 64) as *const __m256i), flip);
+                    *v = _mm256_xor_si256(_mm256_loadu_si256(q.add(g * 64) as *const __m256i), flip);
                 }
             } else {
                 for j in 0..4 {
@@ -592,8 +506,7 @@ unsafe fn q_tile_avx2<const KIND: u8, const NT: usize>(
                     isum = _mm256_setzero_si256();
                     for (g, wg) in wv.iter().enumerate() {
                         let x = _mm256_set1_epi32(xp.add(g).read_unaligned());
-                        let p =
-                            _mm256_maddubs_epi16(_mm256_abs_epi8(*wg), _mm256_sign_epi8(x, *wg));
+                        let p = _mm256_maddubs_epi16(_mm256_abs_epi8(*wg), _mm256_sign_epi8(x, *wg));
                         isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p, ones));
                     }
                 } else {
@@ -605,10 +518,7 @@ unsafe fn q_tile_avx2<const KIND: u8, const NT: usize>(
                     }
                     isum = _mm256_madd_epi16(s16, ones);
                     if KIND == K_Q4OFF8 {
-                        isum = _mm256_sub_epi32(
-                            isum,
-                            _mm256_set1_epi32(*xq.sumq.get_unchecked(xi) << 3),
-                        );
+                        isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(*xq.sumq.get_unchecked(xi) << 3));
                     }
                 }
                 let scale = _mm256_mul_ps(d, _mm256_set1_ps(*xq.d.get_unchecked(xi)));

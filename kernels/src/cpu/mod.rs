@@ -79,12 +79,7 @@ impl CpuLinear {
     }
 
     pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
-        let (r0, part) = self
-            .parts
-            .iter()
-            .rev()
-            .find(|(r0, _)| *r0 <= r)
-            .expect("row in range");
+        let (r0, part) = self.parts.iter().rev().find(|(r0, _)| *r0 <= r).expect("row in range");
         part.dequantize_row(r - r0, out);
     }
 }
@@ -186,11 +181,7 @@ impl CpuBackend {
             isa: isa.min(Isa::best_supported()),
             mode,
             q8: Q8Acts::default(),
-            attn_scratch: PerThread(
-                (0..n)
-                    .map(|_| UnsafeCell::new(AttnScratch::default()))
-                    .collect(),
-            ),
+            attn_scratch: PerThread((0..n).map(|_| UnsafeCell::new(AttnScratch::default())).collect()),
             rope_cos: Vec::new(),
             rope_sin: Vec::new(),
         }
@@ -248,9 +239,7 @@ impl Backend for CpuBackend {
     fn linear(&self, parts: &[WeightPart]) -> Result<CpuLinear, KernelError> {
         let cols = parts.first().map(|p| p.cols).unwrap_or(0);
         if parts.iter().any(|p| p.cols != cols) {
-            return Err(KernelError::Shape(
-                "stacked matrices must have the same number of columns".into(),
-            ));
+            return Err(KernelError::Shape("stacked matrices must have the same number of columns".into()));
         }
         // Merge runs of parts of the same type into one packed matrix: fewer passes.
         let mut out = Vec::new();
@@ -270,11 +259,7 @@ impl Backend for CpuBackend {
             row += rows;
             i = j;
         }
-        Ok(CpuLinear {
-            rows: row,
-            cols,
-            parts: out,
-        })
+        Ok(CpuLinear { rows: row, cols, parts: out })
     }
 
     fn vector(&self, v: &[f32]) -> Vec<f32> {
@@ -310,50 +295,26 @@ impl Backend for CpuBackend {
         }
     }
 
-    fn rms_norm(
-        &mut self,
-        x: &Vec<f32>,
-        w: &Vec<f32>,
-        eps: f32,
-        n_tokens: usize,
-        out: &mut Vec<f32>,
-    ) {
+    fn rms_norm(&mut self, x: &Vec<f32>, w: &Vec<f32>, eps: f32, n_tokens: usize, out: &mut Vec<f32>) {
         let dim = w.len();
         let isa = self.isa;
         let rows_per_task = 64;
         let n_tasks = n_tokens.div_ceil(rows_per_task);
         let optr = SendPtr(out.as_mut_ptr());
         self.pool.run(n_tasks, |task, _| {
-            let (r0, r1) = (
-                task * rows_per_task,
-                ((task + 1) * rows_per_task).min(n_tokens),
-            );
+            let (r0, r1) = (task * rows_per_task, ((task + 1) * rows_per_task).min(n_tokens));
             // SAFETY: tasks write disjoint row ranges of `out`.
-            let o = unsafe {
-                std::slice::from_raw_parts_mut(optr.get().add(r0 * dim), (r1 - r0) * dim)
-            };
+            let o = unsafe { std::slice::from_raw_parts_mut(optr.get().add(r0 * dim), (r1 - r0) * dim) };
             rms_norm_isa(isa, &x[r0 * dim..r1 * dim], w, eps, o);
         });
     }
 
-    fn matmul(
-        &mut self,
-        w: &CpuLinear,
-        x: &Vec<f32>,
-        n_tokens: usize,
-        out: &mut Vec<f32>,
-        accumulate: bool,
-    ) {
-        let needs_q8 =
-            self.mode == MatmulMode::Q8 && w.parts.iter().any(|(_, p)| p.kind.is_quantized());
+    fn matmul(&mut self, w: &CpuLinear, x: &Vec<f32>, n_tokens: usize, out: &mut Vec<f32>, accumulate: bool) {
+        let needs_q8 = self.mode == MatmulMode::Q8 && w.parts.iter().any(|(_, p)| p.kind.is_quantized());
         if needs_q8 {
             self.q8.quantize(&self.pool, self.isa, x, n_tokens, w.cols);
         }
-        let input = Input {
-            x,
-            q8: needs_q8.then_some(&self.q8),
-            n_tokens,
-        };
+        let input = Input { x, q8: needs_q8.then_some(&self.q8), n_tokens };
         for (row0, part) in &w.parts {
             matmul(
                 &self.pool,
@@ -361,12 +322,7 @@ impl Backend for CpuBackend {
                 self.mode,
                 part,
                 &input,
-                OutSpec {
-                    out: &mut out[..],
-                    ld: w.rows,
-                    col0: *row0,
-                    accumulate,
-                },
+                OutSpec { out: &mut out[..], ld: w.rows, col0: *row0, accumulate },
             );
         }
     }
@@ -410,10 +366,7 @@ impl Backend for CpuBackend {
             for i in i0..i1 {
                 let row = span.rows.start + i;
                 let pos = span.pos0 + i;
-                let (cos, sin) = (
-                    &cos_all[row * half..(row + 1) * half],
-                    &sin_all[row * half..(row + 1) * half],
-                );
+                let (cos, sin) = (&cos_all[row * half..(row + 1) * half], &sin_all[row * half..(row + 1) * half]);
                 // SAFETY: each task owns the `qkv` rows and KV slots of its tokens.
                 let r = unsafe { std::slice::from_raw_parts_mut(qkv_ptr.get().add(row * w), w) };
                 for h in 0..attn.n_heads + attn.n_kv_heads {
@@ -475,13 +428,9 @@ impl Backend for CpuBackend {
         let n_tasks = n_tokens.div_ceil(rows_per_task);
         let optr = SendPtr(out.as_mut_ptr());
         self.pool.run(n_tasks, |task, _| {
-            let (r0, r1) = (
-                task * rows_per_task,
-                ((task + 1) * rows_per_task).min(n_tokens),
-            );
+            let (r0, r1) = (task * rows_per_task, ((task + 1) * rows_per_task).min(n_tokens));
             // SAFETY: tasks write disjoint row ranges.
-            let o =
-                unsafe { std::slice::from_raw_parts_mut(optr.get().add(r0 * ff), (r1 - r0) * ff) };
+            let o = unsafe { std::slice::from_raw_parts_mut(optr.get().add(r0 * ff), (r1 - r0) * ff) };
             silu_mul_isa(isa, &gu[r0 * 2 * ff..r1 * 2 * ff], ff, o);
         });
     }
@@ -541,19 +490,14 @@ fn attention_task(
         let first = blk * bs;
         let n_in = (n_ctx - first).min(bs);
         let at = kv.offset(span.block_table[blk] as usize, kvh, 0);
-        kv_to_f32(
-            dtype,
-            &bytes[at..at + n_in * hd * es],
-            &mut sc.kbuf[..n_in * hd],
-        );
+        kv_to_f32(dtype, &bytes[at..at + n_in * hd * es], &mut sc.kbuf[..n_in * hd]);
         for i in 0..nt {
             let limit = (pos_first + i + 1).min(first + n_in);
             for h in 0..g {
                 let q = &qkv[q_at(i, h)..q_at(i, h) + hd];
                 let srow = &mut sc.scores[(i * g + h) * n_ctx..(i * g + h + 1) * n_ctx];
                 for j in first..limit {
-                    srow[j] =
-                        dot16(q, &sc.kbuf[(j - first) * hd..(j - first + 1) * hd]) * attn.scale;
+                    srow[j] = dot16(q, &sc.kbuf[(j - first) * hd..(j - first + 1) * hd]) * attn.scale;
                 }
             }
         }
@@ -586,8 +530,7 @@ fn attention_task(
             let o = out.get();
             let row = span.rows.start + t0 + i;
             // SAFETY: this task alone writes the heads of `kvh` for its tile's rows.
-            let orow =
-                unsafe { std::slice::from_raw_parts_mut(o.add(row * qd + (kvh * g + h) * hd), hd) };
+            let orow = unsafe { std::slice::from_raw_parts_mut(o.add(row * qd + (kvh * g + h) * hd), hd) };
             orow.fill(0.0);
         }
     }
@@ -595,20 +538,14 @@ fn attention_task(
         let first = blk * bs;
         let n_in = (n_ctx - first).min(bs);
         let at = v_base + kv.offset(span.block_table[blk] as usize, kvh, 0);
-        kv_to_f32(
-            dtype,
-            &bytes[at..at + n_in * hd * es],
-            &mut sc.kbuf[..n_in * hd],
-        );
+        kv_to_f32(dtype, &bytes[at..at + n_in * hd * es], &mut sc.kbuf[..n_in * hd]);
         for i in 0..nt {
             let limit = (pos_first + i + 1).min(first + n_in);
             let row = span.rows.start + t0 + i;
             for h in 0..g {
                 let srow = &sc.scores[(i * g + h) * n_ctx..(i * g + h + 1) * n_ctx];
                 // SAFETY: as above.
-                let orow = unsafe {
-                    std::slice::from_raw_parts_mut(out.get().add(row * qd + (kvh * g + h) * hd), hd)
-                };
+                let orow = unsafe { std::slice::from_raw_parts_mut(out.get().add(row * qd + (kvh * g + h) * hd), hd) };
                 for j in first..limit {
                     let p = srow[j];
                     let v = &sc.kbuf[(j - first) * hd..(j - first + 1) * hd];
@@ -624,9 +561,7 @@ fn attention_task(
         for h in 0..g {
             let inv = 1.0 / sums[i * g + h];
             // SAFETY: as above.
-            let orow = unsafe {
-                std::slice::from_raw_parts_mut(out.get().add(row * qd + (kvh * g + h) * hd), hd)
-            };
+            let orow = unsafe { std::slice::from_raw_parts_mut(out.get().add(row * qd + (kvh * g + h) * hd), hd) };
             for o in orow.iter_mut() {
                 *o *= inv;
             }

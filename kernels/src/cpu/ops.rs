@@ -100,11 +100,7 @@ pub fn exp_f32(x: f32) -> f32 {
 pub fn rope_head(x: &mut [f32], cos: &[f32], sin: &[f32], interleaved: bool) {
     let half = x.len() / 2;
     for i in 0..half {
-        let (a, b) = if interleaved {
-            (2 * i, 2 * i + 1)
-        } else {
-            (i, i + half)
-        };
+        let (a, b) = if interleaved { (2 * i, 2 * i + 1) } else { (i, i + half) };
         let (x0, x1) = (x[a], x[b]);
         x[a] = x0 * cos[i] - x1 * sin[i];
         x[b] = x0 * sin[i] + x1 * cos[i];
@@ -181,8 +177,7 @@ unsafe fn f16_to_f32_f16c(src: *const u8, out: &mut [f32]) {
         i += 8;
     }
     while i < n {
-        out[i] =
-            f16::from_bits(u16::from_le_bytes([*src.add(2 * i), *src.add(2 * i + 1)])).to_f32();
+        out[i] = f16::from_bits(u16::from_le_bytes([*src.add(2 * i), *src.add(2 * i + 1)])).to_f32();
         i += 1;
     }
 }
@@ -253,9 +248,8 @@ mod tests {
     #[test]
     fn f16_conversions_match_the_software_reference() {
         // Normal, subnormal, overflowing, tie and special values, 8 at a time and a tail.
-        let mut vals: Vec<f32> = vec![
-            0.0, -0.0, 1.0, -2.5, 65504.0, 65520.0, 1e6, -1e6, 6e-8, 3e-8, 1e-5, 2049.0, 2051.0,
-        ];
+        let mut vals: Vec<f32> =
+            vec![0.0, -0.0, 1.0, -2.5, 65504.0, 65520.0, 1e6, -1e6, 6e-8, 3e-8, 1e-5, 2049.0, 2051.0];
         vals.extend((0..1000).map(|i| ((i as f32) * 0.7311).sin() * 10f32.powi(i % 9 - 4)));
         vals.push(f32::INFINITY);
         let mut bytes = vec![0u8; vals.len() * 2];
@@ -266,10 +260,7 @@ mod tests {
         let mut back = vec![0f32; vals.len()];
         kv_to_f32(KvDtype::F16, &bytes, &mut back);
         for (b, c) in back.iter().zip(bytes.chunks_exact(2)) {
-            assert_eq!(
-                b.to_bits(),
-                f16::from_le_bytes([c[0], c[1]]).to_f32().to_bits()
-            );
+            assert_eq!(b.to_bits(), f16::from_le_bytes([c[0], c[1]]).to_f32().to_bits());
         }
     }
 

@@ -90,22 +90,13 @@ pub struct PackedMatrix {
 
 impl std::fmt::Debug for PackedMatrix {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "PackedMatrix({}x{} {:?})",
-            self.rows, self.cols, self.kind
-        )
+        write!(f, "PackedMatrix({}x{} {:?})", self.rows, self.cols, self.kind)
     }
 }
 
 impl PackedMatrix {
     /// Packs a row-major matrix stored as ggml type `ty` (rows back to back, as in GGUF).
-    pub fn from_ggml(
-        ty: GgmlType,
-        rows: usize,
-        cols: usize,
-        bytes: &[u8],
-    ) -> Result<Self, KernelError> {
+    pub fn from_ggml(ty: GgmlType, rows: usize, cols: usize, bytes: &[u8]) -> Result<Self, KernelError> {
         if cols == 0 || rows == 0 || !cols.is_multiple_of(QK) {
             return Err(KernelError::Shape(format!(
                 "matrix {rows}x{cols}: the number of columns must be a positive multiple of {QK}"
@@ -236,22 +227,13 @@ impl PackedMatrix {
 
     /// Dequantizes block `b` of a tile into `out[k*16 + lane]` as f32, computing each
     /// value exactly as [`crate::quant::dequantize_row`] does.
-    pub(crate) fn dequantize_tile_block(
-        &self,
-        tile: &[u8],
-        b: usize,
-        out: &mut [f32; QK * TILE_ROWS],
-    ) {
+    pub(crate) fn dequantize_tile_block(&self, tile: &[u8], b: usize, out: &mut [f32; QK * TILE_ROWS]) {
         let (qs, d, m) = self.offsets(b);
         match self.kind {
             PackedKind::Q4Min | PackedKind::Q4Off8 => {
                 for lane in 0..TILE_ROWS {
                     let dl = f16_at(tile, d + lane * 2);
-                    let ml = if self.kind == PackedKind::Q4Min {
-                        f16_at(tile, m + lane * 2)
-                    } else {
-                        0.0
-                    };
+                    let ml = if self.kind == PackedKind::Q4Min { f16_at(tile, m + lane * 2) } else { 0.0 };
                     for j in 0..4 {
                         for i in 0..4 {
                             let byte = tile[qs + j * 64 + lane * 4 + i];
@@ -321,7 +303,5 @@ impl PackedMatrix {
 
 /// Converts an f32 slice to f16 values, for building float matrices in tests.
 pub fn f32_to_f16_bytes(v: &[f32]) -> Vec<u8> {
-    v.iter()
-        .flat_map(|x| f16::from_f32(*x).to_le_bytes())
-        .collect()
+    v.iter().flat_map(|x| f16::from_f32(*x).to_le_bytes()).collect()
 }

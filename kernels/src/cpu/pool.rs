@@ -49,12 +49,9 @@ pub struct ThreadPool {
 
 impl ThreadPool {
     /// A pool of `n_threads` threads in all, counting the caller of `run`. Idle workers
-    /// spin for [`crate::env::POOL_SPIN`] iterations (default 200,000) before sleeping.
+    /// spin for [`crate::env::POOL_SPIN`] iterations (default 2,000) before sleeping.
     pub fn new(n_threads: usize) -> Self {
-        let spin_iters = std::env::var(crate::env::POOL_SPIN)
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(200_000);
+        let spin_iters = std::env::var(crate::env::POOL_SPIN).ok().and_then(|v| v.parse().ok()).unwrap_or(2_000);
         Self::with_spin_iters(n_threads, spin_iters)
     }
 
@@ -81,11 +78,7 @@ impl ThreadPool {
                     .expect("spawning a CPU worker thread")
             })
             .collect();
-        Self {
-            shared,
-            workers,
-            run_lock: Mutex::new(()),
-        }
+        Self { shared, workers, run_lock: Mutex::new(()) }
     }
 
     pub fn n_threads(&self) -> usize {
@@ -111,10 +104,8 @@ impl ThreadPool {
         // reads `job` now. The lifetime is erased, but we wait below until every worker
         // has stopped using it before `f` goes out of scope.
         unsafe {
-            *s.job.get() = Some(std::mem::transmute::<
-                &(dyn Fn(usize, usize) + Sync + '_),
-                &'static Job,
-            >(job) as *const Job);
+            *s.job.get() =
+                Some(std::mem::transmute::<&(dyn Fn(usize, usize) + Sync + '_), &'static Job>(job) as *const Job);
         }
         s.n_tasks.store(n_tasks, Ordering::Relaxed);
         s.next_task.store(0, Ordering::Relaxed);
@@ -174,9 +165,7 @@ fn worker_loop(s: &Shared, tid: usize) {
             } else {
                 let mut l = s.sleep_lock.lock().unwrap_or_else(|e| e.into_inner());
                 s.n_sleeping.fetch_add(1, Ordering::SeqCst);
-                while s.generation.load(Ordering::SeqCst) == seen
-                    && !s.shutdown.load(Ordering::SeqCst)
-                {
+                while s.generation.load(Ordering::SeqCst) == seen && !s.shutdown.load(Ordering::SeqCst) {
                     l = s.wake.wait(l).unwrap_or_else(|e| e.into_inner());
                 }
                 s.n_sleeping.fetch_sub(1, Ordering::SeqCst);
@@ -204,11 +193,7 @@ impl Drop for ThreadPool {
     fn drop(&mut self) {
         self.shared.shutdown.store(true, Ordering::SeqCst);
         {
-            let _l = self
-                .shared
-                .sleep_lock
-                .lock()
-                .unwrap_or_else(|e| e.into_inner());
+            let _l = self.shared.sleep_lock.lock().unwrap_or_else(|e| e.into_inner());
             self.shared.wake.notify_all();
         }
         for w in self.workers.drain(..) {

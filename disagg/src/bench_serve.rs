@@ -1,0 +1,267 @@
+//! `disagg bench serve`: what the gateway adds to each request.
+//!
+//! One process holds the engine, the gateway on a loopback socket and the load
+//! generator, so every timestamp comes from the same clock. At each concurrency level
+//! the same load (streaming completions, distinct prompts, fixed length) runs twice:
+//! through HTTP (reqwest client → axum gateway → engine) and straight into the engine
+//! handle. Per HTTP request, the gateway overhead is the client-observed time minus
+//! the engine's own time for that request (matched by response id):
+//! - e2e: (client send → `[DONE]` read) − (engine accepted → engine finished)
+//! - first token: (client send → first token chunk read) − (engine accepted → first output)
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use clap::Args;
+use engine::handle::EngineHandle;
+use engine::load::cpu_engine;
+use engine::sampling::SamplingParams;
+use futures::StreamExt;
+use router::{AppState, GatewayConfig};
+use serde_json::json;
+
+use crate::EngineArgs;
+
+#[derive(Args, Debug)]
+pub struct ServeBenchArgs {
+    #[command(flatten)]
+    engine: EngineArgs,
+    /// Concurrent streams.
+    #[arg(long, value_delimiter = ',', default_value = "1,64,256")]
+    concurrency: Vec<usize>,
+    /// Tokens generated per request.
+    #[arg(long, default_value_t = 32)]
+    max_tokens: usize,
+    /// Requests per level (default: twice the concurrency, at least 32).
+    #[arg(long)]
+    requests: Option<usize>,
+    /// Print JSON (the only output format).
+    #[arg(long)]
+    json: bool,
+}
+
+fn pct(mut v: Vec<f64>, p: f64) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[((v.len() - 1) as f64 * p).round() as usize]
+}
+
+const TOPICS: &[&str] =
+    &["the sea", "a lighthouse", "mountains", "a city at night", "winter", "a garden", "the moon", "trains"];
+
+fn prompt_text(i: usize) -> String {
+    format!("Write a short story about {} and the number {}.", TOPICS[i % TOPICS.len()], i)
+}
+
+struct ClientTiming {
+    id: String,
+    send: Instant,
+    first: Option<Instant>,
+    done: Instant,
+    tokens: usize,
+}
+
+async fn http_request(
+    client: &reqwest::Client,
+    url: &str,
+    model: &str,
+    i: usize,
+    max_tokens: usize,
+) -> anyhow::Result<ClientTiming> {
+    let body = json!({
+        "model": model, "prompt": prompt_text(i), "max_tokens": max_tokens,
+        "temperature": 0, "ignore_eos": true, "stream": true,
+    });
+    let send = Instant::now();
+    let r = client.post(url).header("content-type", "application/json").body(body.to_string()).send().await?;
+    anyhow::ensure!(r.status().is_success(), "HTTP {}", r.status());
+    let mut s = r.bytes_stream();
+    let (mut id, mut first, mut buf, mut tokens) = (String::new(), None, Vec::new(), 0usize);
+    let mut done = None;
+    let dbg = std::env::var("DISAGG_BENCH_DEBUG").is_ok();
+    while let Some(chunk) = s.next().await {
+        let chunk = chunk?;
+        if dbg {
+            eprintln!("{:.2}ms chunk of {} bytes", send.elapsed().as_secs_f64() * 1e3, chunk.len());
+        }
+        buf.extend_from_slice(&chunk);
+        while let Some(end) = buf.windows(2).position(|w| w == b"\n\n") {
+            let ev: Vec<u8> = buf.drain(..end + 2).collect();
+            let line = String::from_utf8_lossy(&ev);
+            let Some(data) = line.trim().strip_prefix("data: ") else { continue };
+            if data == "[DONE]" {
+                done = Some(Instant::now());
+                continue;
+            }
+            let v: serde_json::Value = serde_json::from_str(data)?;
+            if id.is_empty() {
+                id = v["id"].as_str().unwrap_or("").to_string();
+            }
+            if v["choices"][0]["text"].as_str().is_some_and(|t| !t.is_empty()) {
+                first.get_or_insert_with(Instant::now);
+                tokens += 1;
+            }
+        }
+    }
+    Ok(ClientTiming { id, send, first, done: done.unwrap_or_else(Instant::now), tokens })
+}
+
+struct DirectTiming {
+    send: Instant,
+    first: Instant,
+    done: Instant,
+}
+
+async fn direct_request(e: &EngineHandle, i: usize, max_tokens: usize) -> anyhow::Result<DirectTiming> {
+    let send = Instant::now();
+    let prompt = e.tokenizer.encode_prompt(&prompt_text(i))?;
+    let sp = SamplingParams { max_tokens: Some(max_tokens), ignore_eos: true, ..SamplingParams::greedy() };
+    let mut st = e.submit(prompt, sp).map_err(|x| anyhow::anyhow!("{x}"))?;
+    let mut first = None;
+    while let Some(item) = st.next().await {
+        first.get_or_insert(item.at);
+        if item.out.finish.is_some() {
+            break;
+        }
+    }
+    Ok(DirectTiming { send, first: first.unwrap_or(send), done: Instant::now() })
+}
+
+/// Runs `n` jobs with at most `c` in flight; returns results in completion order.
+async fn closed_loop<T, F, Fut>(n: usize, c: usize, job: F) -> Vec<T>
+where
+    F: Fn(usize) -> Fut + Clone + Send + 'static,
+    Fut: std::future::Future<Output = T> + Send,
+    T: Send + 'static,
+{
+    let next = Arc::new(AtomicUsize::new(0));
+    let workers: Vec<_> = (0..c)
+        .map(|_| {
+            let (next, job) = (next.clone(), job.clone());
+            tokio::spawn(async move {
+                let mut out = Vec::new();
+                loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    if i >= n {
+                        return out;
+                    }
+                    out.push(job(i).await);
+                }
+            })
+        })
+        .collect();
+    let mut all = Vec::with_capacity(n);
+    for w in workers {
+        all.extend(w.await.expect("worker"));
+    }
+    all
+}
+
+pub fn run(a: ServeBenchArgs) -> anyhow::Result<()> {
+    let mut opts = a.engine.options()?;
+    let max_c = a.concurrency.iter().copied().max().unwrap_or(1);
+    opts.max_num_seqs = opts.max_num_seqs.max(max_c.min(256));
+    opts.max_batched_tokens = opts.max_batched_tokens.max(opts.max_num_seqs);
+    let core = cpu_engine(&opts)?;
+    let backend = {
+        use kernels::Backend;
+        core.backend().describe()
+    };
+    let engine = EngineHandle::spawn(core, 1 << 20);
+    let model = opts.model.clone();
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    let levels = rt.block_on(async {
+        let cfg = GatewayConfig { served_model_name: model.clone(), record_timings: true, ..GatewayConfig::default() };
+        let state = AppState::new(cfg);
+        state.set_engine(engine.clone());
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let url = format!("http://{}/v1/completions", listener.local_addr()?);
+        tokio::spawn(router::serve(listener, state.clone(), std::future::pending()));
+        let client = reqwest::Client::builder().pool_max_idle_per_host(1024).tcp_nodelay(true).build()?;
+        // Warm up both paths.
+        http_request(&client, &url, &model, 0, 4).await?;
+        direct_request(&engine, 0, 4).await?;
+        let mut levels = Vec::new();
+        for &c in &a.concurrency {
+            let n = a.requests.unwrap_or((2 * c).max(32));
+            state.timings.lock().unwrap().clear();
+            let t0 = Instant::now();
+            let http = closed_loop(n, c, {
+                let (client, url, model, mt) = (client.clone(), url.clone(), model.clone(), a.max_tokens);
+                move |i| {
+                    let (client, url, model) = (client.clone(), url.clone(), model.clone());
+                    async move { http_request(&client, &url, &model, i, mt).await }
+                }
+            })
+            .await;
+            let http_s = t0.elapsed().as_secs_f64();
+            let t1 = Instant::now();
+            let direct = closed_loop(n, c, {
+                let (e, mt) = (engine.clone(), a.max_tokens);
+                move |i| {
+                    let e = e.clone();
+                    async move { direct_request(&e, i, mt).await }
+                }
+            })
+            .await;
+            let direct_s = t1.elapsed().as_secs_f64();
+            let http: Vec<ClientTiming> = http.into_iter().collect::<Result<_, _>>()?;
+            let direct: Vec<DirectTiming> = direct.into_iter().collect::<Result<_, _>>()?;
+            let timings: std::collections::HashMap<String, router::RequestTiming> =
+                state.timings.lock().unwrap().drain(..).map(|t| (t.id.clone(), t)).collect();
+            let (mut gw_e2e, mut gw_first, mut client_e2e_over, mut client_first_over, mut ttft) =
+                (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+            for h in &http {
+                let Some(t) = timings.get(&h.id) else { continue };
+                gw_e2e.push(t.gateway_e2e_s() * 1e3);
+                gw_first.push(t.gateway_first_token_s() * 1e3);
+                let client_e2e = h.done.duration_since(h.send).as_secs_f64();
+                let engine_e2e = t.engine_finish.duration_since(t.submitted).as_secs_f64();
+                client_e2e_over.push((client_e2e - engine_e2e) * 1e3);
+                if let Some(f) = h.first {
+                    ttft.push(f.duration_since(h.send).as_secs_f64() * 1e3);
+                    let engine_first = t.engine_first_text.duration_since(t.submitted).as_secs_f64();
+                    client_first_over.push((f.duration_since(h.send).as_secs_f64() - engine_first) * 1e3);
+                }
+            }
+            let tokens = (n * a.max_tokens) as f64;
+            let direct_ttft: Vec<f64> = direct.iter().map(|d| d.first.duration_since(d.send).as_secs_f64() * 1e3).collect();
+            let direct_e2e: Vec<f64> = direct.iter().map(|d| d.done.duration_since(d.send).as_secs_f64() * 1e3).collect();
+            let http_e2e: Vec<f64> = http.iter().map(|h| h.done.duration_since(h.send).as_secs_f64() * 1e3).collect();
+            levels.push(json!({
+                "concurrency": c,
+                "requests": n,
+                "matched_timings": gw_e2e.len(),
+                "gateway_overhead_ms": {
+                    "e2e_p50": pct(gw_e2e.clone(), 0.5), "e2e_p99": pct(gw_e2e.clone(), 0.99), "e2e_max": pct(gw_e2e, 1.0),
+                    "first_token_p50": pct(gw_first.clone(), 0.5), "first_token_p99": pct(gw_first, 0.99),
+                },
+                "client_observed_overhead_ms": {
+                    "e2e_p50": pct(client_e2e_over.clone(), 0.5), "e2e_p99": pct(client_e2e_over, 0.99),
+                    "first_token_p50": pct(client_first_over.clone(), 0.5), "first_token_p99": pct(client_first_over, 0.99),
+                },
+                "http": {"tokens_per_s": tokens / http_s, "ttft_ms_p50": pct(ttft.clone(), 0.5), "ttft_ms_p99": pct(ttft, 0.99),
+                         "e2e_ms_p50": pct(http_e2e.clone(), 0.5), "e2e_ms_p99": pct(http_e2e, 0.99),
+                         "streamed_chunks_with_text": http.iter().map(|h| h.tokens).sum::<usize>()},
+                "direct": {"tokens_per_s": tokens / direct_s, "ttft_ms_p50": pct(direct_ttft.clone(), 0.5), "ttft_ms_p99": pct(direct_ttft, 0.99),
+                           "e2e_ms_p50": pct(direct_e2e.clone(), 0.5), "e2e_ms_p99": pct(direct_e2e, 0.99)},
+                "http_over_direct_tokens_per_s": (tokens / http_s) / (tokens / direct_s),
+            }));
+        }
+        Ok::<_, anyhow::Error>(levels)
+    })?;
+    let out = json!({
+        "bench": "serve",
+        "mode": "serve (aggregated, one process)",
+        "model": model,
+        "backend": backend,
+        "max_tokens": a.max_tokens,
+        "levels": levels,
+    });
+    println!("{}", serde_json::to_string_pretty(&out)?);
+    engine.shutdown();
+    Ok(())
+}
