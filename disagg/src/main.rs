@@ -4,6 +4,7 @@
 
 mod bench;
 mod bench_serve;
+mod chat;
 mod generate;
 mod serve;
 
@@ -24,6 +25,8 @@ enum Cmd {
     Generate(generate::GenerateArgs),
     /// Serve the OpenAI-compatible API from one process (engine + gateway), like `vllm serve`.
     Serve(serve::ServeArgs),
+    /// A small interactive chat client for a running server.
+    Chat(chat::ChatArgs),
     /// Benchmarks that print JSON.
     Bench {
         #[command(subcommand)]
@@ -95,6 +98,7 @@ fn main() {
     let result = match cli.cmd {
         Cmd::Generate(a) => generate::run(a),
         Cmd::Serve(a) => serve::run(a),
+        Cmd::Chat(a) => chat::run(a),
         Cmd::Bench { what } => bench::run(what),
     };
     if let Err(e) = result {

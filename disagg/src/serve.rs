@@ -30,6 +30,9 @@ pub struct ServeArgs {
     /// Also serve the gRPC API (disagg.v1.Inference + grpc.health.v1) on this port.
     #[arg(long)]
     pub grpc_port: Option<u16>,
+    /// Export traces over OTLP/gRPC to this endpoint (e.g. http://127.0.0.1:4317).
+    #[arg(long, env = "OTEL_EXPORTER_OTLP_ENDPOINT")]
+    pub otlp_endpoint: Option<String>,
     /// Largest request body, in MiB.
     #[arg(long, default_value_t = 4)]
     pub max_body_mib: usize,
@@ -60,6 +63,12 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
         })?;
         let addr = listener.local_addr()?;
         let state = AppState::new(cfg);
+        if let Some(ep) = a.otlp_endpoint.as_deref().filter(|e| !e.is_empty()) {
+            let t = router::telemetry::Telemetry::otlp(ep, "disagg")
+                .map_err(|e| anyhow::anyhow!("cannot set up OTLP export to {ep}: {e}; check --otlp-endpoint"))?;
+            let _ = state.telemetry.set(t);
+            tracing::info!(endpoint = ep, "exporting traces over OTLP");
+        }
         // Listen first so /health can say "loading" while the model loads.
         let server = tokio::spawn(router::serve(listener, state.clone(), shutdown_signal()));
         if let Some(port) = a.grpc_port {
@@ -74,6 +83,9 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
         state.set_engine(EngineHandle::spawn(core, a.max_in_flight));
         println!("disagg serving '{}' at http://{addr}/v1", state.cfg.served_model_name);
         server.await??;
+        if let Some(t) = state.telemetry.get() {
+            t.shutdown();
+        }
         Ok::<_, anyhow::Error>(())
     })?;
     Ok(())

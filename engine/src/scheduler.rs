@@ -63,6 +63,9 @@ pub struct RequestOutput {
     pub finish: Option<FinishReason>,
     pub prompt_tokens: usize,
     pub completion_tokens: usize,
+    /// On the first output: when the request was first scheduled (its queue time ended).
+    #[serde(skip)]
+    pub scheduled_at: Option<Instant>,
 }
 
 #[derive(Clone, Debug)]
@@ -106,6 +109,8 @@ struct Sequence {
     sent: usize,
     /// Longest stop string minus one: text held back in case a stop string is forming.
     holdback: usize,
+    /// When the sequence was first scheduled.
+    scheduled_at: Option<Instant>,
 }
 
 impl Sequence {
@@ -206,6 +211,7 @@ impl<B: Backend> EngineCore<B> {
             text: String::new(),
             sent: 0,
             holdback,
+            scheduled_at: None,
         };
         self.seqs.insert(id, seq);
         self.waiting.push_back(id);
@@ -307,6 +313,7 @@ impl<B: Backend> EngineCore<B> {
             if !self.alloc.allocate(need, &mut seq.block_table) {
                 break;
             }
+            seq.scheduled_at.get_or_insert_with(Instant::now);
             self.waiting.pop_front();
             self.running.push(id);
             plan.push((id, n));
@@ -421,6 +428,7 @@ impl<B: Backend> EngineCore<B> {
             finish,
             prompt_tokens: seq.prompt_len,
             completion_tokens: n_gen,
+            scheduled_at: if n_gen == 1 { seq.scheduled_at } else { None },
         }
     }
 }

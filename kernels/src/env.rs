@@ -34,3 +34,7 @@ pub const API_KEY: &str = "DISAGG_API_KEY";
 
 /// Log filter for the servers (tracing-subscriber syntax, e.g. `info,router=debug`).
 pub const LOG: &str = "DISAGG_LOG";
+
+/// OTLP/gRPC endpoint for traces (the OpenTelemetry standard variable), used when
+/// `--otlp-endpoint` is not given. Unset: no traces are created or exported.
+pub const OTLP_ENDPOINT: &str = "OTEL_EXPORTER_OTLP_ENDPOINT";

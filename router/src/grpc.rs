@@ -136,25 +136,22 @@ impl Inference for GrpcService {
         let params = sampling(r.sampling);
         let mut stream = e.submit(prompt.clone(), params).map_err(|x: SubmitError| status(x.into()))?;
         self.state.metrics.prompt_tokens.inc_by(prompt.len() as u64);
+        let submitted = Instant::now();
         let state = self.state.clone();
         let prompt_len = prompt.len();
         let mut first = Some(prompt);
-        let mut last: Option<Instant> = None;
+        let mut tracker = crate::handlers::Tracker::new(
+            arrival,
+            &format!("grpc-{}", stream.id),
+            submitted,
+            "disagg.v1.Inference/Generate",
+        );
         let out = async_stream(move |tx| async move {
             while let Some(item) = stream.next().await {
-                let m = &state.metrics;
-                match last {
-                    None => m.time_to_first_token.observe(item.at.duration_since(arrival).as_secs_f64()),
-                    Some(p) => m.inter_token_latency.observe(item.at.duration_since(p).as_secs_f64()),
-                }
-                last = Some(item.at);
-                m.generation_tokens.inc_by(item.out.new_token_ids.len() as u64);
+                tracker.observe(&state, &item);
+                tracker.emitted(&state, &item);
                 let o = item.out;
                 let done = o.finish.is_some();
-                if let Some(f) = &o.finish {
-                    m.e2e_latency.observe(item.at.duration_since(arrival).as_secs_f64());
-                    m.request_success.with_label_values(&[f.as_str()]).inc();
-                }
                 let resp = GenerateResponse {
                     token_ids: o.new_token_ids,
                     text: o.new_text,

@@ -131,30 +131,46 @@ pub async fn detokenize(State(s): State<Arc<AppState>>, body: Body) -> AppResult
 }
 
 /// Per-choice latency accounting into the vLLM-style histograms.
-struct Tracker {
+pub(crate) struct Tracker {
     arrival: Instant,
+    submitted: Instant,
+    id: String,
+    route: &'static str,
     last: Option<Instant>,
-    /// (response id, submission time) when timings are recorded.
-    record: Option<(String, Instant)>,
+    first: Option<Instant>,
+    scheduled: Option<Instant>,
     /// Engine time of the first output that carried text, and when the gateway had its
     /// bytes ready.
     first_text: Option<(Instant, Instant)>,
+    done: bool,
 }
 
 impl Tracker {
-    fn new(s: &AppState, arrival: Instant, id: &str, submitted: Instant) -> Tracker {
-        let record = s.cfg.record_timings.then(|| (id.to_string(), submitted));
-        Tracker { arrival, last: None, record, first_text: None }
+    pub(crate) fn new(arrival: Instant, id: &str, submitted: Instant, route: &'static str) -> Tracker {
+        Tracker {
+            arrival,
+            submitted,
+            id: id.to_string(),
+            route,
+            last: None,
+            first: None,
+            scheduled: None,
+            first_text: None,
+            done: false,
+        }
     }
 
     /// Metrics for one engine output.
-    fn observe(&mut self, s: &AppState, item: &StreamItem) {
+    pub(crate) fn observe(&mut self, s: &AppState, item: &StreamItem) {
         let m = &s.metrics;
         match self.last {
             None => {
                 let ttft = item.at.duration_since(self.arrival).as_secs_f64();
                 m.time_to_first_token.observe(ttft);
-                m.queue_time.observe(ttft);
+                let sched = item.out.scheduled_at.unwrap_or(item.at);
+                m.queue_time.observe(sched.saturating_duration_since(self.submitted).as_secs_f64());
+                self.first = Some(item.at);
+                self.scheduled = item.out.scheduled_at;
             }
             Some(prev) => m.inter_token_latency.observe(item.at.duration_since(prev).as_secs_f64()),
         }
@@ -166,25 +182,52 @@ impl Tracker {
         }
     }
 
-    /// Notes that the gateway has the bytes for `item` ready to send (now).
-    fn emitted(&mut self, s: &AppState, item: &StreamItem) {
+    /// Notes that the gateway has the bytes for `item` ready to send (now); at the end,
+    /// records the request's timing and trace spans when those are enabled.
+    pub(crate) fn emitted(&mut self, s: &AppState, item: &StreamItem) {
         let now = Instant::now();
         if self.first_text.is_none() && !item.out.new_text.is_empty() {
             self.first_text = Some((item.at, now));
         }
-        if item.out.finish.is_some() {
-            if let Some((id, submitted)) = self.record.take() {
-                let (engine_first_text, emit_first_text) = self.first_text.unwrap_or((item.at, now));
-                s.timings.lock().unwrap_or_else(|e| e.into_inner()).push(crate::RequestTiming {
-                    id,
-                    arrival: self.arrival,
-                    submitted,
-                    engine_first_text,
-                    emit_first_text,
-                    engine_finish: item.at,
-                    emit_finish: now,
-                });
-            }
+        let Some(f) = &item.out.finish else { return };
+        if std::mem::replace(&mut self.done, true) {
+            return;
+        }
+        tracing::debug!(
+            request_id = %self.id,
+            route = self.route,
+            prompt_tokens = item.out.prompt_tokens,
+            completion_tokens = item.out.completion_tokens,
+            finish_reason = f.as_str(),
+            e2e_ms = now.duration_since(self.arrival).as_secs_f64() * 1e3,
+            "request finished"
+        );
+        if s.cfg.record_timings {
+            let (engine_first_text, emit_first_text) = self.first_text.unwrap_or((item.at, now));
+            s.timings.lock().unwrap_or_else(|e| e.into_inner()).push(crate::RequestTiming {
+                id: self.id.clone(),
+                arrival: self.arrival,
+                submitted: self.submitted,
+                engine_first_text,
+                emit_first_text,
+                engine_finish: item.at,
+                emit_finish: now,
+            });
+        }
+        if let Some(t) = s.telemetry.get() {
+            t.record(&crate::telemetry::RequestSpans {
+                id: &self.id,
+                route: self.route,
+                arrival: self.arrival,
+                submitted: self.submitted,
+                scheduled: self.scheduled,
+                first_token: self.first.unwrap_or(item.at),
+                finished: item.at,
+                emitted: now,
+                prompt_tokens: item.out.prompt_tokens,
+                completion_tokens: item.out.completion_tokens,
+                finish_reason: f.as_str(),
+            });
         }
     }
 }
@@ -418,7 +461,9 @@ pub async fn chat(State(s): State<Arc<AppState>>, body: Body) -> AppResult {
     };
     if !req.sampling.stream() {
         let results = futures::future::join_all(
-            streams.into_iter().map(|st| collect(st, &s, Tracker::new(&s, arrival, &format.id, submitted))),
+            streams
+                .into_iter()
+                .map(|st| collect(st, &s, Tracker::new(arrival, &format.id, submitted, "/v1/chat/completions"))),
         )
         .await;
         let mut choices = Vec::with_capacity(n);
@@ -446,7 +491,7 @@ pub async fn chat(State(s): State<Arc<AppState>>, body: Body) -> AppResult {
     Ok(EventStream {
         merged: merge(streams.into_iter().enumerate().collect()),
         pending: Default::default(),
-        trackers: (0..n).map(|_| Tracker::new(&s, arrival, &format.id, submitted)).collect(),
+        trackers: (0..n).map(|_| Tracker::new(arrival, &format.id, submitted, "/v1/chat/completions")).collect(),
         state: s.clone(),
         format,
         prompt_tokens: prompt.len(),
@@ -545,7 +590,9 @@ pub async fn completions(State(s): State<Arc<AppState>>, body: Body) -> AppResul
     let total = streams.len();
     if !req.sampling.stream() {
         let results = futures::future::join_all(
-            streams.into_iter().map(|st| collect(st, &s, Tracker::new(&s, arrival, &format.id, submitted))),
+            streams
+                .into_iter()
+                .map(|st| collect(st, &s, Tracker::new(arrival, &format.id, submitted, "/v1/completions"))),
         )
         .await;
         let mut choices = Vec::with_capacity(total);
@@ -576,7 +623,7 @@ pub async fn completions(State(s): State<Arc<AppState>>, body: Body) -> AppResul
     Ok(EventStream {
         merged: merge(streams.into_iter().enumerate().collect()),
         pending: Default::default(),
-        trackers: (0..total).map(|_| Tracker::new(&s, arrival, &format.id, submitted)).collect(),
+        trackers: (0..total).map(|_| Tracker::new(arrival, &format.id, submitted, "/v1/completions")).collect(),
         state: s.clone(),
         format,
         prompt_tokens,

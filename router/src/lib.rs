@@ -10,9 +10,10 @@
 
 pub mod error;
 pub mod grpc;
-mod handlers;
+pub(crate) mod handlers;
 pub mod metrics;
 pub mod openai;
+pub mod telemetry;
 
 use std::net::SocketAddr;
 use std::sync::{Arc, OnceLock};
@@ -91,6 +92,8 @@ pub struct AppState {
     created: u64,
     /// Filled when `cfg.record_timings` is set.
     pub timings: std::sync::Mutex<Vec<RequestTiming>>,
+    /// Set when traces are exported.
+    pub telemetry: OnceLock<telemetry::Telemetry>,
 }
 
 impl AppState {
@@ -101,6 +104,7 @@ impl AppState {
             cfg,
             created: SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
             timings: Default::default(),
+            telemetry: OnceLock::new(),
         })
     }
 
