@@ -28,8 +28,44 @@ use crate::AppState;
 
 type AppResult = Result<Response, ApiError>;
 
+/// Bytes of an oversized body read and thrown away before answering 413, so that a
+/// client still writing gets to read the answer; past this the connection is closed.
+const DRAIN_LIMIT: usize = 64 << 20;
+
 async fn read_body(s: &AppState, body: Body) -> Result<Bytes, ApiError> {
-    axum::body::to_bytes(body, s.cfg.max_body_bytes).await.map_err(|_| ApiError::too_large(s.cfg.max_body_bytes))
+    let limit = s.cfg.max_body_bytes;
+    let mut data = body.into_data_stream();
+    let mut buf = Vec::new();
+    let mut seen = 0usize;
+    while let Some(chunk) = data.next().await {
+        let chunk = chunk.map_err(|_| ApiError::invalid(None, "the request body could not be read"))?;
+        seen += chunk.len();
+        if seen <= limit {
+            buf.extend_from_slice(&chunk);
+        } else if seen > DRAIN_LIMIT {
+            break;
+        }
+    }
+    if seen > limit {
+        return Err(ApiError::too_large(limit));
+    }
+    Ok(Bytes::from(buf))
+}
+
+/// Tokenizes on the blocking pool: a prompt of megabytes takes long enough to stall the
+/// async workers (and with them every other stream) if done inline.
+async fn tokenize_off_thread(
+    tok: Arc<Tokenizer>,
+    texts: Vec<String>,
+    with_bos: bool,
+) -> Result<Vec<Vec<u32>>, ApiError> {
+    let work = move || -> Result<Vec<Vec<u32>>, ApiError> {
+        texts
+            .iter()
+            .map(|t| if with_bos { tok.encode_prompt(t) } else { tok.encode(t) }.map_err(ApiError::from))
+            .collect()
+    };
+    tokio::task::spawn_blocking(work).await.map_err(|_| ApiError::internal("tokenization failed"))?
 }
 
 fn check_model(s: &AppState, model: Option<&str>) -> Result<(), ApiError> {
@@ -90,11 +126,8 @@ pub async fn tokenize(State(s): State<Arc<AppState>>, body: Body) -> AppResult {
     check_model(&s, req.model.as_deref())?;
     let ids = match (&req.prompt, &req.messages) {
         (Some(p), None) => {
-            if req.add_special_tokens.unwrap_or(true) {
-                e.tokenizer.encode_prompt(p)?
-            } else {
-                e.tokenizer.encode(p)?
-            }
+            let with_bos = req.add_special_tokens.unwrap_or(true);
+            tokenize_off_thread(e.tokenizer.clone(), vec![p.clone()], with_bos).await?.remove(0)
         }
         (None, Some(_)) => {
             let chat = ChatRequest {
@@ -109,7 +142,7 @@ pub async fn tokenize(State(s): State<Arc<AppState>>, body: Body) -> AppResult {
                 extra: Default::default(),
             };
             let text = e.tokenizer.apply_chat_template(&chat.messages()?, req.add_generation_prompt.unwrap_or(true))?;
-            e.tokenizer.encode(&text)?
+            tokenize_off_thread(e.tokenizer.clone(), vec![text], false).await?.remove(0)
         }
         _ => return Err(ApiError::invalid(Some("prompt".into()), "give exactly one of 'prompt' or 'messages'")),
     };
@@ -446,7 +479,7 @@ pub async fn chat(State(s): State<Arc<AppState>>, body: Body) -> AppResult {
     check_model(&s, Some(&req.model))?;
     let messages = req.messages()?;
     let text = e.tokenizer.apply_chat_template(&messages, req.add_generation_prompt.unwrap_or(true))?;
-    let prompt = e.tokenizer.encode(&text)?;
+    let prompt = tokenize_off_thread(e.tokenizer.clone(), vec![text], false).await?.remove(0);
     let max_tokens = req.max_completion_tokens.or(req.sampling.max_tokens);
     let params = req.sampling.to_params(max_tokens, req.top_logprobs()?, e.limits.vocab)?;
     let n = req.sampling.n();
@@ -555,8 +588,8 @@ pub async fn completions(State(s): State<Arc<AppState>>, body: Body) -> AppResul
         ));
     }
     let prompts: Vec<Vec<u32>> = match &req.prompt {
-        Prompt::Text(t) => vec![e.tokenizer.encode_prompt(t)?],
-        Prompt::Texts(ts) => ts.iter().map(|t| e.tokenizer.encode_prompt(t)).collect::<Result<_, _>>()?,
+        Prompt::Text(t) => tokenize_off_thread(e.tokenizer.clone(), vec![t.clone()], true).await?,
+        Prompt::Texts(ts) => tokenize_off_thread(e.tokenizer.clone(), ts.clone(), true).await?,
         Prompt::Ids(ids) => vec![ids.clone()],
         Prompt::IdLists(l) => l.clone(),
     };

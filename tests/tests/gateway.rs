@@ -421,3 +421,25 @@ fn tokenize_detokenize_health_and_metrics() {
     });
     srv.wait_idle();
 }
+
+#[test]
+fn health_is_503_until_the_model_is_loaded() {
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+    rt.block_on(async {
+        let state = router::AppState::new(GatewayConfig::default());
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        tokio::spawn(router::serve(listener, state.clone(), std::future::pending()));
+        let client = reqwest::Client::new();
+        for path in ["/health", "/v1/models"] {
+            let r = client.get(format!("{url}{path}")).send().await.unwrap();
+            assert_eq!(r.status().as_u16(), 503, "{path}");
+            assert!(r.headers().contains_key("retry-after"));
+            let v: Value = serde_json::from_slice(&r.bytes().await.unwrap()).unwrap();
+            assert_error_shape(&v);
+        }
+        let (st, v) =
+            post(&client, &format!("{url}/v1/completions"), json!({"model": MODEL, "prompt": "x"}).to_string()).await;
+        assert_eq!(st, 503, "{v}");
+    });
+}
