@@ -214,8 +214,11 @@ pub fn run(a: ServeBenchArgs) -> anyhow::Result<()> {
                 state.timings.lock().unwrap().drain(..).map(|t| (t.id.clone(), t)).collect();
             let (mut gw_e2e, mut gw_first, mut client_e2e_over, mut client_first_over, mut ttft) =
                 (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+            let (mut gw_in, mut gw_out) = (Vec::new(), Vec::new());
             for h in &http {
                 let Some(t) = timings.get(&h.id) else { continue };
+                gw_in.push(t.submitted.duration_since(t.arrival).as_secs_f64() * 1e3);
+                gw_out.push(t.emit_finish.duration_since(t.engine_finish).as_secs_f64() * 1e3);
                 gw_e2e.push(t.gateway_e2e_s() * 1e3);
                 gw_first.push(t.gateway_first_token_s() * 1e3);
                 let client_e2e = h.done.duration_since(h.send).as_secs_f64();
@@ -238,6 +241,8 @@ pub fn run(a: ServeBenchArgs) -> anyhow::Result<()> {
                 "gateway_overhead_ms": {
                     "e2e_p50": pct(gw_e2e.clone(), 0.5), "e2e_p99": pct(gw_e2e.clone(), 0.99), "e2e_max": pct(gw_e2e, 1.0),
                     "first_token_p50": pct(gw_first.clone(), 0.5), "first_token_p99": pct(gw_first, 0.99),
+                    "in_p50": pct(gw_in.clone(), 0.5), "in_p99": pct(gw_in, 0.99),
+                    "out_p50": pct(gw_out.clone(), 0.5), "out_p99": pct(gw_out, 0.99),
                 },
                 "client_observed_overhead_ms": {
                     "e2e_p50": pct(client_e2e_over.clone(), 0.5), "e2e_p99": pct(client_e2e_over, 0.99),

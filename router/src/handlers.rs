@@ -59,12 +59,18 @@ async fn tokenize_off_thread(
     texts: Vec<String>,
     with_bos: bool,
 ) -> Result<Vec<Vec<u32>>, ApiError> {
+    let texts_len: usize = texts.iter().map(String::len).sum();
     let work = move || -> Result<Vec<Vec<u32>>, ApiError> {
         texts
             .iter()
             .map(|t| if with_bos { tok.encode_prompt(t) } else { tok.encode(t) }.map_err(ApiError::from))
             .collect()
     };
+    // Short prompts (the common case) take microseconds: the hop to the blocking pool
+    // would cost more than it saves.
+    if texts_len <= 32 << 10 {
+        return work();
+    }
     tokio::task::spawn_blocking(work).await.map_err(|_| ApiError::internal("tokenization failed"))?
 }
 
@@ -383,7 +389,9 @@ fn event(v: &Value) -> Event {
 /// How one endpoint shapes its streamed chunks.
 trait ChunkFormat: Send + 'static {
     /// The chunk for one engine output of choice `i`, if it carries anything.
-    fn piece(&mut self, i: usize, out: &engine::scheduler::RequestOutput) -> Option<Value>;
+    /// Returns the event's JSON text (built directly on the common path, which runs
+    /// once per token per stream).
+    fn piece(&mut self, i: usize, out: &engine::scheduler::RequestOutput) -> Option<String>;
     /// The trailing chunk with usage only.
     fn usage_chunk(&self, usage: Value) -> Value;
 }
@@ -419,8 +427,8 @@ impl<F: ChunkFormat> EventStream<F> {
                     Some((i, item)) => {
                         me.trackers[i].observe(&me.state, &item);
                         me.completion_tokens += item.out.new_token_ids.len();
-                        if let Some(v) = me.format.piece(i, &item.out) {
-                            me.pending.push_back(event(&v));
+                        if let Some(text) = me.format.piece(i, &item.out) {
+                            me.pending.push_back(Event::default().data(text));
                         }
                         me.trackers[i].emitted(&me.state, &item);
                     }
@@ -445,22 +453,56 @@ struct ChatChunks {
     model: String,
     tok: Arc<Tokenizer>,
     want_lp: bool,
+    envelope: Option<String>,
 }
 
 impl ChatChunks {
     fn chunk(&self, choices: Value) -> Value {
         json!({"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model, "choices": choices})
     }
+
+    /// `{"id":…,"object":…,"created":…,"model":…,"choices":[` for hand-built chunks.
+    fn envelope(&mut self) -> &str {
+        let (id, created, model) = (&self.id, self.created, &self.model);
+        self.envelope.get_or_insert_with(|| {
+            format!(
+                r#"{{"id":{},"object":"chat.completion.chunk","created":{created},"model":{},"choices":["#,
+                Value::from(id.as_str()),
+                Value::from(model.as_str())
+            )
+        })
+    }
+}
+
+/// `"stop"`, `"length"`, … or `null`, as JSON text.
+fn finish_json(f: &Option<FinishReason>) -> &'static str {
+    match f {
+        Some(FinishReason::Stop) => r#""stop""#,
+        Some(FinishReason::Length) => r#""length""#,
+        Some(FinishReason::Abort) => r#""abort""#,
+        None => "null",
+    }
 }
 
 impl ChunkFormat for ChatChunks {
-    fn piece(&mut self, i: usize, o: &engine::scheduler::RequestOutput) -> Option<Value> {
+    fn piece(&mut self, i: usize, o: &engine::scheduler::RequestOutput) -> Option<String> {
         if o.new_text.is_empty() && !self.want_lp && o.finish.is_none() {
             return None;
         }
-        let delta = if o.new_text.is_empty() { json!({}) } else { json!({"content": o.new_text}) };
-        let lps = if self.want_lp { chat_logprobs(&self.tok, &o.logprobs) } else { Value::Null };
-        Some(self.chunk(json!([{"index": i, "delta": delta, "logprobs": lps, "finish_reason": finish_str(&o.finish)}])))
+        if self.want_lp {
+            let delta = if o.new_text.is_empty() { json!({}) } else { json!({"content": o.new_text}) };
+            let lps = chat_logprobs(&self.tok, &o.logprobs);
+            let v = self
+                .chunk(json!([{"index": i, "delta": delta, "logprobs": lps, "finish_reason": finish_str(&o.finish)}]));
+            return Some(v.to_string());
+        }
+        let delta = if o.new_text.is_empty() {
+            "{}".to_string()
+        } else {
+            format!(r#"{{"content":{}}}"#, Value::from(o.new_text.as_str()))
+        };
+        let fin = finish_json(&o.finish);
+        Some(format!(r#"{}{{"index":{i},"delta":{delta},"logprobs":null,"finish_reason":{fin}}}]}}"#, self.envelope()))
     }
 
     fn usage_chunk(&self, usage: Value) -> Value {
@@ -491,6 +533,7 @@ pub async fn chat(State(s): State<Arc<AppState>>, body: Body) -> AppResult {
         model: s.cfg.served_model_name.clone(),
         tok: e.tokenizer.clone(),
         want_lp: params.logprobs.is_some(),
+        envelope: None,
     };
     if !req.sampling.stream() {
         let results = futures::future::join_all(
@@ -543,6 +586,7 @@ struct CompletionChunks {
     want_lp: bool,
     /// Text emitted so far per choice (for logprob text offsets).
     offsets: Vec<usize>,
+    envelope: Option<String>,
 }
 
 impl CompletionChunks {
@@ -552,17 +596,32 @@ impl CompletionChunks {
 }
 
 impl ChunkFormat for CompletionChunks {
-    fn piece(&mut self, i: usize, o: &engine::scheduler::RequestOutput) -> Option<Value> {
+    fn piece(&mut self, i: usize, o: &engine::scheduler::RequestOutput) -> Option<String> {
         if o.new_text.is_empty() && !self.want_lp && o.finish.is_none() {
             return None;
         }
-        let lps = if self.want_lp { completion_logprobs(&self.tok, &o.logprobs, self.offsets[i]) } else { Value::Null };
-        self.offsets[i] += o.new_text.len();
-        Some(
-            self.chunk(
+        if self.want_lp {
+            let lps = completion_logprobs(&self.tok, &o.logprobs, self.offsets[i]);
+            self.offsets[i] += o.new_text.len();
+            let v = self.chunk(
                 json!([{"index": i, "text": o.new_text, "logprobs": lps, "finish_reason": finish_str(&o.finish)}]),
-            ),
-        )
+            );
+            return Some(v.to_string());
+        }
+        self.offsets[i] += o.new_text.len();
+        let envelope = self.envelope.get_or_insert_with(|| {
+            format!(
+                r#"{{"id":{},"object":"text_completion","created":{},"model":{},"choices":["#,
+                Value::from(self.id.as_str()),
+                self.created,
+                Value::from(self.model.as_str())
+            )
+        });
+        Some(format!(
+            r#"{envelope}{{"index":{i},"text":{},"logprobs":null,"finish_reason":{}}}]}}"#,
+            Value::from(o.new_text.as_str()),
+            finish_json(&o.finish)
+        ))
     }
 
     fn usage_chunk(&self, usage: Value) -> Value {
@@ -619,6 +678,7 @@ pub async fn completions(State(s): State<Arc<AppState>>, body: Body) -> AppResul
         tok: e.tokenizer.clone(),
         want_lp: logprobs.is_some(),
         offsets: prefixes.iter().map(String::len).collect(),
+        envelope: None,
     };
     let total = streams.len();
     if !req.sampling.stream() {
