@@ -165,7 +165,7 @@ impl Inference for GrpcService {
                         })
                         .collect(),
                     finish_reason: finish(&o.finish),
-                    usage: done.then(|| Usage {
+                    usage: done.then_some(Usage {
                         prompt_tokens: prompt_len as u32,
                         completion_tokens: o.completion_tokens as u32,
                         cached_tokens: 0,

@@ -50,13 +50,8 @@ fn generate_streams_the_engines_tokens() {
         ] {
             let req = GenerateRequest { model: String::new(), prompt: Some(prompt), sampling: greedy(12) };
             let mut s = c.generate(req).await.unwrap().into_inner();
-            let (mut ids, mut text, mut lps, mut first, mut last): (
-                Vec<u32>,
-                String,
-                Vec<f32>,
-                Option<Vec<u32>>,
-                Option<proto::v1::GenerateResponse>,
-            ) = (vec![], String::new(), vec![], None, None);
+            let (mut ids, mut text, mut lps): (Vec<u32>, String, Vec<f32>) = (vec![], String::new(), vec![]);
+            let (mut first, mut last): (Option<Vec<u32>>, Option<proto::v1::GenerateResponse>) = (None, None);
             while let Some(r) = s.message().await.unwrap() {
                 if first.is_none() {
                     first = Some(r.prompt_token_ids.clone());
@@ -128,7 +123,7 @@ fn bad_requests_get_grpc_status_codes() {
             ),
         ];
         for (req, code) in cases {
-            let err = c.generate(req).await.err().expect("an error status");
+            let err = c.generate(req).await.expect_err("an error status");
             assert_eq!(err.code(), code, "{err:?}");
             assert!(!err.message().is_empty());
         }
