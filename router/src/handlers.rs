@@ -392,8 +392,14 @@ trait ChunkFormat: Send + 'static {
     /// Returns the event's JSON text (built directly on the common path, which runs
     /// once per token per stream).
     fn piece(&mut self, i: usize, out: &engine::scheduler::RequestOutput) -> Option<String>;
+    /// A chunk object around `choices`.
+    fn chunk(&self, choices: Value) -> Value;
     /// The trailing chunk with usage only.
-    fn usage_chunk(&self, usage: Value) -> Value;
+    fn usage_chunk(&self, usage: Value) -> Value {
+        let mut v = self.chunk(json!([]));
+        v["usage"] = usage;
+        v
+    }
 }
 
 /// Drives the merged engine streams into server-sent events: the formatter's chunks,
@@ -457,10 +463,6 @@ struct ChatChunks {
 }
 
 impl ChatChunks {
-    fn chunk(&self, choices: Value) -> Value {
-        json!({"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model, "choices": choices})
-    }
-
     /// `{"id":…,"object":…,"created":…,"model":…,"choices":[` for hand-built chunks.
     fn envelope(&mut self) -> &str {
         let (id, created, model) = (&self.id, self.created, &self.model);
@@ -485,6 +487,10 @@ fn finish_json(f: &Option<FinishReason>) -> &'static str {
 }
 
 impl ChunkFormat for ChatChunks {
+    fn chunk(&self, choices: Value) -> Value {
+        json!({"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model, "choices": choices})
+    }
+
     fn piece(&mut self, i: usize, o: &engine::scheduler::RequestOutput) -> Option<String> {
         if o.new_text.is_empty() && !self.want_lp && o.finish.is_none() {
             return None;
@@ -503,12 +509,6 @@ impl ChunkFormat for ChatChunks {
         };
         let fin = finish_json(&o.finish);
         Some(format!(r#"{}{{"index":{i},"delta":{delta},"logprobs":null,"finish_reason":{fin}}}]}}"#, self.envelope()))
-    }
-
-    fn usage_chunk(&self, usage: Value) -> Value {
-        let mut v = self.chunk(json!([]));
-        v["usage"] = usage;
-        v
     }
 }
 
@@ -589,13 +589,11 @@ struct CompletionChunks {
     envelope: Option<String>,
 }
 
-impl CompletionChunks {
+impl ChunkFormat for CompletionChunks {
     fn chunk(&self, choices: Value) -> Value {
         json!({"id": self.id, "object": "text_completion", "created": self.created, "model": self.model, "choices": choices})
     }
-}
 
-impl ChunkFormat for CompletionChunks {
     fn piece(&mut self, i: usize, o: &engine::scheduler::RequestOutput) -> Option<String> {
         if o.new_text.is_empty() && !self.want_lp && o.finish.is_none() {
             return None;
@@ -622,12 +620,6 @@ impl ChunkFormat for CompletionChunks {
             Value::from(o.new_text.as_str()),
             finish_json(&o.finish)
         ))
-    }
-
-    fn usage_chunk(&self, usage: Value) -> Value {
-        let mut v = self.chunk(json!([]));
-        v["usage"] = usage;
-        v
     }
 }
 
