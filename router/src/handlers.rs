@@ -315,6 +315,25 @@ async fn collect(mut st: RequestStream, s: &AppState, mut t: Tracker) -> Result<
     Err(ApiError::unavailable("the engine stopped before the request finished"))
 }
 
+/// Collects every choice of a non-streaming request concurrently; returns them in
+/// order with the total number of generated tokens.
+async fn collect_all(
+    streams: Vec<RequestStream>,
+    s: &AppState,
+    arrival: Instant,
+    id: &str,
+    submitted: Instant,
+    route: &'static str,
+) -> Result<(Vec<Collected>, usize), ApiError> {
+    let results = futures::future::join_all(
+        streams.into_iter().map(|st| collect(st, s, Tracker::new(arrival, id, submitted, route))),
+    )
+    .await;
+    let choices = results.into_iter().collect::<Result<Vec<_>, _>>()?;
+    let completion = choices.iter().map(|c| c.ids.len()).sum();
+    Ok((choices, completion))
+}
+
 fn finish_str(f: &Option<FinishReason>) -> Value {
     match f {
         Some(FinishReason::Stop) => "stop".into(),
@@ -536,17 +555,10 @@ pub async fn chat(State(s): State<Arc<AppState>>, body: Body) -> AppResult {
         envelope: None,
     };
     if !req.sampling.stream() {
-        let results = futures::future::join_all(
-            streams
-                .into_iter()
-                .map(|st| collect(st, &s, Tracker::new(arrival, &format.id, submitted, "/v1/chat/completions"))),
-        )
-        .await;
+        let (results, completion) =
+            collect_all(streams, &s, arrival, &format.id, submitted, "/v1/chat/completions").await?;
         let mut choices = Vec::with_capacity(n);
-        let mut completion = 0;
-        for (i, r) in results.into_iter().enumerate() {
-            let c = r?;
-            completion += c.ids.len();
+        for (i, c) in results.into_iter().enumerate() {
             choices.push(json!({
                 "index": i,
                 "message": {"role": "assistant", "content": c.text},
@@ -674,17 +686,9 @@ pub async fn completions(State(s): State<Arc<AppState>>, body: Body) -> AppResul
     };
     let total = streams.len();
     if !req.sampling.stream() {
-        let results = futures::future::join_all(
-            streams
-                .into_iter()
-                .map(|st| collect(st, &s, Tracker::new(arrival, &format.id, submitted, "/v1/completions"))),
-        )
-        .await;
+        let (results, completion) = collect_all(streams, &s, arrival, &format.id, submitted, "/v1/completions").await?;
         let mut choices = Vec::with_capacity(total);
-        let mut completion = 0;
-        for (i, r) in results.into_iter().enumerate() {
-            let c = r?;
-            completion += c.ids.len();
+        for (i, c) in results.into_iter().enumerate() {
             choices.push(json!({
                 "index": i,
                 "text": format!("{}{}", prefixes[i], c.text),
