@@ -172,14 +172,17 @@ pub fn run(a: ServeBenchArgs) -> anyhow::Result<()> {
     };
     let engine = EngineHandle::spawn(core, 1 << 20);
     let model = opts.model.clone();
-    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    // The gateway runs on its own runtime, as under `disagg serve`; the load generator
+    // on another, so the gateway's tasks never queue behind the client's parsing.
+    let server_rt = tokio::runtime::Builder::new_multi_thread().thread_name("gateway").enable_all().build()?;
+    let cfg = GatewayConfig { served_model_name: model.clone(), record_timings: true, ..GatewayConfig::default() };
+    let state = AppState::new(cfg);
+    state.set_engine(engine.clone());
+    let listener = server_rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))?;
+    let url = format!("http://{}/v1/completions", listener.local_addr()?);
+    server_rt.spawn(router::serve(listener, state.clone(), std::future::pending()));
+    let rt = tokio::runtime::Builder::new_multi_thread().thread_name("load").enable_all().build()?;
     let levels = rt.block_on(async {
-        let cfg = GatewayConfig { served_model_name: model.clone(), record_timings: true, ..GatewayConfig::default() };
-        let state = AppState::new(cfg);
-        state.set_engine(engine.clone());
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-        let url = format!("http://{}/v1/completions", listener.local_addr()?);
-        tokio::spawn(router::serve(listener, state.clone(), std::future::pending()));
         let client = reqwest::Client::builder().pool_max_idle_per_host(1024).tcp_nodelay(true).build()?;
         // Warm up both paths.
         http_request(&client, &url, &model, 0, 4).await?;
