@@ -21,7 +21,10 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
 use crate::config::ModelConfig;
 use crate::sampling::SamplingParams;
-use crate::scheduler::{EngineCore, EngineStats, Limits, RequestId, RequestOutput};
+use crate::sampling::TokenLogprob;
+use crate::scheduler::{EngineCore, EngineStats, KvChunk, KvSink, Limits, RequestId, RequestOutput};
+use kernels::KvShape;
+use tokio::sync::oneshot;
 use crate::tokenizer::Tokenizer;
 use crate::EngineError;
 
@@ -33,7 +36,22 @@ pub struct StreamItem {
 }
 
 enum Command {
-    Add { id: RequestId, prompt: Vec<u32>, params: SamplingParams, tx: UnboundedSender<StreamItem> },
+    Add {
+        id: RequestId,
+        prompt: Vec<u32>,
+        params: SamplingParams,
+        tx: UnboundedSender<StreamItem>,
+        export: Option<KvSink>,
+    },
+    Reserve {
+        id: RequestId,
+        prompt: Vec<u32>,
+        params: SamplingParams,
+        tx: UnboundedSender<StreamItem>,
+        reply: oneshot::Sender<Result<usize, EngineError>>,
+    },
+    Import { id: RequestId, chunk: KvChunk },
+    Activate { id: RequestId, token: u32, logprob: Option<TokenLogprob>, reply: oneshot::Sender<Result<(), EngineError>> },
     Abort(RequestId),
     Shutdown,
 }
@@ -53,6 +71,7 @@ pub struct EngineHandle {
     pub model: Arc<ModelConfig>,
     pub limits: Limits,
     pub backend: Arc<String>,
+    pub kv_shape: KvShape,
     max_in_flight: usize,
 }
 
@@ -65,6 +84,9 @@ pub enum SubmitError {
     Overloaded(usize),
     #[error("the engine has stopped")]
     Stopped,
+    /// Valid, but this engine cannot take it now (no free KV blocks for a reservation).
+    #[error("{0}")]
+    Busy(String),
 }
 
 impl EngineHandle {
@@ -85,6 +107,7 @@ impl EngineHandle {
             model: Arc::new(core.model.cfg.clone()),
             limits: core.limits(),
             backend: Arc::new(core.backend().describe()),
+            kv_shape: core.kv_shape(),
             shared: shared.clone(),
             max_in_flight,
         };
@@ -98,6 +121,59 @@ impl EngineHandle {
     /// Submits a request. The returned stream yields its outputs; dropping it early
     /// cancels the request.
     pub fn submit(&self, prompt: Vec<u32>, params: SamplingParams) -> Result<RequestStream, SubmitError> {
+        self.start(prompt, params, |id, prompt, params, tx| Command::Add { id, prompt, params, tx, export: None })
+    }
+
+    /// Submits a prefill-only request: it ends after its first token, and the engine
+    /// thread hands its prompt's KV to `sink` layer by layer as it is computed.
+    pub fn submit_exporting(
+        &self,
+        prompt: Vec<u32>,
+        params: SamplingParams,
+        sink: KvSink,
+    ) -> Result<RequestStream, SubmitError> {
+        self.start(prompt, params, move |id, prompt, params, tx| Command::Add { id, prompt, params, tx, export: Some(sink) })
+    }
+
+    /// Reserves KV blocks for `prompt`, whose KV another worker computes: feed it with
+    /// [`EngineHandle::import_kv`], then [`EngineHandle::activate`] it. The stream
+    /// yields its outputs from the first token on; dropping it frees the blocks.
+    /// Returns the stream and the number of blocks reserved.
+    pub async fn reserve(
+        &self,
+        prompt: Vec<u32>,
+        params: SamplingParams,
+    ) -> Result<(RequestStream, usize), SubmitError> {
+        let (reply, answer) = oneshot::channel();
+        let stream = self.start(prompt, params, |id, prompt, params, tx| Command::Reserve { id, prompt, params, tx, reply })?;
+        match answer.await {
+            Ok(Ok(n)) => Ok((stream, n)),
+            Ok(Err(EngineError::Busy(m))) => Err(SubmitError::Busy(m)),
+            Ok(Err(e)) => Err(SubmitError::Invalid(e)),
+            Err(_) => Err(SubmitError::Stopped),
+        }
+    }
+
+    /// Writes a chunk of a reserved request's KV (checked by the transfer layer; an
+    /// engine-side mismatch aborts the request).
+    pub fn import_kv(&self, id: RequestId, chunk: KvChunk) {
+        let _ = self.tx.send(Command::Import { id, chunk });
+    }
+
+    /// Starts a reserved request whose KV has all been imported, with the first token
+    /// sampled by the prefill worker.
+    pub async fn activate(&self, id: RequestId, token: u32, logprob: Option<TokenLogprob>) -> Result<(), SubmitError> {
+        let (reply, answer) = oneshot::channel();
+        self.tx.send(Command::Activate { id, token, logprob, reply }).map_err(|_| SubmitError::Stopped)?;
+        answer.await.map_err(|_| SubmitError::Stopped)?.map_err(SubmitError::Invalid)
+    }
+
+    fn start(
+        &self,
+        prompt: Vec<u32>,
+        params: SamplingParams,
+        command: impl FnOnce(RequestId, Vec<u32>, SamplingParams, UnboundedSender<StreamItem>) -> Command,
+    ) -> Result<RequestStream, SubmitError> {
         self.limits.validate(&prompt, &params).map_err(SubmitError::Invalid)?;
         let n = self.shared.in_flight.fetch_add(1, Ordering::SeqCst);
         if n >= self.max_in_flight {
@@ -106,7 +182,7 @@ impl EngineHandle {
         }
         let id = self.shared.next_id.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = unbounded_channel();
-        if self.tx.send(Command::Add { id, prompt, params, tx }).is_err() {
+        if self.tx.send(command(id, prompt, params, tx)).is_err() {
             self.shared.in_flight.fetch_sub(1, Ordering::SeqCst);
             return Err(SubmitError::Stopped);
         }
@@ -205,7 +281,10 @@ fn engine_loop<B: Backend>(mut core: EngineCore<B>, rx: Receiver<Command>, share
         };
         while let Some(cmd) = first.take().or_else(|| rx.try_recv().ok()) {
             match cmd {
-                Command::Add { id, prompt, params, tx } => match core.add_request(id, prompt, params) {
+                Command::Add { id, prompt, params, tx, export } => match match export {
+                    None => core.add_request(id, prompt, params),
+                    Some(sink) => core.add_exporting(id, prompt, params, sink),
+                } {
                     Ok(()) => {
                         senders.insert(id, tx);
                     }
@@ -214,6 +293,40 @@ fn engine_loop<B: Backend>(mut core: EngineCore<B>, rx: Receiver<Command>, share
                     Err(e) => {
                         tracing::error!(request = id, error = %e, "request rejected by the engine after validation");
                         drop(tx);
+                    }
+                },
+                Command::Reserve { id, prompt, params, tx, reply } => {
+                    let r = core.reserve(id, prompt, params);
+                    let r = r.map(|()| core.reserved_blocks(id).unwrap_or(0));
+                    if r.is_ok() {
+                        senders.insert(id, tx);
+                    }
+                    let _ = reply.send(r);
+                }
+                Command::Import { id, chunk } => {
+                    if let Err(e) = core.import_kv(id, &chunk) {
+                        tracing::error!(request = id, error = %e, "KV import failed; aborting the request");
+                        core.abort(id);
+                        senders.remove(&id);
+                    }
+                }
+                Command::Activate { id, token, logprob, reply } => match core.activate(id, token, logprob) {
+                    Ok(out) => {
+                        let done = out.finish.is_some();
+                        let at = Instant::now();
+                        let sent = senders.get(&id).is_some_and(|tx| tx.send(StreamItem { out, at }).is_ok());
+                        if !sent {
+                            core.abort(id);
+                        }
+                        if done || !sent {
+                            senders.remove(&id);
+                        }
+                        let _ = reply.send(Ok(()));
+                    }
+                    Err(e) => {
+                        core.abort(id);
+                        senders.remove(&id);
+                        let _ = reply.send(Err(e));
                     }
                 },
                 Command::Abort(id) => {

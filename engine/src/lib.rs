@@ -22,4 +22,8 @@ pub enum EngineError {
     /// A request the engine cannot serve as given; the message names what to change.
     #[error("{0}")]
     InvalidRequest(String),
+    /// Valid, but the engine cannot take it now (e.g. no free KV blocks); retry later
+    /// or elsewhere.
+    #[error("{0}")]
+    Busy(String),
 }

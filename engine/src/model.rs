@@ -271,7 +271,9 @@ impl<B: Backend> Model<B> {
 
     /// Runs one step: `tokens` (laid out as `batch` says) through all layers, writing
     /// their K/V into `kv`, and the logits of the rows in `logit_rows` into `logits`
-    /// (`logit_rows.len() × vocab`).
+    /// (`logit_rows.len() × vocab`). `after_layer(backend, kv, l)` runs once layer `l`'s
+    /// K/V are in the cache (the KV transfer sends them from there while later layers
+    /// compute).
     #[allow(clippy::too_many_arguments)]
     pub fn forward(
         &self,
@@ -282,6 +284,7 @@ impl<B: Backend> Model<B> {
         batch: &StepBatch,
         logit_rows: &[u32],
         logits: &mut [f32],
+        after_layer: &mut dyn FnMut(&mut B, &B::Kv, usize),
     ) {
         let n = tokens.len();
         let m = logit_rows.len();
@@ -298,6 +301,7 @@ impl<B: Backend> Model<B> {
             be.matmul(&layer.gate_up, &ws.h, n, &mut ws.gu, false);
             be.silu_mul(&ws.gu, n, c.ffn, &mut ws.act);
             be.matmul(&layer.down, &ws.act, n, &mut ws.x, true);
+            after_layer(be, kv, l);
         }
         if m == 0 {
             return;

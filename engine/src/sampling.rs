@@ -225,6 +225,17 @@ impl Sampler {
         (token, lp)
     }
 
+    /// Records `token` as if this sampler had just sampled it elsewhere (the first
+    /// token, sampled by a prefill worker that started from the same seed): counts it
+    /// for the penalties and advances the random stream by the one draw a non-greedy
+    /// sample takes, so the rest of the sequence matches an undivided run.
+    pub fn accept(&mut self, p: &SamplingParams, token: u32) {
+        if !p.is_greedy() {
+            self.rng.next_u64();
+        }
+        *self.counts.entry(token).or_insert(0) += 1;
+    }
+
     fn draw(&mut self, p: &SamplingParams, logits: &[f32]) -> u32 {
         let inv_t = 1.0 / p.temperature;
         let c = &mut self.candidates;

@@ -16,12 +16,22 @@
 //!   had generated are prefilled again. Batch-invariant kernels make the recomputed KV
 //!   bit-identical, so its output does not change.
 //! - Per-step host work is O(batch) plus O(vocab) per sampled sequence.
+//!
+//! Disaggregation adds two kinds of request (see ARCHITECTURE.md, "KV transfer"):
+//! - *exporting* (prefill worker): an ordinary request that ends after its first token;
+//!   as each layer of each step completes, the blocks of its prompt that are final are
+//!   handed to its [`KvSink`] in the backend's transfer layout. Every block is handed
+//!   over exactly once, in block order per layer, before the request's blocks are freed.
+//! - *reserved* (decode worker): blocks for a prompt are allocated up front
+//!   ([`EngineCore::reserve`]), filled by [`EngineCore::import_kv`], and the request
+//!   joins the batch at [`EngineCore::activate`] with the first token the prefill worker
+//!   sampled. Until then it is in neither queue; aborting it frees its blocks.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::Instant;
 
-use kernels::{Backend, SeqSpan, StepBatch};
+use kernels::{Backend, KvShape, SeqSpan, StepBatch};
 use serde::Serialize;
 
 use crate::kv::{blocks_for, BlockAllocator};
@@ -31,6 +41,25 @@ use crate::tokenizer::{IncrementalDecoder, Tokenizer};
 use crate::EngineError;
 
 pub type RequestId = u64;
+
+/// One layer of a range of a sequence's blocks, in the backend's transfer layout.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KvChunk {
+    pub layer: u32,
+    /// Index of the first block in the sequence (logical, not physical).
+    pub first_block: u32,
+    pub n_blocks: u32,
+    pub data: Vec<u8>,
+}
+
+/// Receives an exporting request's KV on the engine thread; must not block.
+pub type KvSink = Box<dyn FnMut(KvChunk) + Send>;
+
+struct Export {
+    sink: KvSink,
+    /// Blocks already handed over (for every layer).
+    sent_blocks: usize,
+}
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -111,6 +140,8 @@ struct Sequence {
     holdback: usize,
     /// When the sequence was first scheduled.
     scheduled_at: Option<Instant>,
+    /// Reserved for KV arriving from elsewhere; not yet in a queue.
+    awaiting_kv: bool,
 }
 
 impl Sequence {
@@ -132,6 +163,7 @@ pub struct EngineCore<B: Backend> {
     running: Vec<RequestId>,
     logits: Vec<f32>,
     stats: EngineStats,
+    exports: HashMap<RequestId, Export>,
     // Per-step scratch, kept to avoid allocation.
     step_tokens: Vec<u32>,
     step_rows: Vec<u32>,
@@ -154,6 +186,7 @@ impl<B: Backend> EngineCore<B> {
             waiting: VecDeque::new(),
             running: Vec::new(),
             logits,
+            exports: HashMap::new(),
             step_tokens: Vec::new(),
             step_rows: Vec::new(),
         }
@@ -193,6 +226,109 @@ impl<B: Backend> EngineCore<B> {
 
     /// Queues a request. Nothing is allocated until it is scheduled.
     pub fn add_request(&mut self, id: RequestId, prompt: Vec<u32>, params: SamplingParams) -> Result<(), EngineError> {
+        let seq = self.new_sequence(id, prompt, params)?;
+        self.seqs.insert(id, seq);
+        self.waiting.push_back(id);
+        Ok(())
+    }
+
+    /// Queues a prefill-only request: it ends after its first token, and its prompt's
+    /// KV goes to `sink` layer by layer as it is computed.
+    pub fn add_exporting(
+        &mut self,
+        id: RequestId,
+        prompt: Vec<u32>,
+        mut params: SamplingParams,
+        sink: KvSink,
+    ) -> Result<(), EngineError> {
+        params.max_tokens = Some(1);
+        self.add_request(id, prompt, params)?;
+        self.exports.insert(id, Export { sink, sent_blocks: 0 });
+        Ok(())
+    }
+
+    /// Allocates the blocks for `prompt`, whose KV will arrive through
+    /// [`EngineCore::import_kv`]. Fails with [`EngineError::Busy`] when too few blocks
+    /// are free now.
+    pub fn reserve(&mut self, id: RequestId, prompt: Vec<u32>, params: SamplingParams) -> Result<(), EngineError> {
+        let mut seq = self.new_sequence(id, prompt, params)?;
+        let need = blocks_for(seq.prompt_len, self.cfg.block_size);
+        if !self.alloc.allocate(need, &mut seq.block_table) {
+            return Err(EngineError::Busy(format!(
+                "this worker has {} free KV blocks and the prompt needs {need}",
+                self.alloc.n_free()
+            )));
+        }
+        seq.awaiting_kv = true;
+        self.seqs.insert(id, seq);
+        Ok(())
+    }
+
+    /// Blocks a reserved request holds (its prompt's), while it awaits its KV.
+    pub fn reserved_blocks(&self, id: RequestId) -> Option<usize> {
+        self.seqs.get(&id).filter(|s| s.awaiting_kv).map(|s| s.block_table.len())
+    }
+
+    /// Writes one chunk of transferred KV into a reserved request's blocks.
+    pub fn import_kv(&mut self, id: RequestId, chunk: &KvChunk) -> Result<(), EngineError> {
+        let bad = |m: String| Err(EngineError::InvalidRequest(m));
+        let Some(seq) = self.seqs.get(&id).filter(|s| s.awaiting_kv) else {
+            return bad(format!("request {id} has no KV reservation"));
+        };
+        let (l, first, n) = (chunk.layer as usize, chunk.first_block as usize, chunk.n_blocks as usize);
+        if l >= self.model.cfg.n_layers || first + n > seq.block_table.len() {
+            return bad(format!(
+                "KV chunk (layer {l}, blocks {first}..{}) is outside the reservation ({} layers, {} blocks)",
+                first + n,
+                self.model.cfg.n_layers,
+                seq.block_table.len()
+            ));
+        }
+        let block_bytes = self.kv_shape().block_bytes_per_layer();
+        if chunk.data.len() != n * block_bytes {
+            return bad(format!("KV chunk has {} bytes; {n} blocks take {}", chunk.data.len(), n * block_bytes));
+        }
+        self.backend.kv_import(&mut self.kv, l, &seq.block_table[first..first + n], &chunk.data);
+        Ok(())
+    }
+
+    /// The KV cache's shape (workers exchanging KV must agree on it, bar `n_blocks`).
+    pub fn kv_shape(&self) -> KvShape {
+        self.backend.kv_shape(&self.kv)
+    }
+
+    /// Starts a reserved request whose KV has all arrived: `token` is its first output
+    /// token (sampled by the prefill worker). Returns that token's output; the request
+    /// then decodes in the batch like any other (or has finished already).
+    pub fn activate(
+        &mut self,
+        id: RequestId,
+        token: u32,
+        logprob: Option<TokenLogprob>,
+    ) -> Result<RequestOutput, EngineError> {
+        let vocab = self.model.cfg.vocab;
+        let Some(seq) = self.seqs.get_mut(&id).filter(|s| s.awaiting_kv) else {
+            return Err(EngineError::InvalidRequest(format!("request {id} has no KV reservation")));
+        };
+        if token as usize >= vocab {
+            return Err(EngineError::InvalidRequest(format!("first token {token} is out of the vocabulary")));
+        }
+        seq.awaiting_kv = false;
+        seq.n_computed = seq.prompt_len;
+        seq.scheduled_at = Some(Instant::now());
+        seq.sampler.accept(&seq.params, token);
+        seq.tokens.push(token);
+        let out = Self::emit(seq, token, logprob, &self.tokenizer);
+        if out.finish.is_some() {
+            self.finish(id);
+        } else {
+            // It holds its blocks already; admission gives it a batch slot.
+            self.waiting.push_front(id);
+        }
+        Ok(out)
+    }
+
+    fn new_sequence(&self, id: RequestId, prompt: Vec<u32>, params: SamplingParams) -> Result<Sequence, EngineError> {
         if self.seqs.contains_key(&id) {
             return Err(EngineError::InvalidRequest(format!("request id {id} is already in use")));
         }
@@ -212,10 +348,9 @@ impl<B: Backend> EngineCore<B> {
             sent: 0,
             holdback,
             scheduled_at: None,
+            awaiting_kv: false,
         };
-        self.seqs.insert(id, seq);
-        self.waiting.push_back(id);
-        Ok(())
+        Ok(seq)
     }
 
     /// Cancels a request and frees its blocks now. Returns false if it was unknown.
@@ -226,6 +361,7 @@ impl<B: Backend> EngineCore<B> {
         self.alloc.release(&mut seq.block_table);
         self.running.retain(|r| *r != id);
         self.waiting.retain(|r| *r != id);
+        self.exports.remove(&id);
         true
     }
 
@@ -262,6 +398,7 @@ impl<B: Backend> EngineCore<B> {
                 &batch,
                 if last { &rows[..] } else { &[] },
                 &mut self.logits,
+                &mut |_, _, _| {},
             );
             pos += n;
         }
@@ -343,6 +480,20 @@ impl<B: Backend> EngineCore<B> {
             }
         }
         let batch = StepBatch { n_tokens: self.step_tokens.len(), seqs: &spans, block_size: self.cfg.block_size };
+        // Exporting sequences: (export, blocks final after this step, their physical ids).
+        let bs = self.cfg.block_size;
+        let mut exporting: Vec<(&mut Export, usize, &[u32])> = Vec::new();
+        if !self.exports.is_empty() {
+            for (id, ex) in self.exports.iter_mut() {
+                let Some(&(_, n)) = plan.iter().find(|p| p.0 == *id) else { continue };
+                let seq = &self.seqs[id];
+                let done = seq.n_computed + n;
+                let upto = if done >= seq.prompt_len { blocks_for(seq.prompt_len, bs) } else { done / bs };
+                if upto > ex.sent_blocks {
+                    exporting.push((ex, upto, &seq.block_table[..upto]));
+                }
+            }
+        }
         self.model.forward(
             &mut self.backend,
             &mut self.ws,
@@ -351,7 +502,23 @@ impl<B: Backend> EngineCore<B> {
             &batch,
             &self.step_rows,
             &mut self.logits,
+            &mut |be, kv, layer| {
+                for (ex, upto, table) in exporting.iter_mut() {
+                    let mut data = Vec::new();
+                    be.kv_export(kv, layer, &table[ex.sent_blocks..], &mut data);
+                    let chunk = KvChunk {
+                        layer: layer as u32,
+                        first_block: ex.sent_blocks as u32,
+                        n_blocks: (*upto - ex.sent_blocks) as u32,
+                        data,
+                    };
+                    (ex.sink)(chunk);
+                }
+            },
         );
+        for (ex, upto, _) in exporting {
+            ex.sent_blocks = upto;
+        }
         drop(spans);
         self.stats.steps += 1;
         self.stats.forward_tokens += self.step_tokens.len() as u64;
@@ -372,6 +539,7 @@ impl<B: Backend> EngineCore<B> {
     }
 
     fn finish(&mut self, id: RequestId) {
+        self.exports.remove(&id);
         if let Some(mut seq) = self.seqs.remove(&id) {
             self.alloc.release(&mut seq.block_table);
             self.running.retain(|r| *r != id);
@@ -382,6 +550,12 @@ impl<B: Backend> EngineCore<B> {
     fn advance(seq: &mut Sequence, logits: &mut [f32], tok: &Tokenizer) -> RequestOutput {
         let (token, logprob) = seq.sampler.sample(&seq.params, logits, seq.n_generated(), &tok.eos_ids);
         seq.tokens.push(token);
+        Self::emit(seq, token, logprob, tok)
+    }
+
+    /// Turns `token`, just appended to `seq`, into output: detokenization, stop
+    /// conditions, held-back text.
+    fn emit(seq: &mut Sequence, token: u32, logprob: Option<TokenLogprob>, tok: &Tokenizer) -> RequestOutput {
         let n_gen = seq.n_generated();
         let is_end =
             (!seq.params.ignore_eos && tok.eos_ids.contains(&token)) || seq.params.stop_token_ids.contains(&token);

@@ -146,4 +146,15 @@ pub trait Backend {
     fn gather_rows(&mut self, x: &Self::Act, rows: &[u32], dim: usize, out: &mut Self::Act);
     /// Copies the first `out.len()` elements of `x` to host memory.
     fn to_host(&mut self, x: &Self::Act, out: &mut [f32]);
+
+    /// Appends layer `layer` of the physical `blocks` to `out` in the transfer layout
+    /// ([`KvShape::block_bytes_per_layer`] bytes per block: its keys, then its values,
+    /// each `[kv_head][slot][head_dim]` in the cache's element type). The layout is the
+    /// same for every backend, so KV moves between backends unchanged.
+    /// The shape `kv` was made with.
+    fn kv_shape(&self, kv: &Self::Kv) -> KvShape;
+    fn kv_export(&mut self, kv: &Self::Kv, layer: usize, blocks: &[u32], out: &mut Vec<u8>);
+    /// Writes `data` (the transfer layout, `blocks.len()` blocks) into layer `layer` of
+    /// the physical `blocks`.
+    fn kv_import(&mut self, kv: &mut Self::Kv, layer: usize, blocks: &[u32], data: &[u8]);
 }

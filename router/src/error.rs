@@ -155,6 +155,7 @@ impl From<EngineError> for ApiError {
             }
             EngineError::Unsupported(m) => ApiError::invalid(None, m),
             EngineError::Model(m) => ApiError::internal(m),
+            EngineError::Busy(m) => ApiError::overloaded(m),
         }
     }
 }
@@ -163,7 +164,7 @@ impl From<SubmitError> for ApiError {
     fn from(e: SubmitError) -> Self {
         match e {
             SubmitError::Invalid(e) => e.into(),
-            SubmitError::Overloaded(_) => ApiError::overloaded(e.to_string()),
+            SubmitError::Overloaded(_) | SubmitError::Busy(_) => ApiError::overloaded(e.to_string()),
             SubmitError::Stopped => ApiError::unavailable(e.to_string()),
         }
     }

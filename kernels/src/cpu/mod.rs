@@ -112,6 +112,11 @@ impl CpuKv {
         unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr() as *mut u8, v.len() * 8) }
     }
 
+    /// Bytes of one block's keys (or values) in one layer.
+    fn block_bytes_half(&self) -> usize {
+        self.shape.block_bytes_per_layer() / 2
+    }
+
     /// Byte offset of (block, head, slot-in-block) inside the K (or V) half of a layer.
     #[inline]
     fn offset(&self, block: usize, head: usize, off: usize) -> usize {
@@ -268,6 +273,34 @@ impl Backend for CpuBackend {
 
     fn act(&self, len: usize) -> Vec<f32> {
         vec![0.0; len]
+    }
+
+    fn kv_shape(&self, kv: &CpuKv) -> KvShape {
+        kv.shape
+    }
+
+    fn kv_export(&mut self, kv: &CpuKv, layer: usize, blocks: &[u32], out: &mut Vec<u8>) {
+        let half = kv.block_bytes_half();
+        let (k0, bytes) = (0, kv.layer_bytes(layer));
+        out.reserve(blocks.len() * 2 * half);
+        for &b in blocks {
+            let o = kv.offset(b as usize, 0, 0);
+            out.extend_from_slice(&bytes[k0 + o..k0 + o + half]);
+            let v = kv.half_bytes() + o;
+            out.extend_from_slice(&bytes[v..v + half]);
+        }
+    }
+
+    fn kv_import(&mut self, kv: &mut CpuKv, layer: usize, blocks: &[u32], data: &[u8]) {
+        let half = kv.block_bytes_half();
+        assert_eq!(data.len(), blocks.len() * 2 * half, "KV import of {} blocks", blocks.len());
+        let vh = kv.half_bytes();
+        let offsets: Vec<usize> = blocks.iter().map(|&b| kv.offset(b as usize, 0, 0)).collect();
+        let bytes = kv.layer_bytes_mut(layer);
+        for (o, src) in offsets.into_iter().zip(data.chunks_exact(2 * half)) {
+            bytes[o..o + half].copy_from_slice(&src[..half]);
+            bytes[vh + o..vh + o + half].copy_from_slice(&src[half..]);
+        }
     }
 
     fn kv_cache(&self, shape: KvShape) -> Result<CpuKv, KernelError> {

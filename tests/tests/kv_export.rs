@@ -1,0 +1,120 @@
+//! Disaggregation inside one process: a prompt prefilled by one engine (exporting its
+//! KV layer by layer) and decoded by another (importing it into reserved blocks) gives
+//! the same tokens as one engine doing both.
+
+use std::sync::{Arc, Mutex};
+
+use disagg_tests::{engine, test_options};
+use engine::sampling::SamplingParams;
+use engine::scheduler::{run_to_completion, EngineCore, KvChunk, RequestOutput};
+use kernels::cpu::CpuBackend;
+
+fn prompt(n: usize) -> Vec<u32> {
+    (0..n).map(|i| 100 + (i as u32 * 37) % 5000).collect()
+}
+
+/// Prefills `prompt` on `p`, moves its KV into `d`, decodes there; returns all tokens.
+fn disaggregated(
+    p: &mut EngineCore<CpuBackend>,
+    d: &mut EngineCore<CpuBackend>,
+    prompt: Vec<u32>,
+    params: SamplingParams,
+) -> (Vec<u32>, Vec<KvChunk>) {
+    let chunks = Arc::new(Mutex::new(Vec::new()));
+    let sink = chunks.clone();
+    p.add_exporting(1, prompt.clone(), params.clone(), Box::new(move |c| sink.lock().unwrap().push(c))).unwrap();
+    let mut first: Option<RequestOutput> = None;
+    while p.has_work() {
+        for o in p.step() {
+            assert!(o.finish.is_some(), "an exporting request ends after its first token");
+            first = Some(o);
+        }
+    }
+    assert_eq!(p.stats().kv_blocks_used, 0, "the prefill engine freed its blocks");
+    let first = first.expect("a first token");
+    d.reserve(7, prompt, params).unwrap();
+    let chunks = std::mem::take(&mut *chunks.lock().unwrap());
+    for c in &chunks {
+        d.import_kv(7, c).unwrap();
+    }
+    let out = d.activate(7, first.new_token_ids[0], first.logprobs.first().cloned()).unwrap();
+    let mut ids = out.new_token_ids.clone();
+    let mut done = out.finish.is_some();
+    while !done {
+        for o in d.step() {
+            ids.extend(&o.new_token_ids);
+            done |= o.finish.is_some();
+        }
+    }
+    assert_eq!(d.stats().kv_blocks_used, 0, "the decode engine freed its blocks");
+    (ids, chunks)
+}
+
+#[test]
+fn prefill_here_decode_there_equals_one_engine() {
+    // Chunked prefill on the exporting side (budget 48 tokens, block size 16), so blocks
+    // become final over several steps and the last block is partial.
+    let mut popts = test_options();
+    popts.max_batched_tokens = 48;
+    popts.max_num_seqs = 8;
+    let mut p = engine(&popts);
+    let mut d = engine(&test_options());
+    let mut one = engine(&test_options());
+    let n_layers = p.model.cfg.n_layers;
+    for (len, params) in [
+        (150, SamplingParams { max_tokens: Some(12), ..SamplingParams::greedy() }),
+        (33, SamplingParams { max_tokens: Some(10), temperature: 0.9, seed: Some(5), ..SamplingParams::default() }),
+        (
+            16,
+            SamplingParams {
+                max_tokens: Some(8),
+                temperature: 0.7,
+                top_p: 0.9,
+                seed: Some(11),
+                presence_penalty: 0.5,
+                ..SamplingParams::default()
+            },
+        ),
+    ] {
+        let expect = run_to_completion(&mut one, vec![(prompt(len), params.clone())], 1).unwrap().remove(0);
+        let (ids, chunks) = disaggregated(&mut p, &mut d, prompt(len), params);
+        assert_eq!(ids, expect.output_ids, "prompt of {len} tokens");
+        // Every (layer, block) exactly once, each layer in block order.
+        let n_blocks = len.div_ceil(16);
+        for l in 0..n_layers as u32 {
+            let mut next = 0;
+            for c in chunks.iter().filter(|c| c.layer == l) {
+                assert_eq!(c.first_block, next, "layer {l}");
+                next += c.n_blocks;
+            }
+            assert_eq!(next as usize, n_blocks, "layer {l}");
+        }
+        if len == 150 {
+            assert!(chunks.iter().filter(|c| c.layer == 0).count() >= 3, "blocks leave as prefill chunks finish");
+        }
+    }
+}
+
+#[test]
+fn reservations_are_bounded_and_aborts_free_them() {
+    let mut opts = test_options();
+    opts.kv_cache_mib = 4;
+    let mut d = engine(&opts);
+    let total = d.stats().kv_blocks_total;
+    let long = prompt(16 * (total - 1));
+    d.reserve(1, long.clone(), SamplingParams::greedy()).unwrap();
+    assert_eq!(d.stats().kv_blocks_used, total - 1);
+    let e = d.reserve(2, prompt(40), SamplingParams::greedy()).unwrap_err();
+    assert!(matches!(e, engine::EngineError::Busy(_)), "{e}");
+    assert!(e.to_string().contains("free KV blocks"), "{e}");
+    // A chunk outside the reservation or of the wrong size is refused, never written.
+    let bytes = d.kv_shape().block_bytes_per_layer();
+    let bad = KvChunk { layer: 0, first_block: (total - 1) as u32, n_blocks: 1, data: vec![0; bytes] };
+    assert!(d.import_kv(1, &bad).is_err());
+    let bad = KvChunk { layer: 0, first_block: 0, n_blocks: 1, data: vec![0; bytes - 1] };
+    assert!(d.import_kv(1, &bad).is_err());
+    assert!(d.import_kv(9, &KvChunk { layer: 0, first_block: 0, n_blocks: 1, data: vec![0; bytes] }).is_err());
+    assert!(d.abort(1));
+    assert_eq!(d.stats().kv_blocks_used, 0);
+    assert!(!d.has_work());
+}
