@@ -1,7 +1,7 @@
 // Compiles proto/ with protox (a pure-Rust protobuf compiler), so building needs no
 // system protoc.
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let files = ["proto/disagg/v1/inference.proto"];
+    let files = ["proto/disagg/v1/inference.proto", "proto/disagg/v1/worker.proto"];
     for f in files {
         println!("cargo:rerun-if-changed={f}");
     }

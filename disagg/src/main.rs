@@ -5,6 +5,7 @@
 mod bench;
 mod bench_serve;
 mod chat;
+mod cluster;
 mod generate;
 mod serve;
 
@@ -25,6 +26,14 @@ enum Cmd {
     Generate(generate::GenerateArgs),
     /// Serve the OpenAI-compatible API from one process (engine + gateway), like `vllm serve`.
     Serve(serve::ServeArgs),
+    /// A local disaggregated cluster: router, prefill and decode workers as processes.
+    Up(cluster::UpArgs),
+    /// A prefill worker (gRPC), for real deployments.
+    Prefill(cluster::WorkerArgs),
+    /// A decode worker (gRPC + KV receiver), for real deployments.
+    Decode(cluster::DecodeArgs),
+    /// The router/gateway in front of prefill and decode workers.
+    Router(cluster::RouterArgs),
     /// A small interactive chat client for a running server.
     Chat(chat::ChatArgs),
     /// Benchmarks that print JSON.
@@ -99,6 +108,10 @@ fn main() {
         Cmd::Generate(a) => generate::run(a),
         Cmd::Serve(a) => serve::run(a),
         Cmd::Chat(a) => chat::run(a),
+        Cmd::Up(a) => cluster::up(a),
+        Cmd::Prefill(a) => cluster::prefill(a),
+        Cmd::Decode(a) => cluster::decode(a),
+        Cmd::Router(a) => cluster::router(a),
         Cmd::Bench { what } => bench::run(what),
     };
     if let Err(e) = result {

@@ -35,19 +35,38 @@ pub struct StreamItem {
     pub at: Instant,
 }
 
+/// Where a request's outputs go: each item, or the error that ended the request.
+pub type Outputs = UnboundedSender<Result<StreamItem, String>>;
+
+/// An engine in another process (the disaggregated cluster, reached over gRPC),
+/// served through the same [`EngineHandle`] as a local one.
+pub trait RemoteEngine: Send + Sync + 'static {
+    /// Starts request `id`. Its outputs, in order, or the error that ended it, go to
+    /// `tx`. Dropping the returned guard cancels the request.
+    fn start(&self, id: RequestId, prompt: Vec<u32>, params: SamplingParams, tx: Outputs) -> Box<dyn Send + Sync>;
+    /// Aggregate statistics of the engines behind it.
+    fn stats(&self) -> EngineStats;
+}
+
+#[derive(Clone)]
+enum Link {
+    Local(Sender<Command>),
+    Remote(Arc<dyn RemoteEngine>),
+}
+
 enum Command {
     Add {
         id: RequestId,
         prompt: Vec<u32>,
         params: SamplingParams,
-        tx: UnboundedSender<StreamItem>,
+        tx: Outputs,
         export: Option<KvSink>,
     },
     Reserve {
         id: RequestId,
         prompt: Vec<u32>,
         params: SamplingParams,
-        tx: UnboundedSender<StreamItem>,
+        tx: Outputs,
         reply: oneshot::Sender<Result<usize, EngineError>>,
     },
     Import { id: RequestId, chunk: KvChunk },
@@ -65,7 +84,7 @@ struct Shared {
 /// A cheap, cloneable handle to an engine running on its own thread.
 #[derive(Clone)]
 pub struct EngineHandle {
-    tx: Sender<Command>,
+    link: Link,
     shared: Arc<Shared>,
     pub tokenizer: Arc<Tokenizer>,
     pub model: Arc<ModelConfig>,
@@ -102,7 +121,7 @@ impl EngineHandle {
             next_id: AtomicU64::new(1),
         });
         let handle = EngineHandle {
-            tx,
+            link: Link::Local(tx),
             tokenizer: core.tokenizer.clone(),
             model: Arc::new(core.model.cfg.clone()),
             limits: core.limits(),
@@ -116,6 +135,42 @@ impl EngineHandle {
             .spawn(move || engine_loop(core, rx, shared))
             .expect("spawning the engine thread");
         handle
+    }
+
+    /// A handle whose requests run on `remote`; `limits` and the rest describe the
+    /// engines behind it.
+    pub fn remote(
+        remote: Arc<dyn RemoteEngine>,
+        tokenizer: Arc<Tokenizer>,
+        model: Arc<ModelConfig>,
+        limits: Limits,
+        backend: String,
+        kv_shape: KvShape,
+        max_in_flight: usize,
+    ) -> EngineHandle {
+        EngineHandle {
+            link: Link::Remote(remote),
+            shared: Arc::new(Shared {
+                stats: Mutex::new(EngineStats::default()),
+                in_flight: AtomicUsize::new(0),
+                next_id: AtomicU64::new(1),
+            }),
+            tokenizer,
+            model,
+            limits,
+            backend: Arc::new(backend),
+            kv_shape,
+            max_in_flight,
+        }
+    }
+
+    fn local(&self) -> Result<&Sender<Command>, SubmitError> {
+        match &self.link {
+            Link::Local(tx) => Ok(tx),
+            Link::Remote(_) => Err(SubmitError::Invalid(EngineError::Unsupported(
+                "KV import is only possible on a local engine".into(),
+            ))),
+        }
     }
 
     /// Submits a request. The returned stream yields its outputs; dropping it early
@@ -157,14 +212,16 @@ impl EngineHandle {
     /// Writes a chunk of a reserved request's KV (checked by the transfer layer; an
     /// engine-side mismatch aborts the request).
     pub fn import_kv(&self, id: RequestId, chunk: KvChunk) {
-        let _ = self.tx.send(Command::Import { id, chunk });
+        if let Ok(tx) = self.local() {
+            let _ = tx.send(Command::Import { id, chunk });
+        }
     }
 
     /// Starts a reserved request whose KV has all been imported, with the first token
     /// sampled by the prefill worker.
     pub async fn activate(&self, id: RequestId, token: u32, logprob: Option<TokenLogprob>) -> Result<(), SubmitError> {
         let (reply, answer) = oneshot::channel();
-        self.tx.send(Command::Activate { id, token, logprob, reply }).map_err(|_| SubmitError::Stopped)?;
+        self.local()?.send(Command::Activate { id, token, logprob, reply }).map_err(|_| SubmitError::Stopped)?;
         answer.await.map_err(|_| SubmitError::Stopped)?.map_err(SubmitError::Invalid)
     }
 
@@ -172,7 +229,7 @@ impl EngineHandle {
         &self,
         prompt: Vec<u32>,
         params: SamplingParams,
-        command: impl FnOnce(RequestId, Vec<u32>, SamplingParams, UnboundedSender<StreamItem>) -> Command,
+        command: impl FnOnce(RequestId, Vec<u32>, SamplingParams, Outputs) -> Command,
     ) -> Result<RequestStream, SubmitError> {
         self.limits.validate(&prompt, &params).map_err(SubmitError::Invalid)?;
         let n = self.shared.in_flight.fetch_add(1, Ordering::SeqCst);
@@ -182,15 +239,24 @@ impl EngineHandle {
         }
         let id = self.shared.next_id.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = unbounded_channel();
-        if self.tx.send(command(id, prompt, params, tx)).is_err() {
-            self.shared.in_flight.fetch_sub(1, Ordering::SeqCst);
-            return Err(SubmitError::Stopped);
-        }
-        Ok(RequestStream { id, rx, tx: self.tx.clone(), shared: self.shared.clone(), finished: false })
+        let cancel = match &self.link {
+            Link::Local(link) => {
+                if link.send(command(id, prompt, params, tx)).is_err() {
+                    self.shared.in_flight.fetch_sub(1, Ordering::SeqCst);
+                    return Err(SubmitError::Stopped);
+                }
+                Cancel::Local(link.clone())
+            }
+            Link::Remote(r) => Cancel::Remote(Some(r.start(id, prompt, params, tx))),
+        };
+        Ok(RequestStream { id, rx, cancel, shared: self.shared.clone(), finished: false, error: None })
     }
 
     pub fn stats(&self) -> EngineStats {
-        self.shared.stats.lock().unwrap_or_else(|e| e.into_inner()).clone()
+        match &self.link {
+            Link::Local(_) => self.shared.stats.lock().unwrap_or_else(|e| e.into_inner()).clone(),
+            Link::Remote(r) => r.stats(),
+        }
     }
 
     /// Requests accepted and not yet finished or cancelled.
@@ -200,17 +266,25 @@ impl EngineHandle {
 
     /// Stops the engine thread (requests in flight end without a finish reason).
     pub fn shutdown(&self) {
-        let _ = self.tx.send(Command::Shutdown);
+        if let Link::Local(tx) = &self.link {
+            let _ = tx.send(Command::Shutdown);
+        }
     }
 }
 
 /// The outputs of one request, in order; the last one has `finish` set.
 pub struct RequestStream {
     pub id: RequestId,
-    rx: UnboundedReceiver<StreamItem>,
-    tx: Sender<Command>,
+    rx: UnboundedReceiver<Result<StreamItem, String>>,
+    cancel: Cancel,
     shared: Arc<Shared>,
     finished: bool,
+    error: Option<String>,
+}
+
+enum Cancel {
+    Local(Sender<Command>),
+    Remote(Option<Box<dyn Send + Sync>>),
 }
 
 impl RequestStream {
@@ -220,8 +294,7 @@ impl RequestStream {
             return None;
         }
         let item = self.rx.recv().await;
-        self.note(&item);
-        item
+        self.note(item)
     }
 
     /// Blocking form of [`RequestStream::next`], for synchronous callers.
@@ -230,15 +303,32 @@ impl RequestStream {
             return None;
         }
         let item = self.rx.blocking_recv();
-        self.note(&item);
-        item
+        self.note(item)
     }
 
-    fn note(&mut self, item: &Option<StreamItem>) {
+    /// Why the stream ended before the request finished, if it did.
+    pub fn error(&self) -> Option<&str> {
+        self.error.as_deref()
+    }
+
+    fn note(&mut self, item: Option<Result<StreamItem, String>>) -> Option<StreamItem> {
         match item {
-            Some(i) if i.out.finish.is_some() => self.finish(),
-            None => self.finish(),
-            _ => {}
+            Some(Ok(i)) => {
+                if i.out.finish.is_some() {
+                    self.finish();
+                }
+                Some(i)
+            }
+            Some(Err(e)) => {
+                self.error = Some(e);
+                self.finish();
+                None
+            }
+            None => {
+                self.error.get_or_insert_with(|| "the engine stopped before the request finished".into());
+                self.finish();
+                None
+            }
         }
     }
 
@@ -253,14 +343,19 @@ impl RequestStream {
 impl Drop for RequestStream {
     fn drop(&mut self) {
         if !self.finished {
-            let _ = self.tx.send(Command::Abort(self.id));
+            match &mut self.cancel {
+                Cancel::Local(tx) => {
+                    let _ = tx.send(Command::Abort(self.id));
+                }
+                Cancel::Remote(guard) => drop(guard.take()),
+            }
             self.finish();
         }
     }
 }
 
 fn engine_loop<B: Backend>(mut core: EngineCore<B>, rx: Receiver<Command>, shared: Arc<Shared>) {
-    let mut senders: HashMap<RequestId, UnboundedSender<StreamItem>> = HashMap::new();
+    let mut senders: HashMap<RequestId, Outputs> = HashMap::new();
     let publish = |core: &EngineCore<B>| {
         *shared.stats.lock().unwrap_or_else(|e| e.into_inner()) = core.stats();
     };
@@ -314,7 +409,7 @@ fn engine_loop<B: Backend>(mut core: EngineCore<B>, rx: Receiver<Command>, share
                     Ok(out) => {
                         let done = out.finish.is_some();
                         let at = Instant::now();
-                        let sent = senders.get(&id).is_some_and(|tx| tx.send(StreamItem { out, at }).is_ok());
+                        let sent = senders.get(&id).is_some_and(|tx| tx.send(Ok(StreamItem { out, at })).is_ok());
                         if !sent {
                             core.abort(id);
                         }
@@ -345,7 +440,7 @@ fn engine_loop<B: Backend>(mut core: EngineCore<B>, rx: Receiver<Command>, share
             for out in outs {
                 let id = out.id;
                 let done = out.finish.is_some();
-                let delivered = senders.get(&id).is_some_and(|tx| tx.send(StreamItem { out, at }).is_ok());
+                let delivered = senders.get(&id).is_some_and(|tx| tx.send(Ok(StreamItem { out, at })).is_ok());
                 if !delivered {
                     // The client is gone: stop spending compute and KV on it.
                     core.abort(id);

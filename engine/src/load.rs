@@ -114,26 +114,35 @@ pub fn resolve(model: &str) -> Result<ModelSource, EngineError> {
     Ok(ModelSource::Gguf(Gguf::open(&path)?))
 }
 
-/// Reads config, tokenizer and weights onto `backend`.
-pub fn load_model<B: Backend>(
-    backend: &B,
-    source: &ModelSource,
-    matrix_bytes: impl Fn(&B::Linear) -> usize,
-) -> Result<(Model<B>, Tokenizer), EngineError> {
-    let (cfg, tokenizer, weights): (ModelConfig, Tokenizer, Box<dyn WeightSource + '_>) = match source {
+/// Reads the model's config and tokenizer, not its weights (for the router).
+pub fn load_tokenizer(source: &ModelSource) -> Result<(ModelConfig, Tokenizer), EngineError> {
+    match source {
         ModelSource::Gguf(g) => {
             let tok = if g.path.with_file_name("tokenizer.json").exists() {
                 Tokenizer::from_hf_dir(g.path.parent().unwrap_or(Path::new(".")))?
             } else {
                 Tokenizer::from_gguf(g)?
             };
-            (ModelConfig::from_gguf(g)?, tok, Box::new(GgufRef(g)))
+            Ok((ModelConfig::from_gguf(g)?, tok))
         }
         ModelSource::HfDir(dir) => {
             let text = std::fs::read_to_string(dir.join("config.json"))
                 .map_err(|e| EngineError::Model(format!("cannot read config.json: {e}")))?;
-            (ModelConfig::from_hf_json(&text)?, Tokenizer::from_hf_dir(dir)?, Box::new(SafetensorsSource::open(dir)?))
+            Ok((ModelConfig::from_hf_json(&text)?, Tokenizer::from_hf_dir(dir)?))
         }
+    }
+}
+
+/// Reads config, tokenizer and weights onto `backend`.
+pub fn load_model<B: Backend>(
+    backend: &B,
+    source: &ModelSource,
+    matrix_bytes: impl Fn(&B::Linear) -> usize,
+) -> Result<(Model<B>, Tokenizer), EngineError> {
+    let (cfg, tokenizer) = load_tokenizer(source)?;
+    let weights: Box<dyn WeightSource + '_> = match source {
+        ModelSource::Gguf(g) => Box::new(GgufRef(g)),
+        ModelSource::HfDir(dir) => Box::new(SafetensorsSource::open(dir)?),
     };
     if tokenizer.vocab_size() > cfg.vocab {
         return Err(EngineError::Model(format!(

@@ -38,3 +38,8 @@ pub const LOG: &str = "DISAGG_LOG";
 /// OTLP/gRPC endpoint for traces (the OpenTelemetry standard variable), used when
 /// `--otlp-endpoint` is not given. Unset: no traces are created or exported.
 pub const OTLP_ENDPOINT: &str = "OTEL_EXPORTER_OTLP_ENDPOINT";
+
+/// Fault injection for the KV transfer of a prefill worker (tests): `corrupt` flips a
+/// byte of the second range sent after its checksum, `cut` closes the connection after
+/// the second range. Unset or `none`: no fault.
+pub const KV_FAULT: &str = "DISAGG_KV_FAULT";

@@ -11,14 +11,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use engine::handle::SubmitError;
-use engine::sampling::SamplingParams;
-use engine::scheduler::FinishReason as EngineFinish;
 use engine::tokenizer::ChatMessage;
 use futures::Stream;
 use proto::v1::inference_server::{Inference, InferenceServer};
 use proto::v1::{
-    generate_request, tokenize_request, FinishReason, GenerateRequest, GenerateResponse, ModelInfoRequest,
-    ModelInfoResponse, TokenLogprob, TokenizeRequest, TokenizeResponse, TopLogprob, Usage,
+    generate_request, tokenize_request, GenerateRequest, GenerateResponse, ModelInfoRequest, ModelInfoResponse,
+    TokenizeRequest, TokenizeResponse,
 };
 use subtle::ConstantTimeEq;
 use tonic::{Request, Response, Status};
@@ -78,38 +76,6 @@ impl GrpcService {
     }
 }
 
-fn sampling(p: Option<proto::v1::SamplingParams>) -> SamplingParams {
-    let p = p.unwrap_or_default();
-    let d = SamplingParams::default();
-    SamplingParams {
-        max_tokens: p.max_tokens.map(|m| m as usize),
-        min_tokens: p.min_tokens as usize,
-        temperature: p.temperature.unwrap_or(d.temperature),
-        top_k: p.top_k.unwrap_or(d.top_k),
-        top_p: p.top_p.unwrap_or(d.top_p),
-        min_p: p.min_p.unwrap_or(d.min_p),
-        seed: p.seed,
-        repetition_penalty: p.repetition_penalty.unwrap_or(d.repetition_penalty),
-        presence_penalty: p.presence_penalty.unwrap_or(d.presence_penalty),
-        frequency_penalty: p.frequency_penalty.unwrap_or(d.frequency_penalty),
-        stop: p.stop,
-        stop_token_ids: p.stop_token_ids,
-        ignore_eos: p.ignore_eos,
-        logprobs: p.logprobs.map(|n| n as usize),
-        logit_bias: p.logit_bias.into_iter().collect(),
-        skip_special_tokens: p.skip_special_tokens.unwrap_or(true),
-    }
-}
-
-fn finish(f: &Option<EngineFinish>) -> i32 {
-    (match f {
-        None => FinishReason::Unspecified,
-        Some(EngineFinish::Stop) => FinishReason::Stop,
-        Some(EngineFinish::Length) => FinishReason::Length,
-        Some(EngineFinish::Abort) => FinishReason::Abort,
-    }) as i32
-}
-
 type GenStream = Pin<Box<dyn Stream<Item = Result<GenerateResponse, Status>> + Send>>;
 
 #[tonic::async_trait]
@@ -133,7 +99,7 @@ impl Inference for GrpcService {
             }
             None => return Err(Status::invalid_argument("prompt: give text, token_ids or chat")),
         };
-        let params = sampling(r.sampling);
+        let params = rpc::sampling_from_proto(r.sampling);
         let mut stream = e.submit(prompt.clone(), params).map_err(|x: SubmitError| status(x.into()))?;
         self.state.metrics.prompt_tokens.inc_by(prompt.len() as u64);
         let submitted = Instant::now();
@@ -152,31 +118,16 @@ impl Inference for GrpcService {
                 tracker.emitted(&state, &item);
                 let o = item.out;
                 let done = o.finish.is_some();
-                let resp = GenerateResponse {
-                    token_ids: o.new_token_ids,
-                    text: o.new_text,
-                    logprobs: o
-                        .logprobs
-                        .into_iter()
-                        .map(|l| TokenLogprob {
-                            token_id: l.token,
-                            logprob: l.logprob,
-                            top: l.top.into_iter().map(|(t, x)| TopLogprob { token_id: t, logprob: x }).collect(),
-                        })
-                        .collect(),
-                    finish_reason: finish(&o.finish),
-                    usage: done.then_some(Usage {
-                        prompt_tokens: prompt_len as u32,
-                        completion_tokens: o.completion_tokens as u32,
-                        cached_tokens: 0,
-                    }),
-                    prompt_token_ids: first.take().unwrap_or_default(),
-                };
+                let mut resp = rpc::output_to_proto(o, first.take().unwrap_or_default());
+                if let Some(u) = resp.usage.as_mut() {
+                    u.prompt_tokens = prompt_len as u32;
+                }
                 if tx.send(Ok(resp)).await.is_err() || done {
                     return;
                 }
             }
-            let _ = tx.send(Err(Status::unavailable("the engine stopped before the request finished"))).await;
+            let reason = stream.error().unwrap_or("the engine stopped before the request finished").to_string();
+            let _ = tx.send(Err(Status::unavailable(reason))).await;
         });
         Ok(Response::new(out))
     }

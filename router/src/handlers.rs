@@ -312,7 +312,7 @@ async fn collect(mut st: RequestStream, s: &AppState, mut t: Tracker) -> Result<
             return Ok(c);
         }
     }
-    Err(ApiError::unavailable("the engine stopped before the request finished"))
+    Err(ApiError::unavailable(st.error().unwrap_or("the engine stopped before the request finished")))
 }
 
 /// Collects every choice of a non-streaming request concurrently; returns them in
@@ -393,10 +393,18 @@ fn usage(prompt: usize, completion: usize) -> Value {
     })
 }
 
-/// One merged stream over several choices: `(choice index, item)`.
-fn merge(streams: Vec<(usize, RequestStream)>) -> BoxStream<'static, (usize, StreamItem)> {
+/// One merged stream over several choices: `(choice index, item)`, or the reason a
+/// choice ended without finishing (once, as its last element).
+fn merge(streams: Vec<(usize, RequestStream)>) -> BoxStream<'static, (usize, Result<StreamItem, String>)> {
     stream::select_all(streams.into_iter().map(|(i, st)| {
-        stream::unfold(st, move |mut st| async move { st.next().await.map(|it| ((i, it), st)) }).boxed()
+        stream::unfold(Some(st), move |st| async move {
+            let mut st = st?;
+            match st.next().await {
+                Some(it) => Some(((i, Ok(it)), Some(st))),
+                None => st.error().map(|e| ((i, Err(e.to_string())), None)),
+            }
+        })
+        .boxed()
     }))
     .boxed()
 }
@@ -425,7 +433,7 @@ trait ChunkFormat: Send + 'static {
 /// a usage chunk when asked, then `[DONE]`. Owning the streams, it cancels them when
 /// the response body is dropped (client gone).
 struct EventStream<F: ChunkFormat> {
-    merged: BoxStream<'static, (usize, StreamItem)>,
+    merged: BoxStream<'static, (usize, Result<StreamItem, String>)>,
     pending: std::collections::VecDeque<Event>,
     trackers: Vec<Tracker>,
     state: Arc<AppState>,
@@ -449,7 +457,15 @@ impl<F: ChunkFormat> EventStream<F> {
                     return None;
                 }
                 match me.merged.next().await {
-                    Some((i, item)) => {
+                    Some((_, Err(reason))) => {
+                        // A choice ended without finishing (a worker failed): say so in
+                        // the stream, as OpenAI-compatible servers do, and end it.
+                        let err = ApiError::unavailable(reason);
+                        me.pending.push_back(event(&err.body()));
+                        me.pending.push_back(Event::default().data("[DONE]"));
+                        me.done = true;
+                    }
+                    Some((i, Ok(item))) => {
                         me.trackers[i].observe(&me.state, &item);
                         me.completion_tokens += item.out.new_token_ids.len();
                         if let Some(text) = me.format.piece(i, &item.out) {

@@ -8,6 +8,7 @@
 //! `GET /v1/models`, `POST /tokenize`, `POST /detokenize`, `GET /health`, `GET /metrics`.
 //! Every error is OpenAI's JSON error shape (see [`error`]).
 
+pub mod cluster;
 pub mod error;
 pub mod grpc;
 pub(crate) mod handlers;

@@ -1,0 +1,204 @@
+//! The decode worker (`disagg decode`): `disagg.v1.DecodeWorker` over gRPC, and a KV
+//! receiver (kv-transfer) that prefill workers push into.
+//!
+//! Generate, for a request naming a prefill worker:
+//! 1. reserve KV blocks for the prompt in the engine (RESOURCE_EXHAUSTED when none);
+//! 2. register a ticket with the KV receiver for that many blocks in this layout;
+//! 3. call the prefill worker with the prompt, the receiver's address and the ticket;
+//!    meanwhile import each verified KV range into the reserved blocks as it arrives;
+//! 4. when the transfer has completed and the prefill call returned the first token,
+//!    activate the request: it joins the decode batch and its tokens stream back.
+//!
+//! Any failure before step 4 (prefill worker gone, transfer cut, checksum mismatch,
+//! timeout) ends the call with a status before the first response, and dropping the
+//! reservation frees the blocks; so the router can retry without a duplicate token.
+//! A request without a prefill worker is prefilled here (conditional disaggregation).
+#![forbid(unsafe_code)]
+
+use std::collections::HashMap;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use engine::handle::EngineHandle;
+use engine::scheduler::KvChunk;
+use kv_transfer::KvReceiver;
+use proto::v1::decode_worker_server::{DecodeWorker, DecodeWorkerServer};
+use proto::v1::prefill_worker_client::PrefillWorkerClient;
+use proto::v1::{DecodeRequest, GenerateResponse, PrefillRequest, WorkerInfo, WorkerInfoRequest};
+use tonic::transport::Channel;
+use tonic::{Request, Response, Status};
+
+/// How long a request may wait for its prefill and KV transfer.
+const PREFILL_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// Per-role metrics of a decode worker.
+pub struct DecodeMetrics {
+    pub registry: prometheus::Registry,
+    pub requests: prometheus::IntCounter,
+    pub local_prefills: prometheus::IntCounter,
+    pub failures: prometheus::IntCounter,
+    pub transfer_bytes: prometheus::IntCounter,
+    pub transfer_seconds: prometheus::Histogram,
+}
+
+impl DecodeMetrics {
+    fn new() -> Self {
+        let registry = prometheus::Registry::new();
+        let c = |n: &str, h: &str| prometheus::IntCounter::new(n, h).unwrap();
+        let requests = c("disagg:decode_requests_total", "Requests served by this decode worker");
+        let local_prefills = c("disagg:decode_local_prefills_total", "Requests prefilled on this decode worker");
+        let failures = c("disagg:decode_prefill_failures_total", "Requests whose remote prefill or transfer failed");
+        let transfer_bytes = c("disagg:kv_transfer_received_bytes_total", "KV bytes received from prefill workers");
+        let transfer_seconds = prometheus::Histogram::with_opts(
+            prometheus::HistogramOpts::new(
+                "disagg:kv_transfer_wait_seconds",
+                "Reservation to activation: remote prefill plus KV transfer, as the decode worker waits",
+            )
+            .buckets(prometheus::exponential_buckets(0.001, 2.0, 16).unwrap()),
+        )
+        .unwrap();
+        for m in [&requests, &local_prefills, &failures, &transfer_bytes] {
+            registry.register(Box::new(m.clone())).unwrap();
+        }
+        registry.register(Box::new(transfer_seconds.clone())).unwrap();
+        DecodeMetrics { registry, requests, local_prefills, failures, transfer_bytes, transfer_seconds }
+    }
+}
+
+pub struct DecodeService {
+    engine: EngineHandle,
+    receiver: Arc<KvReceiver>,
+    /// host:port prefill workers connect to (the receiver's address as others see it).
+    kv_addr: String,
+    clients: Mutex<HashMap<String, PrefillWorkerClient<Channel>>>,
+    pub metrics: Arc<DecodeMetrics>,
+}
+
+impl DecodeService {
+    /// `kv_host` is the host prefill workers use to reach this worker's receiver.
+    pub fn new(engine: EngineHandle, receiver: Arc<KvReceiver>, kv_host: &str) -> Self {
+        let kv_addr = format!("{kv_host}:{}", receiver.local_addr().port());
+        DecodeService {
+            engine,
+            receiver,
+            kv_addr,
+            clients: Mutex::new(HashMap::new()),
+            metrics: Arc::new(DecodeMetrics::new()),
+        }
+    }
+
+    pub fn into_server(self) -> DecodeWorkerServer<DecodeService> {
+        DecodeWorkerServer::new(self).max_decoding_message_size(64 << 20)
+    }
+
+    fn client(&self, addr: &str) -> Result<PrefillWorkerClient<Channel>, Status> {
+        let mut m = self.clients.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(c) = m.get(addr) {
+            return Ok(c.clone());
+        }
+        let ep = Channel::from_shared(addr.to_string())
+            .map_err(|e| Status::invalid_argument(format!("prefill address {addr:?}: {e}")))?
+            .connect_timeout(Duration::from_secs(5))
+            .tcp_nodelay(true);
+        let c = PrefillWorkerClient::new(ep.connect_lazy()).max_decoding_message_size(64 << 20);
+        m.insert(addr.to_string(), c.clone());
+        Ok(c)
+    }
+
+    /// Steps 1–4 of the module docs for one request; returns its engine stream, active.
+    async fn prefill_remote(
+        &self,
+        r: DecodeRequest,
+    ) -> Result<engine::handle::RequestStream, Status> {
+        let t0 = Instant::now();
+        let params = rpc::sampling_from_proto(r.sampling.clone());
+        let (stream, n_blocks) =
+            self.engine.reserve(r.prompt_ids.clone(), params).await.map_err(rpc::submit_status)?;
+        let layout = rpc::layout_to_proto(&self.engine.kv_shape);
+        let mut inbound = self.receiver.expect(rpc::layout_from_proto(&layout), n_blocks as u32);
+        let mut client = self.client(&r.prefill)?;
+        let call = PrefillRequest {
+            prompt_ids: r.prompt_ids,
+            sampling: r.sampling,
+            kv_target: self.kv_addr.clone(),
+            ticket: inbound.ticket,
+            kv_layout: Some(layout),
+            request_id: r.request_id.clone(),
+        };
+        let prefill_addr = r.prefill.clone();
+        let prefill = async move {
+            client
+                .prefill(call)
+                .await
+                .map(|x| x.into_inner())
+                .map_err(|e| Status::unavailable(format!("prefill worker {prefill_addr}: {}", e.message())))
+        };
+        let (engine, id) = (self.engine.clone(), stream.id);
+        let import = async move {
+            let mut bytes = 0u64;
+            loop {
+                match inbound.recv().await {
+                    Ok(Some(c)) => {
+                        bytes += c.data.len() as u64;
+                        let d = c.desc;
+                        engine.import_kv(
+                            id,
+                            KvChunk { layer: d.layer, first_block: d.first_block, n_blocks: d.n_blocks, data: c.data },
+                        );
+                    }
+                    Ok(None) => return Ok(bytes),
+                    Err(e) => return Err(Status::unavailable(format!("KV transfer: {e}"))),
+                }
+            }
+        };
+        let both = async { tokio::try_join!(prefill, import) };
+        let (resp, bytes) = tokio::time::timeout(PREFILL_TIMEOUT, both)
+            .await
+            .map_err(|_| Status::unavailable("prefill and KV transfer did not complete in 120 s"))??;
+        let logprob = resp.first_logprob.map(rpc::logprob_from_proto);
+        self.engine.activate(id, resp.first_token, logprob).await.map_err(rpc::submit_status)?;
+        self.metrics.transfer_bytes.inc_by(bytes);
+        self.metrics.transfer_seconds.observe(t0.elapsed().as_secs_f64());
+        Ok(stream)
+    }
+}
+
+type GenStream = Pin<Box<dyn tokio_stream::Stream<Item = Result<GenerateResponse, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl DecodeWorker for DecodeService {
+    type GenerateStream = GenStream;
+
+    async fn generate(&self, req: Request<DecodeRequest>) -> Result<Response<GenStream>, Status> {
+        let r = req.into_inner();
+        self.metrics.requests.inc();
+        let request_id = r.request_id.clone();
+        let mut stream = if r.prefill.is_empty() {
+            self.metrics.local_prefills.inc();
+            let params = rpc::sampling_from_proto(r.sampling);
+            self.engine.submit(r.prompt_ids, params).map_err(rpc::submit_status)?
+        } else {
+            self.prefill_remote(r).await.inspect_err(|e| {
+                self.metrics.failures.inc();
+                tracing::warn!(request = %request_id, error = %e.message(), "remote prefill failed");
+            })?
+        };
+        let (tx, rx) = tokio::sync::mpsc::channel(64);
+        tokio::spawn(async move {
+            while let Some(item) = stream.next().await {
+                let done = item.out.finish.is_some();
+                if tx.send(Ok(rpc::output_to_proto(item.out, Vec::new()))).await.is_err() || done {
+                    return;
+                }
+            }
+            let reason = stream.error().unwrap_or("the engine stopped").to_string();
+            let _ = tx.send(Err(Status::unavailable(reason))).await;
+        });
+        Ok(Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx))))
+    }
+
+    async fn info(&self, _: Request<WorkerInfoRequest>) -> Result<Response<WorkerInfo>, Status> {
+        Ok(Response::new(rpc::worker_info("decode", &self.engine)))
+    }
+}

@@ -1,0 +1,385 @@
+//! The disaggregated roles: `disagg prefill`, `disagg decode`, `disagg router`, and
+//! `disagg up`, which runs them all as separate processes on loopback.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::Args;
+use engine::handle::EngineHandle;
+use engine::load::cpu_engine;
+use router::cluster::ClusterOptions;
+use router::{AppState, GatewayConfig};
+
+use crate::serve::{init_logging, shutdown_signal};
+use crate::EngineArgs;
+
+#[derive(Args, Debug)]
+pub struct WorkerArgs {
+    #[command(flatten)]
+    pub engine: EngineArgs,
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    /// gRPC port (0 picks a free one; the ready line says which).
+    #[arg(long, default_value_t = 0)]
+    pub port: u16,
+    /// Requests accepted at once; more get RESOURCE_EXHAUSTED.
+    #[arg(long, default_value_t = 1024)]
+    pub max_in_flight: usize,
+}
+
+#[derive(Args, Debug)]
+pub struct DecodeArgs {
+    #[command(flatten)]
+    pub worker: WorkerArgs,
+    /// Port of the KV receiver that prefill workers push into (0 picks one).
+    #[arg(long, default_value_t = 0)]
+    pub kv_port: u16,
+    /// Host prefill workers use to reach the KV receiver (default: --host).
+    #[arg(long)]
+    pub advertise_host: Option<String>,
+}
+
+#[derive(Args, Debug)]
+pub struct RouterArgs {
+    /// The model to tokenize for; workers must serve the same one.
+    #[arg(long, default_value = engine::fetch::EMBEDDED_NAME)]
+    pub model: String,
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    #[arg(long, default_value_t = 8000)]
+    pub port: u16,
+    /// Prefill workers' gRPC addresses (host:port or http://host:port), comma-separated.
+    #[arg(long, value_delimiter = ',', num_args = 0..)]
+    pub prefill: Vec<String>,
+    /// Decode workers' gRPC addresses, comma-separated.
+    #[arg(long, value_delimiter = ',', num_args = 1..)]
+    pub decode: Vec<String>,
+    /// Prompts shorter than this many tokens are prefilled on the decode worker
+    /// (conditional disaggregation); 0 sends every prompt to a prefill worker.
+    #[arg(long, default_value_t = 0)]
+    pub local_prefill_below: usize,
+    #[arg(long, env = "DISAGG_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
+    /// The model name clients use (default: the --model argument).
+    #[arg(long)]
+    pub served_model_name: Option<String>,
+    #[arg(long, default_value_t = 1024)]
+    pub max_in_flight: usize,
+    /// Also serve the gRPC API (disagg.v1.Inference + health) on this port.
+    #[arg(long)]
+    pub grpc_port: Option<u16>,
+}
+
+#[derive(Args, Debug)]
+pub struct UpArgs {
+    #[command(flatten)]
+    pub engine: EngineArgs,
+    /// Gateway port.
+    #[arg(long, default_value_t = 8000)]
+    pub port: u16,
+    /// Prefill workers.
+    #[arg(long, default_value_t = 1)]
+    pub prefill: usize,
+    /// Decode workers.
+    #[arg(long, default_value_t = 1)]
+    pub decode: usize,
+    /// See `disagg router --local-prefill-below`.
+    #[arg(long, default_value_t = 0)]
+    pub local_prefill_below: usize,
+    #[arg(long, env = "DISAGG_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
+}
+
+fn grpc_url(a: &str) -> String {
+    if a.starts_with("http://") || a.starts_with("https://") {
+        a.to_string()
+    } else {
+        format!("http://{a}")
+    }
+}
+
+async fn worker_listener(host: &str, port: u16) -> anyhow::Result<tokio::net::TcpListener> {
+    tokio::net::TcpListener::bind((host, port))
+        .await
+        .map_err(|e| anyhow::anyhow!("cannot listen on {host}:{port}: {e}; choose another --port or --host"))
+}
+
+fn load(e: &EngineArgs, max_in_flight: usize) -> anyhow::Result<EngineHandle> {
+    let opts = e.options()?;
+    let core = cpu_engine(&opts)?;
+    Ok(EngineHandle::spawn(core, max_in_flight))
+}
+
+pub fn prefill(a: WorkerArgs) -> anyhow::Result<()> {
+    init_logging();
+    let engine = load(&a.engine, a.max_in_flight)?;
+    let fault: kv_transfer::Fault =
+        std::env::var(kernels::env::KV_FAULT).unwrap_or_default().parse().map_err(|e: String| anyhow::anyhow!(e))?;
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    rt.block_on(async move {
+        let listener = worker_listener(&a.host, a.port).await?;
+        let addr = listener.local_addr()?;
+        let svc = prefill_node::PrefillService::new(engine, fault);
+        let (reporter, health) = tonic_health::server::health_reporter();
+        reporter.set_serving::<proto::v1::prefill_worker_server::PrefillWorkerServer<prefill_node::PrefillService>>().await;
+        println!("disagg prefill worker ready at http://{addr}");
+        tonic::transport::Server::builder()
+            .add_service(health)
+            .add_service(svc.into_server())
+            .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(listener), shutdown_signal())
+            .await?;
+        Ok(())
+    })
+}
+
+pub fn decode(a: DecodeArgs) -> anyhow::Result<()> {
+    init_logging();
+    let w = a.worker;
+    let engine = load(&w.engine, w.max_in_flight)?;
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    rt.block_on(async move {
+        let listener = worker_listener(&w.host, w.port).await?;
+        let addr = listener.local_addr()?;
+        let receiver = kv_transfer::KvReceiver::bind(&format!("{}:{}", w.host, a.kv_port))
+            .await
+            .map_err(|e| anyhow::anyhow!("cannot listen on {}:{} for KV: {e}; choose another --kv-port", w.host, a.kv_port))?;
+        let kv_host = a.advertise_host.clone().unwrap_or_else(|| w.host.clone());
+        let kv_addr = receiver.local_addr();
+        let svc = decode_node::DecodeService::new(engine, Arc::new(receiver), &kv_host);
+        let (reporter, health) = tonic_health::server::health_reporter();
+        reporter.set_serving::<proto::v1::decode_worker_server::DecodeWorkerServer<decode_node::DecodeService>>().await;
+        println!("disagg decode worker ready at http://{addr} (KV receiver {kv_addr})");
+        tonic::transport::Server::builder()
+            .add_service(health)
+            .add_service(svc.into_server())
+            .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(listener), shutdown_signal())
+            .await?;
+        Ok(())
+    })
+}
+
+pub fn router(a: RouterArgs) -> anyhow::Result<()> {
+    init_logging();
+    if a.decode.is_empty() {
+        anyhow::bail!("give at least one decode worker with --decode HOST:PORT");
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    rt.block_on(async move {
+        let listener = tokio::net::TcpListener::bind((a.host.as_str(), a.port)).await.map_err(|e| {
+            anyhow::anyhow!("cannot listen on {}:{}: {e}; choose another --port or --host", a.host, a.port)
+        })?;
+        let addr = listener.local_addr()?;
+        let cfg = GatewayConfig {
+            served_model_name: a.served_model_name.clone().unwrap_or_else(|| a.model.clone()),
+            api_key: a.api_key.clone().filter(|k| !k.is_empty()),
+            ..GatewayConfig::default()
+        };
+        let state = AppState::new(cfg);
+        let server = tokio::spawn(router::serve(listener, state.clone(), shutdown_signal()));
+        if let Some(port) = a.grpc_port {
+            let gl = tokio::net::TcpListener::bind((a.host.as_str(), port)).await?;
+            println!("disagg gRPC at {}", gl.local_addr()?);
+            tokio::spawn(router::grpc::serve(gl, state.clone(), shutdown_signal()));
+        }
+        let opts = ClusterOptions {
+            model: a.model.clone(),
+            prefill: a.prefill.iter().map(|x| grpc_url(x)).collect(),
+            decode: a.decode.iter().map(|x| grpc_url(x)).collect(),
+            local_prefill_below: a.local_prefill_below,
+            max_in_flight: a.max_in_flight,
+            wait: Duration::from_secs(60),
+        };
+        let (handle, _cluster) = router::cluster::connect(&opts).await.map_err(|e| anyhow::anyhow!(e))?;
+        state.set_engine(handle);
+        println!("disagg serving '{}' at http://{addr}/v1", state.cfg.served_model_name);
+        server.await??;
+        Ok(())
+    })
+}
+
+/// A child process of `disagg up` and what it is.
+struct Proc {
+    name: String,
+    child: Child,
+}
+
+/// Starts `disagg ARGS…` and waits for its ready line (the one containing `marker`);
+/// returns the process and that line. Later output is passed through.
+fn spawn_role(name: &str, args: &[String], marker: &str, timeout: Duration) -> anyhow::Result<(Proc, String)> {
+    let exe = std::env::current_exe()?;
+    let mut child = Command::new(exe).args(args).stdin(Stdio::null()).stdout(Stdio::piped()).spawn()?;
+    let out = child.stdout.take().expect("piped stdout");
+    let (tx, rx) = mpsc::channel();
+    let marker = marker.to_string();
+    let label = name.to_string();
+    std::thread::spawn(move || {
+        let mut sent = false;
+        for line in BufReader::new(out).lines().map_while(Result::ok) {
+            if !sent && line.contains(&marker) {
+                let _ = tx.send(line);
+                sent = true;
+            } else {
+                println!("[{label}] {line}");
+            }
+        }
+    });
+    let mut p = Proc { name: name.to_string(), child };
+    match rx.recv_timeout(timeout) {
+        Ok(line) => Ok((p, line)),
+        Err(_) => {
+            let status = p.child.try_wait()?;
+            let _ = p.child.kill();
+            let _ = p.child.wait();
+            match status {
+                Some(s) => anyhow::bail!("the {name} exited before it was ready ({s}); its error is above"),
+                None => anyhow::bail!("the {name} was not ready within {} s", timeout.as_secs()),
+            }
+        }
+    }
+}
+
+fn url_in(line: &str) -> anyhow::Result<String> {
+    line.split_whitespace()
+        .find(|w| w.starts_with("http://"))
+        .map(|w| w.trim_end_matches("/v1").to_string())
+        .ok_or_else(|| anyhow::anyhow!("no address in the ready line {line:?}"))
+}
+
+fn stop_all(procs: &mut [Proc]) {
+    for p in procs.iter_mut() {
+        // SIGTERM first, so servers shut down cleanly; SIGKILL after a grace period.
+        let _ = Command::new("kill").arg("-TERM").arg(p.child.id().to_string()).status();
+    }
+    let deadline = std::time::Instant::now() + Duration::from_secs(3);
+    for p in procs.iter_mut() {
+        while std::time::Instant::now() < deadline {
+            if let Ok(Some(_)) = p.child.try_wait() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = p.child.kill();
+        let _ = p.child.wait();
+    }
+}
+
+pub fn up(a: UpArgs) -> anyhow::Result<()> {
+    if a.decode == 0 {
+        anyhow::bail!("--decode must be at least 1");
+    }
+    let opts = a.engine.options()?;
+    // Fetch the model once, before workers race for it.
+    engine::load::resolve(&opts.model)?;
+    let workers = a.prefill + a.decode;
+    let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    let threads = if a.engine.threads > 0 { a.engine.threads } else { (cores / workers).max(1) };
+    let e = &a.engine;
+    let engine_args = vec![
+        "--model".into(),
+        e.model.clone(),
+        "--threads".into(),
+        threads.to_string(),
+        "--kv-cache-mib".into(),
+        e.kv_cache_mib.to_string(),
+        "--kv-dtype".into(),
+        e.kv_dtype.clone(),
+        "--block-size".into(),
+        e.block_size.to_string(),
+        "--max-num-seqs".into(),
+        e.max_num_seqs.to_string(),
+        "--max-batched-tokens".into(),
+        e.max_batched_tokens.to_string(),
+        "--max-model-len".into(),
+        e.max_model_len.to_string(),
+    ];
+    let mut procs: Vec<Proc> = Vec::new();
+    let result = (|| -> anyhow::Result<String> {
+        let (mut prefill, mut decode) = (Vec::new(), Vec::new());
+        for i in 0..a.prefill {
+            let mut args = vec!["prefill".to_string(), "--port".into(), "0".into()];
+            args.extend(engine_args.iter().cloned());
+            let (p, line) = spawn_role(&format!("prefill-{i}"), &args, "prefill worker ready", Duration::from_secs(300))?;
+            procs.push(p);
+            prefill.push(url_in(&line)?);
+        }
+        for i in 0..a.decode {
+            let mut args = vec!["decode".to_string(), "--port".into(), "0".into()];
+            args.extend(engine_args.iter().cloned());
+            let (p, line) = spawn_role(&format!("decode-{i}"), &args, "decode worker ready", Duration::from_secs(300))?;
+            procs.push(p);
+            decode.push(url_in(&line)?);
+        }
+        let mut args = vec![
+            "router".to_string(),
+            "--model".into(),
+            e.model.clone(),
+            "--port".into(),
+            a.port.to_string(),
+            "--local-prefill-below".into(),
+            a.local_prefill_below.to_string(),
+            "--decode".into(),
+            decode.join(","),
+        ];
+        if !prefill.is_empty() {
+            args.push("--prefill".into());
+            args.push(prefill.join(","));
+        }
+        if let Some(k) = &a.api_key {
+            args.push("--api-key".into());
+            args.push(k.clone());
+        }
+        let (p, line) = spawn_role("router", &args, "disagg serving", Duration::from_secs(120))?;
+        procs.push(p);
+        Ok(url_in(&line)?)
+    })();
+    let url = match result {
+        Ok(u) => u,
+        Err(e) => {
+            stop_all(&mut procs);
+            return Err(e);
+        }
+    };
+    println!(
+        "disagg cluster up: {} prefill + {} decode workers ({threads} threads each), router pid {}",
+        a.prefill,
+        a.decode,
+        procs.last().map(|p| p.child.id()).unwrap_or(0)
+    );
+    println!("disagg serving '{}' at {url}/v1", e.model);
+    // Stop everything on Ctrl-C / SIGTERM, or when any process dies.
+    let (stop_tx, stop_rx) = mpsc::channel::<String>();
+    {
+        let tx = stop_tx.clone();
+        std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
+            rt.block_on(shutdown_signal());
+            let _ = tx.send(String::new());
+        });
+    }
+    let reason = loop {
+        if let Ok(r) = stop_rx.recv_timeout(Duration::from_millis(200)) {
+            break r;
+        }
+        let mut died = None;
+        for p in procs.iter_mut() {
+            if let Ok(Some(status)) = p.child.try_wait() {
+                died = Some(format!("the {} (pid {}) exited: {status}", p.name, p.child.id()));
+                break;
+            }
+        }
+        if let Some(d) = died {
+            break d;
+        }
+    };
+    stop_all(&mut procs);
+    if reason.is_empty() {
+        println!("disagg cluster stopped");
+        Ok(())
+    } else {
+        anyhow::bail!("{reason}; stopped the cluster")
+    }
+}

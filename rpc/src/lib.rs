@@ -1,0 +1,177 @@
+//! Conversions between engine types and the protobuf messages of `proto`, in one place
+//! so the router and both workers speak the same dialect.
+#![forbid(unsafe_code)]
+
+use engine::handle::SubmitError;
+use engine::sampling::{SamplingParams, TokenLogprob};
+use engine::scheduler::{FinishReason, RequestOutput};
+use engine::EngineError;
+use kernels::KvShape;
+use proto::v1 as pb;
+
+/// Sampling parameters from the wire; unset fields take the engine's defaults.
+pub fn sampling_from_proto(p: Option<pb::SamplingParams>) -> SamplingParams {
+    let p = p.unwrap_or_default();
+    let d = SamplingParams::default();
+    SamplingParams {
+        max_tokens: p.max_tokens.map(|m| m as usize),
+        min_tokens: p.min_tokens as usize,
+        temperature: p.temperature.unwrap_or(d.temperature),
+        top_k: p.top_k.unwrap_or(d.top_k),
+        top_p: p.top_p.unwrap_or(d.top_p),
+        min_p: p.min_p.unwrap_or(d.min_p),
+        seed: p.seed,
+        repetition_penalty: p.repetition_penalty.unwrap_or(d.repetition_penalty),
+        presence_penalty: p.presence_penalty.unwrap_or(d.presence_penalty),
+        frequency_penalty: p.frequency_penalty.unwrap_or(d.frequency_penalty),
+        stop: p.stop,
+        stop_token_ids: p.stop_token_ids,
+        ignore_eos: p.ignore_eos,
+        logprobs: p.logprobs.map(|n| n as usize),
+        logit_bias: p.logit_bias.into_iter().collect(),
+        skip_special_tokens: p.skip_special_tokens.unwrap_or(true),
+    }
+}
+
+/// Sampling parameters onto the wire, every field explicit (round-trips exactly).
+pub fn sampling_to_proto(p: &SamplingParams) -> pb::SamplingParams {
+    pb::SamplingParams {
+        max_tokens: p.max_tokens.map(|m| m as u32),
+        min_tokens: p.min_tokens as u32,
+        temperature: Some(p.temperature),
+        top_k: Some(p.top_k),
+        top_p: Some(p.top_p),
+        min_p: Some(p.min_p),
+        seed: p.seed,
+        repetition_penalty: Some(p.repetition_penalty),
+        presence_penalty: Some(p.presence_penalty),
+        frequency_penalty: Some(p.frequency_penalty),
+        stop: p.stop.clone(),
+        stop_token_ids: p.stop_token_ids.clone(),
+        ignore_eos: p.ignore_eos,
+        logprobs: p.logprobs.map(|n| n as u32),
+        logit_bias: p.logit_bias.iter().copied().collect(),
+        skip_special_tokens: Some(p.skip_special_tokens),
+    }
+}
+
+pub fn logprob_to_proto(l: TokenLogprob) -> pb::TokenLogprob {
+    pb::TokenLogprob {
+        token_id: l.token,
+        logprob: l.logprob,
+        top: l.top.into_iter().map(|(t, x)| pb::TopLogprob { token_id: t, logprob: x }).collect(),
+    }
+}
+
+pub fn logprob_from_proto(l: pb::TokenLogprob) -> TokenLogprob {
+    TokenLogprob { token: l.token_id, logprob: l.logprob, top: l.top.into_iter().map(|t| (t.token_id, t.logprob)).collect() }
+}
+
+pub fn finish_to_proto(f: &Option<FinishReason>) -> i32 {
+    (match f {
+        None => pb::FinishReason::Unspecified,
+        Some(FinishReason::Stop) => pb::FinishReason::Stop,
+        Some(FinishReason::Length) => pb::FinishReason::Length,
+        Some(FinishReason::Abort) => pb::FinishReason::Abort,
+    }) as i32
+}
+
+pub fn finish_from_proto(f: i32) -> Option<FinishReason> {
+    match pb::FinishReason::try_from(f).unwrap_or(pb::FinishReason::Unspecified) {
+        pb::FinishReason::Unspecified => None,
+        pb::FinishReason::Stop => Some(FinishReason::Stop),
+        pb::FinishReason::Length => Some(FinishReason::Length),
+        pb::FinishReason::Abort => Some(FinishReason::Abort),
+    }
+}
+
+/// One engine output as a streamed response (`prompt_ids` only on the first).
+pub fn output_to_proto(o: RequestOutput, prompt_ids: Vec<u32>) -> pb::GenerateResponse {
+    let done = o.finish.is_some();
+    pb::GenerateResponse {
+        token_ids: o.new_token_ids,
+        text: o.new_text,
+        logprobs: o.logprobs.into_iter().map(logprob_to_proto).collect(),
+        finish_reason: finish_to_proto(&o.finish),
+        usage: done.then_some(pb::Usage {
+            prompt_tokens: o.prompt_tokens as u32,
+            completion_tokens: o.completion_tokens as u32,
+            cached_tokens: 0,
+        }),
+        prompt_token_ids: prompt_ids,
+    }
+}
+
+/// A streamed response back into an engine output of request `id`.
+pub fn output_from_proto(r: pb::GenerateResponse, id: u64, prompt_tokens: usize, completion_tokens: usize) -> RequestOutput {
+    RequestOutput {
+        id,
+        new_token_ids: r.token_ids,
+        new_text: r.text,
+        logprobs: r.logprobs.into_iter().map(logprob_from_proto).collect(),
+        finish: finish_from_proto(r.finish_reason),
+        prompt_tokens,
+        completion_tokens,
+        scheduled_at: None,
+    }
+}
+
+pub fn layout_to_proto(s: &KvShape) -> pb::KvLayout {
+    pb::KvLayout {
+        n_layers: s.n_layers as u32,
+        block_size: s.block_size as u32,
+        n_kv_heads: s.n_kv_heads as u32,
+        head_dim: s.head_dim as u32,
+        dtype_bytes: s.dtype.bytes() as u32,
+    }
+}
+
+pub fn layout_from_proto(l: &pb::KvLayout) -> kv_transfer::KvLayout {
+    kv_transfer::KvLayout {
+        n_layers: l.n_layers,
+        block_size: l.block_size,
+        n_kv_heads: l.n_kv_heads,
+        head_dim: l.head_dim,
+        dtype_bytes: l.dtype_bytes,
+    }
+}
+
+pub fn transfer_layout(s: &KvShape) -> kv_transfer::KvLayout {
+    layout_from_proto(&layout_to_proto(s))
+}
+
+/// The model identity workers compare at registration: name and architecture.
+pub fn model_identity(c: &engine::config::ModelConfig) -> String {
+    format!(
+        "{} (layers {}, hidden {}, heads {}/{}, head dim {}, ffn {}, vocab {})",
+        c.name, c.n_layers, c.hidden, c.n_heads, c.n_kv_heads, c.head_dim, c.ffn, c.vocab
+    )
+}
+
+/// The gRPC status for a refused submission.
+pub fn submit_status(e: SubmitError) -> tonic::Status {
+    match e {
+        SubmitError::Invalid(EngineError::Busy(m)) | SubmitError::Busy(m) => tonic::Status::resource_exhausted(m),
+        SubmitError::Invalid(e) => tonic::Status::invalid_argument(e.to_string()),
+        SubmitError::Overloaded(_) => tonic::Status::resource_exhausted(e.to_string()),
+        SubmitError::Stopped => tonic::Status::unavailable(e.to_string()),
+    }
+}
+
+/// Worker info of a local engine.
+pub fn worker_info(role: &str, e: &engine::handle::EngineHandle) -> pb::WorkerInfo {
+    let st = e.stats();
+    pb::WorkerInfo {
+        role: role.into(),
+        model: model_identity(&e.model),
+        kv_layout: Some(layout_to_proto(&e.kv_shape)),
+        kv_blocks_total: st.kv_blocks_total as u32,
+        kv_blocks_used: st.kv_blocks_used as u32,
+        running: st.running as u32,
+        waiting: st.waiting as u32,
+        max_model_len: e.limits.max_model_len as u32,
+        vocab_size: e.limits.vocab as u32,
+        backend: e.backend.to_string(),
+        in_flight: e.in_flight() as u32,
+    }
+}
