@@ -107,14 +107,10 @@ impl DecodeService {
     }
 
     /// Steps 1–4 of the module docs for one request; returns its engine stream, active.
-    async fn prefill_remote(
-        &self,
-        r: DecodeRequest,
-    ) -> Result<engine::handle::RequestStream, Status> {
+    async fn prefill_remote(&self, r: DecodeRequest) -> Result<engine::handle::RequestStream, Status> {
         let t0 = Instant::now();
         let params = rpc::sampling_from_proto(r.sampling.clone());
-        let (stream, n_blocks) =
-            self.engine.reserve(r.prompt_ids.clone(), params).await.map_err(rpc::submit_status)?;
+        let (stream, n_blocks) = self.engine.reserve(r.prompt_ids.clone(), params).await.map_err(rpc::submit_status)?;
         let layout = rpc::layout_to_proto(&self.engine.kv_shape);
         let mut inbound = self.receiver.expect(rpc::layout_from_proto(&layout), n_blocks as u32);
         let mut client = self.client(&r.prefill)?;

@@ -125,7 +125,9 @@ pub fn prefill(a: WorkerArgs) -> anyhow::Result<()> {
         let addr = listener.local_addr()?;
         let svc = prefill_node::PrefillService::new(engine, fault);
         let (reporter, health) = tonic_health::server::health_reporter();
-        reporter.set_serving::<proto::v1::prefill_worker_server::PrefillWorkerServer<prefill_node::PrefillService>>().await;
+        reporter
+            .set_serving::<proto::v1::prefill_worker_server::PrefillWorkerServer<prefill_node::PrefillService>>()
+            .await;
         println!("disagg prefill worker ready at http://{addr}");
         tonic::transport::Server::builder()
             .add_service(health)
@@ -144,9 +146,9 @@ pub fn decode(a: DecodeArgs) -> anyhow::Result<()> {
     rt.block_on(async move {
         let listener = worker_listener(&w.host, w.port).await?;
         let addr = listener.local_addr()?;
-        let receiver = kv_transfer::KvReceiver::bind(&format!("{}:{}", w.host, a.kv_port))
-            .await
-            .map_err(|e| anyhow::anyhow!("cannot listen on {}:{} for KV: {e}; choose another --kv-port", w.host, a.kv_port))?;
+        let receiver = kv_transfer::KvReceiver::bind(&format!("{}:{}", w.host, a.kv_port)).await.map_err(|e| {
+            anyhow::anyhow!("cannot listen on {}:{} for KV: {e}; choose another --kv-port", w.host, a.kv_port)
+        })?;
         let kv_host = a.advertise_host.clone().unwrap_or_else(|| w.host.clone());
         let kv_addr = receiver.local_addr();
         let svc = decode_node::DecodeService::new(engine, Arc::new(receiver), &kv_host);
@@ -302,7 +304,8 @@ pub fn up(a: UpArgs) -> anyhow::Result<()> {
         for i in 0..a.prefill {
             let mut args = vec!["prefill".to_string(), "--port".into(), "0".into()];
             args.extend(engine_args.iter().cloned());
-            let (p, line) = spawn_role(&format!("prefill-{i}"), &args, "prefill worker ready", Duration::from_secs(300))?;
+            let (p, line) =
+                spawn_role(&format!("prefill-{i}"), &args, "prefill worker ready", Duration::from_secs(300))?;
             procs.push(p);
             prefill.push(url_in(&line)?);
         }
@@ -334,7 +337,7 @@ pub fn up(a: UpArgs) -> anyhow::Result<()> {
         }
         let (p, line) = spawn_role("router", &args, "disagg serving", Duration::from_secs(120))?;
         procs.push(p);
-        Ok(url_in(&line)?)
+        url_in(&line)
     })();
     let url = match result {
         Ok(u) => u,

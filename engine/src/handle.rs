@@ -23,10 +23,10 @@ use crate::config::ModelConfig;
 use crate::sampling::SamplingParams;
 use crate::sampling::TokenLogprob;
 use crate::scheduler::{EngineCore, EngineStats, KvChunk, KvSink, Limits, RequestId, RequestOutput};
-use kernels::KvShape;
-use tokio::sync::oneshot;
 use crate::tokenizer::Tokenizer;
 use crate::EngineError;
+use kernels::KvShape;
+use tokio::sync::oneshot;
 
 /// One output of a request and when the engine produced it.
 #[derive(Debug, Clone)]
@@ -69,8 +69,16 @@ enum Command {
         tx: Outputs,
         reply: oneshot::Sender<Result<usize, EngineError>>,
     },
-    Import { id: RequestId, chunk: KvChunk },
-    Activate { id: RequestId, token: u32, logprob: Option<TokenLogprob>, reply: oneshot::Sender<Result<(), EngineError>> },
+    Import {
+        id: RequestId,
+        chunk: KvChunk,
+    },
+    Activate {
+        id: RequestId,
+        token: u32,
+        logprob: Option<TokenLogprob>,
+        reply: oneshot::Sender<Result<(), EngineError>>,
+    },
     Abort(RequestId),
     Shutdown,
 }
@@ -187,7 +195,13 @@ impl EngineHandle {
         params: SamplingParams,
         sink: KvSink,
     ) -> Result<RequestStream, SubmitError> {
-        self.start(prompt, params, move |id, prompt, params, tx| Command::Add { id, prompt, params, tx, export: Some(sink) })
+        self.start(prompt, params, move |id, prompt, params, tx| Command::Add {
+            id,
+            prompt,
+            params,
+            tx,
+            export: Some(sink),
+        })
     }
 
     /// Reserves KV blocks for `prompt`, whose KV another worker computes: feed it with
@@ -200,7 +214,8 @@ impl EngineHandle {
         params: SamplingParams,
     ) -> Result<(RequestStream, usize), SubmitError> {
         let (reply, answer) = oneshot::channel();
-        let stream = self.start(prompt, params, |id, prompt, params, tx| Command::Reserve { id, prompt, params, tx, reply })?;
+        let stream =
+            self.start(prompt, params, |id, prompt, params, tx| Command::Reserve { id, prompt, params, tx, reply })?;
         match answer.await {
             Ok(Ok(n)) => Ok((stream, n)),
             Ok(Err(EngineError::Busy(m))) => Err(SubmitError::Busy(m)),

@@ -252,7 +252,8 @@ async fn serve_connection(mut s: TcpStream, reg: &Registry) -> Result<(), Transf
     }
     let u = |i: usize| u32::from_le_bytes(hello[i..i + 4].try_into().expect("4 bytes"));
     let ticket = u64::from_le_bytes(hello[4..12].try_into().expect("8 bytes"));
-    let layout = KvLayout { n_layers: u(12), block_size: u(16), n_kv_heads: u(20), head_dim: u(24), dtype_bytes: u(28) };
+    let layout =
+        KvLayout { n_layers: u(12), block_size: u(16), n_kv_heads: u(20), head_dim: u(24), dtype_bytes: u(28) };
     let n_blocks = u(32);
     // Take the registration: one connection per ticket.
     let Some(exp) = reg.expected.lock().unwrap_or_else(|e| e.into_inner()).remove(&ticket) else {
@@ -296,10 +297,9 @@ async fn receive_frames(s: &mut TcpStream, exp: &Expected) -> Result<(), Transfe
             END => {
                 return match next.iter().position(|&n| n != n_blocks) {
                     None => Ok(()),
-                    Some(l) => Err(TransferError::Protocol(format!(
-                        "END after {} of {n_blocks} blocks of layer {l}",
-                        next[l]
-                    ))),
+                    Some(l) => {
+                        Err(TransferError::Protocol(format!("END after {} of {n_blocks} blocks of layer {l}", next[l])))
+                    }
                 };
             }
             DATA => {}
@@ -311,7 +311,10 @@ async fn receive_frames(s: &mut TcpStream, exp: &Expected) -> Result<(), Transfe
         let desc = XferDesc { layer: u(0), first_block: u(4), n_blocks: u(8) };
         let sum = u(12);
         let l = desc.layer as usize;
-        if l >= next.len() || desc.first_block != next[l] || desc.n_blocks == 0 || desc.first_block + desc.n_blocks > n_blocks
+        if l >= next.len()
+            || desc.first_block != next[l]
+            || desc.n_blocks == 0
+            || desc.first_block + desc.n_blocks > n_blocks
         {
             return Err(TransferError::Protocol(format!(
                 "frame for layer {} blocks {}..{} does not continue the transfer ({} layers, {n_blocks} blocks)",
@@ -363,7 +366,8 @@ impl KvSender {
         let mut hello = Vec::with_capacity(36);
         hello.extend_from_slice(MAGIC);
         hello.extend_from_slice(&ticket.to_le_bytes());
-        for v in [layout.n_layers, layout.block_size, layout.n_kv_heads, layout.head_dim, layout.dtype_bytes, n_blocks] {
+        for v in [layout.n_layers, layout.block_size, layout.n_kv_heads, layout.head_dim, layout.dtype_bytes, n_blocks]
+        {
             hello.extend_from_slice(&v.to_le_bytes());
         }
         s.write_all(&hello).await?;

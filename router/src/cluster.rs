@@ -125,7 +125,12 @@ pub struct Cluster {
 
 impl Cluster {
     pub fn new(local_prefill_below: usize) -> Arc<Cluster> {
-        Arc::new(Cluster { workers: RwLock::new(Vec::new()), compat: Mutex::new(None), rr: AtomicUsize::new(0), local_prefill_below })
+        Arc::new(Cluster {
+            workers: RwLock::new(Vec::new()),
+            compat: Mutex::new(None),
+            rr: AtomicUsize::new(0),
+            local_prefill_below,
+        })
     }
 
     pub fn workers(&self) -> Vec<Arc<Worker>> {
@@ -143,7 +148,10 @@ impl Cluster {
             return Ok(w);
         }
         let w = Arc::new(Worker::new(addr, role)?);
-        let info = w.fetch_info().await.map_err(|e| format!("{} worker {addr} did not answer: {}", role.as_str(), e.message()))?;
+        let info = w
+            .fetch_info()
+            .await
+            .map_err(|e| format!("{} worker {addr} did not answer: {}", role.as_str(), e.message()))?;
         if info.role != role.as_str() {
             return Err(format!("worker {addr} is a {} worker, not {}", info.role, role.as_str()));
         }
@@ -180,10 +188,9 @@ impl Cluster {
             Some(mine) if mine.model != theirs.model => {
                 Err(format!("it serves model {:?}, the cluster serves {:?}", theirs.model, mine.model))
             }
-            Some(mine) if mine.kv_layout != theirs.kv_layout => Err(format!(
-                "its KV layout {:?} differs from the cluster's {:?}",
-                theirs.kv_layout, mine.kv_layout
-            )),
+            Some(mine) if mine.kv_layout != theirs.kv_layout => {
+                Err(format!("its KV layout {:?} differs from the cluster's {:?}", theirs.kv_layout, mine.kv_layout))
+            }
             Some(_) => Ok(()),
         }
     }
@@ -248,7 +255,10 @@ impl Cluster {
                     tracing::warn!(request = id, error = %last_error, "attempt failed; retrying elsewhere");
                     let retry = matches!(
                         e.code(),
-                        tonic::Code::Unavailable | tonic::Code::ResourceExhausted | tonic::Code::Unknown | tonic::Code::DeadlineExceeded
+                        tonic::Code::Unavailable
+                            | tonic::Code::ResourceExhausted
+                            | tonic::Code::Unknown
+                            | tonic::Code::DeadlineExceeded
                     );
                     if !retry {
                         let _ = tx.send(Err(e.message().to_string()));
@@ -273,7 +283,10 @@ impl Cluster {
                         }
                     }
                     Ok(None) => {
-                        let _ = tx.send(Err(format!("decode worker {} ended the stream before the request finished", d.addr)));
+                        let _ = tx.send(Err(format!(
+                            "decode worker {} ended the stream before the request finished",
+                            d.addr
+                        )));
                         return;
                     }
                     Err(e) => {
@@ -392,8 +405,12 @@ pub async fn connect(o: &ClusterOptions) -> Result<(engine::handle::EngineHandle
             }
         }
     }
-    let decodes: Vec<WorkerInfo> =
-        cluster.workers().iter().filter_map(|w| w.info.lock().unwrap_or_else(|e| e.into_inner()).clone()).filter(|i| i.role == "decode").collect();
+    let decodes: Vec<WorkerInfo> = cluster
+        .workers()
+        .iter()
+        .filter_map(|w| w.info.lock().unwrap_or_else(|e| e.into_inner()).clone())
+        .filter(|i| i.role == "decode")
+        .collect();
     let Some(first) = decodes.first() else {
         return Err("give at least one decode worker".into());
     };
@@ -403,12 +420,8 @@ pub async fn connect(o: &ClusterOptions) -> Result<(engine::handle::EngineHandle
     let layout = first.kv_layout.unwrap_or_default();
     let n_blocks = decodes.iter().map(|i| i.kv_blocks_total as usize).min().unwrap_or(0);
     let max_model_len = decodes.iter().map(|i| i.max_model_len as usize).min().unwrap_or(0);
-    let limits = engine::scheduler::Limits {
-        vocab: cfg.vocab,
-        max_model_len,
-        n_blocks,
-        block_size: layout.block_size as usize,
-    };
+    let limits =
+        engine::scheduler::Limits { vocab: cfg.vocab, max_model_len, n_blocks, block_size: layout.block_size as usize };
     let kv_shape = kernels::KvShape {
         n_layers: layout.n_layers as usize,
         n_blocks,
@@ -417,12 +430,8 @@ pub async fn connect(o: &ClusterOptions) -> Result<(engine::handle::EngineHandle
         head_dim: layout.head_dim as usize,
         dtype: if layout.dtype_bytes == 4 { kernels::KvDtype::F32 } else { kernels::KvDtype::F16 },
     };
-    let backend = format!(
-        "cluster: {} prefill + {} decode workers ({})",
-        o.prefill.len(),
-        o.decode.len(),
-        first.backend
-    );
+    let backend =
+        format!("cluster: {} prefill + {} decode workers ({})", o.prefill.len(), o.decode.len(), first.backend);
     let remote = Arc::new(ClusterEngine { cluster: cluster.clone(), rt: tokio::runtime::Handle::current() });
     let handle = engine::handle::EngineHandle::remote(
         remote,

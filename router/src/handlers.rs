@@ -581,6 +581,9 @@ pub async fn chat(State(s): State<Arc<AppState>>, body: Body) -> AppResult {
                 "logprobs": if format.want_lp { chat_logprobs(&e.tokenizer, &c.logprobs) } else { Value::Null },
                 "finish_reason": finish_str(&c.finish),
             }));
+            if req.sampling.return_token_ids == Some(true) {
+                choices[i]["token_ids"] = json!(c.ids);
+            }
         }
         return Ok(Json(json!({
             "id": format.id, "object": "chat.completion", "created": format.created, "model": format.model,
@@ -711,6 +714,9 @@ pub async fn completions(State(s): State<Arc<AppState>>, body: Body) -> AppResul
                 "logprobs": if format.want_lp { completion_logprobs(&e.tokenizer, &c.logprobs, prefixes[i].len()) } else { Value::Null },
                 "finish_reason": finish_str(&c.finish),
             }));
+            if req.sampling.return_token_ids == Some(true) {
+                choices[i]["token_ids"] = json!(c.ids);
+            }
         }
         return Ok(Json(json!({
             "id": format.id, "object": "text_completion", "created": format.created, "model": format.model,

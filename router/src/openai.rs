@@ -101,6 +101,8 @@ pub struct Sampling {
     pub ignore_eos: Option<bool>,
     pub stop_token_ids: Option<Vec<u32>>,
     pub skip_special_tokens: Option<bool>,
+    /// vLLM's `return_token_ids`: non-streaming choices carry their `token_ids`.
+    pub return_token_ids: Option<bool>,
 }
 
 /// Most choices per request.

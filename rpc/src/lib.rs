@@ -64,7 +64,11 @@ pub fn logprob_to_proto(l: TokenLogprob) -> pb::TokenLogprob {
 }
 
 pub fn logprob_from_proto(l: pb::TokenLogprob) -> TokenLogprob {
-    TokenLogprob { token: l.token_id, logprob: l.logprob, top: l.top.into_iter().map(|t| (t.token_id, t.logprob)).collect() }
+    TokenLogprob {
+        token: l.token_id,
+        logprob: l.logprob,
+        top: l.top.into_iter().map(|t| (t.token_id, t.logprob)).collect(),
+    }
 }
 
 pub fn finish_to_proto(f: &Option<FinishReason>) -> i32 {
@@ -103,7 +107,12 @@ pub fn output_to_proto(o: RequestOutput, prompt_ids: Vec<u32>) -> pb::GenerateRe
 }
 
 /// A streamed response back into an engine output of request `id`.
-pub fn output_from_proto(r: pb::GenerateResponse, id: u64, prompt_tokens: usize, completion_tokens: usize) -> RequestOutput {
+pub fn output_from_proto(
+    r: pb::GenerateResponse,
+    id: u64,
+    prompt_tokens: usize,
+    completion_tokens: usize,
+) -> RequestOutput {
     RequestOutput {
         id,
         new_token_ids: r.token_ids,
