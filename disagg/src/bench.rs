@@ -18,6 +18,8 @@ pub enum BenchCmd {
     /// Gateway overhead: the same streaming load through HTTP and straight into the
     /// engine, at several concurrency levels.
     Serve(crate::bench_serve::ServeBenchArgs),
+    /// KV-transfer throughput on loopback against a plain TCP copy of the same bytes.
+    Transfer(crate::bench_transfer::TransferBenchArgs),
 }
 
 #[derive(Args, Debug)]
@@ -45,6 +47,7 @@ pub fn run(cmd: BenchCmd) -> anyhow::Result<()> {
     match cmd {
         BenchCmd::Engine(a) => engine_bench(a),
         BenchCmd::Serve(a) => crate::bench_serve::run(a),
+        BenchCmd::Transfer(a) => crate::bench_transfer::run(a),
     }
 }
 

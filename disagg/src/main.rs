@@ -4,6 +4,7 @@
 
 mod bench;
 mod bench_serve;
+mod bench_transfer;
 mod chat;
 mod cluster;
 mod generate;

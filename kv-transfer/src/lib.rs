@@ -324,8 +324,15 @@ async fn receive_frames(s: &mut TcpStream, exp: &Expected) -> Result<(), Transfe
                 layout.n_layers
             )));
         }
-        let mut data = vec![0u8; desc.n_blocks as usize * block_bytes];
-        s.read_exact(&mut data).await.map_err(|_| TransferError::Cut)?;
+        // Read straight into the buffer handed on, without zero-filling it first.
+        let len = desc.n_blocks as usize * block_bytes;
+        let mut data = Vec::with_capacity(len);
+        while data.len() < len {
+            let want = (len - data.len()) as u64;
+            if (&mut *s).take(want).read_buf(&mut data).await.map_err(|_| TransferError::Cut)? == 0 {
+                return Err(TransferError::Cut);
+            }
+        }
         if crc(&desc, &data) != sum {
             return Err(TransferError::Checksum {
                 layer: desc.layer,
