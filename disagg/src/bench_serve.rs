@@ -26,16 +26,30 @@ use crate::EngineArgs;
 #[derive(Args, Debug)]
 pub struct ServeBenchArgs {
     #[command(flatten)]
-    engine: EngineArgs,
+    pub engine: EngineArgs,
     /// Concurrent streams.
     #[arg(long, value_delimiter = ',', default_value = "1,64,256")]
-    concurrency: Vec<usize>,
+    pub concurrency: Vec<usize>,
     /// Tokens generated per request.
     #[arg(long, default_value_t = 32)]
-    max_tokens: usize,
+    pub max_tokens: usize,
     /// Requests per level (default: twice the concurrency, at least 32).
     #[arg(long)]
-    requests: Option<usize>,
+    pub requests: Option<usize>,
+    /// `in-process`: gateway overhead, gateway and engine in this process. `up`: the
+    /// same streaming load against `disagg serve` and then `disagg up` processes,
+    /// client-side TTFT and inter-token latency.
+    #[arg(long, default_value = "in-process")]
+    pub mode: String,
+    /// Prefill workers (`--mode up`).
+    #[arg(long, default_value_t = 1)]
+    pub prefill: usize,
+    /// Decode workers (`--mode up`).
+    #[arg(long, default_value_t = 1)]
+    pub decode: usize,
+    /// Prompt length in tokens (`--mode up`).
+    #[arg(long, default_value_t = 2048)]
+    pub prompt_tokens: usize,
     /// Print JSON (the only output format).
     #[arg(long)]
     json: bool,
@@ -161,6 +175,11 @@ where
 }
 
 pub fn run(a: ServeBenchArgs) -> anyhow::Result<()> {
+    match a.mode.as_str() {
+        "in-process" => {}
+        "up" => return crate::bench_up::run(a),
+        m => anyhow::bail!("--mode must be in-process or up, got {m:?}"),
+    }
     let mut opts = a.engine.options()?;
     let max_c = a.concurrency.iter().copied().max().unwrap_or(1);
     opts.max_num_seqs = opts.max_num_seqs.max(max_c.min(256));

@@ -132,7 +132,7 @@ pub fn prefill(a: WorkerArgs) -> anyhow::Result<()> {
         tonic::transport::Server::builder()
             .add_service(health)
             .add_service(svc.into_server())
-            .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(listener), shutdown_signal())
+            .serve_with_incoming_shutdown(router::grpc::incoming(listener), shutdown_signal())
             .await?;
         Ok(())
     })
@@ -158,7 +158,7 @@ pub fn decode(a: DecodeArgs) -> anyhow::Result<()> {
         tonic::transport::Server::builder()
             .add_service(health)
             .add_service(svc.into_server())
-            .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(listener), shutdown_signal())
+            .serve_with_incoming_shutdown(router::grpc::incoming(listener), shutdown_signal())
             .await?;
         Ok(())
     })
@@ -204,14 +204,19 @@ pub fn router(a: RouterArgs) -> anyhow::Result<()> {
 }
 
 /// A child process of `disagg up` and what it is.
-struct Proc {
+pub(crate) struct Proc {
     name: String,
     child: Child,
 }
 
 /// Starts `disagg ARGS…` and waits for its ready line (the one containing `marker`);
 /// returns the process and that line. Later output is passed through.
-fn spawn_role(name: &str, args: &[String], marker: &str, timeout: Duration) -> anyhow::Result<(Proc, String)> {
+pub(crate) fn spawn_role(
+    name: &str,
+    args: &[String],
+    marker: &str,
+    timeout: Duration,
+) -> anyhow::Result<(Proc, String)> {
     let exe = std::env::current_exe()?;
     let mut child = Command::new(exe).args(args).stdin(Stdio::null()).stdout(Stdio::piped()).spawn()?;
     let out = child.stdout.take().expect("piped stdout");
@@ -225,7 +230,7 @@ fn spawn_role(name: &str, args: &[String], marker: &str, timeout: Duration) -> a
                 let _ = tx.send(line);
                 sent = true;
             } else {
-                println!("[{label}] {line}");
+                eprintln!("[{label}] {line}");
             }
         }
     });
@@ -244,14 +249,14 @@ fn spawn_role(name: &str, args: &[String], marker: &str, timeout: Duration) -> a
     }
 }
 
-fn url_in(line: &str) -> anyhow::Result<String> {
+pub(crate) fn url_in(line: &str) -> anyhow::Result<String> {
     line.split_whitespace()
         .find(|w| w.starts_with("http://"))
         .map(|w| w.trim_end_matches("/v1").to_string())
         .ok_or_else(|| anyhow::anyhow!("no address in the ready line {line:?}"))
 }
 
-fn stop_all(procs: &mut [Proc]) {
+pub(crate) fn stop_all(procs: &mut [Proc]) {
     for p in procs.iter_mut() {
         // SIGTERM first, so servers shut down cleanly; SIGKILL after a grace period.
         let _ = Command::new("kill").arg("-TERM").arg(p.child.id().to_string()).status();

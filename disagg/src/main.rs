@@ -5,6 +5,7 @@
 mod bench;
 mod bench_serve;
 mod bench_transfer;
+mod bench_up;
 mod chat;
 mod cluster;
 mod generate;

@@ -175,6 +175,13 @@ where
     Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx))
 }
 
+/// Accepted gRPC connections with `TCP_NODELAY`: streamed responses are small writes,
+/// and without it Nagle's algorithm holds each back until the peer's delayed ACK
+/// (~40 ms), so tokens arrive in bursts.
+pub fn incoming(listener: tokio::net::TcpListener) -> tonic::transport::server::TcpIncoming {
+    tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true))
+}
+
 /// Serves `disagg.v1.Inference` and grpc.health.v1 on `listener` until `shutdown`.
 /// Health reports NOT_SERVING until the engine is ready.
 pub async fn serve(
@@ -194,6 +201,6 @@ pub async fn serve(
     tonic::transport::Server::builder()
         .add_service(health)
         .add_service(InferenceServer::new(GrpcService { state }))
-        .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(listener), shutdown)
+        .serve_with_incoming_shutdown(incoming(listener), shutdown)
         .await
 }
