@@ -9,8 +9,8 @@
 //! 4. when the transfer has completed and the prefill call returned the first token,
 //!    activate the request: it joins the decode batch and its tokens stream back.
 //!
-//! Any failure before step 4 (prefill worker gone, transfer cut, checksum mismatch,
-//! timeout) ends the call with a status before the first response, and dropping the
+//! Any failure before step 4 (prefill worker gone or unresponsive to HTTP/2
+//! keepalive, transfer cut, checksum mismatch) ends the call with a status before the first response, and dropping the
 //! reservation frees the blocks; so the router can retry without a duplicate token.
 //! A request without a prefill worker is prefilled here (conditional disaggregation).
 #![forbid(unsafe_code)]
@@ -28,9 +28,6 @@ use proto::v1::prefill_worker_client::PrefillWorkerClient;
 use proto::v1::{DecodeRequest, GenerateResponse, PrefillRequest, WorkerInfo, WorkerInfoRequest};
 use tonic::transport::Channel;
 use tonic::{Request, Response, Status};
-
-/// How long a request may wait for its prefill and KV transfer.
-const PREFILL_TIMEOUT: Duration = Duration::from_secs(120);
 
 /// Per-role metrics of a decode worker.
 pub struct DecodeMetrics {
@@ -100,6 +97,9 @@ impl DecodeService {
         let ep = Channel::from_shared(addr.to_string())
             .map_err(|e| Status::invalid_argument(format!("prefill address {addr:?}: {e}")))?
             .connect_timeout(Duration::from_secs(5))
+            .http2_keep_alive_interval(Duration::from_secs(5))
+            .keep_alive_timeout(Duration::from_secs(10))
+            .keep_alive_while_idle(true)
             .tcp_nodelay(true);
         let c = PrefillWorkerClient::new(ep.connect_lazy()).max_decoding_message_size(64 << 20);
         m.insert(addr.to_string(), c.clone());
@@ -124,11 +124,17 @@ impl DecodeService {
         };
         let prefill_addr = r.prefill.clone();
         let prefill = async move {
-            client
-                .prefill(call)
-                .await
-                .map(|x| x.into_inner())
-                .map_err(|e| Status::unavailable(format!("prefill worker {prefill_addr}: {}", e.message())))
+            client.prefill(call).await.map(|x| x.into_inner()).map_err(|e| {
+                // Keep codes the router acts on (queue on RESOURCE_EXHAUSTED, no retry
+                // on INVALID_ARGUMENT / FAILED_PRECONDITION); the rest is UNAVAILABLE.
+                let m = format!("prefill worker {prefill_addr}: {}", e.message());
+                match e.code() {
+                    tonic::Code::ResourceExhausted => Status::resource_exhausted(m),
+                    tonic::Code::InvalidArgument => Status::invalid_argument(m),
+                    tonic::Code::FailedPrecondition => Status::failed_precondition(m),
+                    _ => Status::unavailable(m),
+                }
+            })
         };
         let (engine, id) = (self.engine.clone(), stream.id);
         let import = async move {
@@ -148,12 +154,17 @@ impl DecodeService {
                 }
             }
         };
-        let both = async { tokio::try_join!(prefill, import) };
-        let (resp, bytes) = tokio::time::timeout(PREFILL_TIMEOUT, both)
-            .await
-            .map_err(|_| Status::unavailable("prefill and KV transfer did not complete in 120 s"))??;
+        // No deadline: a prompt may queue at a busy prefill worker for long. A dead or
+        // unreachable prefill worker fails the call (connection errors, HTTP/2
+        // keepalive), and a transfer that breaks fails the import.
+        let (resp, bytes) = tokio::try_join!(prefill, import)?;
         let logprob = resp.first_logprob.map(rpc::logprob_from_proto);
-        self.engine.activate(id, resp.first_token, logprob).await.map_err(rpc::submit_status)?;
+        // A failed activation means the reservation is gone (e.g. an import was
+        // refused): the request can be retried elsewhere.
+        self.engine
+            .activate(id, resp.first_token, logprob)
+            .await
+            .map_err(|e| Status::unavailable(format!("activating the transferred request: {e}")))?;
         self.metrics.transfer_bytes.inc_by(bytes);
         self.metrics.transfer_seconds.observe(t0.elapsed().as_secs_f64());
         Ok(stream)

@@ -29,6 +29,49 @@ pub struct WorkerArgs {
     /// Requests accepted at once; more get RESOURCE_EXHAUSTED.
     #[arg(long, default_value_t = 1024)]
     pub max_in_flight: usize,
+    /// Serve Prometheus metrics (GET /metrics) on this port (0 picks one).
+    #[arg(long)]
+    pub metrics_port: Option<u16>,
+    /// Register in etcd at this endpoint (e.g. http://127.0.0.1:2379), under a lease.
+    #[arg(long)]
+    pub etcd: Option<String>,
+    /// Host others use to reach this worker (default: --host).
+    #[arg(long)]
+    pub advertise_host: Option<String>,
+}
+
+impl WorkerArgs {
+    fn advertised(&self) -> String {
+        self.advertise_host.clone().unwrap_or_else(|| self.host.clone())
+    }
+
+    /// Keeps this worker registered in etcd when `--etcd` is given.
+    fn register(&self, role: &str, port: u16, engine: &EngineHandle) {
+        let Some(ep) = self.etcd.clone() else { return };
+        let l = rpc::layout_to_proto(&engine.kv_shape);
+        let reg = rpc::discovery::Registration {
+            role: role.into(),
+            addr: format!("http://{}:{port}", self.advertised()),
+            model: rpc::model_identity(&engine.model),
+            kv_layout: [l.n_layers, l.block_size, l.n_kv_heads, l.head_dim, l.dtype_bytes],
+            kv_blocks_total: engine.limits.n_blocks as u32,
+        };
+        tokio::spawn(rpc::discovery::register_forever(ep, reg));
+    }
+}
+
+/// Starts the worker's /metrics server when asked; returns a note for the ready line.
+async fn metrics(
+    w: &WorkerArgs,
+    registry: prometheus::Registry,
+    engine: EngineHandle,
+    role: &'static str,
+) -> anyhow::Result<String> {
+    let Some(port) = w.metrics_port else { return Ok(String::new()) };
+    let l = worker_listener(&w.host, port).await?;
+    let at = l.local_addr()?;
+    tokio::spawn(rpc::serve_metrics(l, registry, engine, role));
+    Ok(format!(" (metrics http://{at}/metrics)"))
 }
 
 #[derive(Args, Debug)]
@@ -38,9 +81,6 @@ pub struct DecodeArgs {
     /// Port of the KV receiver that prefill workers push into (0 picks one).
     #[arg(long, default_value_t = 0)]
     pub kv_port: u16,
-    /// Host prefill workers use to reach the KV receiver (default: --host).
-    #[arg(long)]
-    pub advertise_host: Option<String>,
 }
 
 #[derive(Args, Debug)]
@@ -56,8 +96,11 @@ pub struct RouterArgs {
     #[arg(long, value_delimiter = ',', num_args = 0..)]
     pub prefill: Vec<String>,
     /// Decode workers' gRPC addresses, comma-separated.
-    #[arg(long, value_delimiter = ',', num_args = 1..)]
+    #[arg(long, value_delimiter = ',', num_args = 0..)]
     pub decode: Vec<String>,
+    /// Discover workers in etcd at this endpoint (in addition to any listed).
+    #[arg(long)]
+    pub etcd: Option<String>,
     /// Prompts shorter than this many tokens are prefilled on the decode worker
     /// (conditional disaggregation); 0 sends every prompt to a prefill worker.
     #[arg(long, default_value_t = 0)]
@@ -90,6 +133,13 @@ pub struct UpArgs {
     /// See `disagg router --local-prefill-below`.
     #[arg(long, default_value_t = 0)]
     pub local_prefill_below: usize,
+    /// Use this etcd for discovery. Default: a private etcd on loopback when `etcd` is
+    /// installed, else static worker lists.
+    #[arg(long)]
+    pub etcd: Option<String>,
+    /// Do not use etcd (static worker lists).
+    #[arg(long)]
+    pub no_etcd: bool,
     #[arg(long, env = "DISAGG_API_KEY", hide_env_values = true)]
     pub api_key: Option<String>,
 }
@@ -123,12 +173,14 @@ pub fn prefill(a: WorkerArgs) -> anyhow::Result<()> {
     rt.block_on(async move {
         let listener = worker_listener(&a.host, a.port).await?;
         let addr = listener.local_addr()?;
-        let svc = prefill_node::PrefillService::new(engine, fault);
+        let svc = prefill_node::PrefillService::new(engine.clone(), fault);
+        a.register("prefill", addr.port(), &engine);
+        let note = metrics(&a, svc.metrics.registry.clone(), engine, "prefill").await?;
         let (reporter, health) = tonic_health::server::health_reporter();
         reporter
             .set_serving::<proto::v1::prefill_worker_server::PrefillWorkerServer<prefill_node::PrefillService>>()
             .await;
-        println!("disagg prefill worker ready at http://{addr}");
+        println!("disagg prefill worker ready at http://{addr}{note}");
         tonic::transport::Server::builder()
             .add_service(health)
             .add_service(svc.into_server())
@@ -149,12 +201,14 @@ pub fn decode(a: DecodeArgs) -> anyhow::Result<()> {
         let receiver = kv_transfer::KvReceiver::bind(&format!("{}:{}", w.host, a.kv_port)).await.map_err(|e| {
             anyhow::anyhow!("cannot listen on {}:{} for KV: {e}; choose another --kv-port", w.host, a.kv_port)
         })?;
-        let kv_host = a.advertise_host.clone().unwrap_or_else(|| w.host.clone());
+        let kv_host = w.advertised();
         let kv_addr = receiver.local_addr();
-        let svc = decode_node::DecodeService::new(engine, Arc::new(receiver), &kv_host);
+        let svc = decode_node::DecodeService::new(engine.clone(), Arc::new(receiver), &kv_host);
+        w.register("decode", addr.port(), &engine);
+        let note = metrics(&w, svc.metrics.registry.clone(), engine, "decode").await?;
         let (reporter, health) = tonic_health::server::health_reporter();
         reporter.set_serving::<proto::v1::decode_worker_server::DecodeWorkerServer<decode_node::DecodeService>>().await;
-        println!("disagg decode worker ready at http://{addr} (KV receiver {kv_addr})");
+        println!("disagg decode worker ready at http://{addr} (KV receiver {kv_addr}){note}");
         tonic::transport::Server::builder()
             .add_service(health)
             .add_service(svc.into_server())
@@ -166,8 +220,8 @@ pub fn decode(a: DecodeArgs) -> anyhow::Result<()> {
 
 pub fn router(a: RouterArgs) -> anyhow::Result<()> {
     init_logging();
-    if a.decode.is_empty() {
-        anyhow::bail!("give at least one decode worker with --decode HOST:PORT");
+    if a.decode.is_empty() && a.etcd.is_none() {
+        anyhow::bail!("give at least one decode worker with --decode HOST:PORT, or --etcd URL to discover them");
     }
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     rt.block_on(async move {
@@ -187,15 +241,57 @@ pub fn router(a: RouterArgs) -> anyhow::Result<()> {
             println!("disagg gRPC at {}", gl.local_addr()?);
             tokio::spawn(router::grpc::serve(gl, state.clone(), shutdown_signal()));
         }
+        let prefill: Vec<String> = a.prefill.iter().map(|x| grpc_url(x)).collect();
+        let decode: Vec<String> = a.decode.iter().map(|x| grpc_url(x)).collect();
+        // With etcd: start from what is registered (waiting for a decode worker), then
+        // follow it.
+        let (mut discovered_prefill, mut discovered_decode) = (Vec::new(), Vec::new());
+        let mut etcd_events = None;
+        let mut from_etcd = std::collections::HashSet::new();
+        if let Some(ep) = a.etcd.clone() {
+            let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+            tokio::spawn(rpc::discovery::watch_forever(ep.clone(), move |e| {
+                let _ = tx.send(e);
+            }));
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+            let mut known: Vec<rpc::discovery::Registration> = Vec::new();
+            while !known.iter().any(|r| r.role == "decode") && decode.is_empty() {
+                match tokio::time::timeout_at(deadline, rx.recv()).await {
+                    Ok(Some(rpc::discovery::Event::Sync(all))) => known = all,
+                    Ok(Some(rpc::discovery::Event::Put(r))) => known.push(r),
+                    Ok(Some(rpc::discovery::Event::Delete(role, addr))) => {
+                        known.retain(|r| !(r.role == role && r.addr == addr))
+                    }
+                    Ok(None) | Err(_) => anyhow::bail!("no decode worker registered in etcd at {ep} within 60 s"),
+                }
+            }
+            for r in known {
+                let (listed, found) = if r.role == "decode" {
+                    (&decode, &mut discovered_decode)
+                } else {
+                    (&prefill, &mut discovered_prefill)
+                };
+                if !listed.contains(&r.addr) && !found.contains(&r.addr) {
+                    found.push(r.addr.clone());
+                    from_etcd.insert((r.role, r.addr));
+                }
+            }
+            etcd_events = Some(rx);
+        }
         let opts = ClusterOptions {
             model: a.model.clone(),
-            prefill: a.prefill.iter().map(|x| grpc_url(x)).collect(),
-            decode: a.decode.iter().map(|x| grpc_url(x)).collect(),
+            prefill,
+            decode,
+            discovered_prefill,
+            discovered_decode,
             local_prefill_below: a.local_prefill_below,
             max_in_flight: a.max_in_flight,
             wait: Duration::from_secs(60),
         };
-        let (handle, _cluster) = router::cluster::connect(&opts).await.map_err(|e| anyhow::anyhow!(e))?;
+        let (handle, cluster) = router::cluster::connect(&opts).await.map_err(|e| anyhow::anyhow!(e))?;
+        if let Some(rx) = etcd_events {
+            tokio::spawn(router::cluster::follow_etcd(cluster, rx, from_etcd));
+        }
         state.set_engine(handle);
         println!("disagg serving '{}' at http://{addr}/v1", state.cfg.served_model_name);
         server.await??;
@@ -256,6 +352,42 @@ pub(crate) fn url_in(line: &str) -> anyhow::Result<String> {
         .ok_or_else(|| anyhow::anyhow!("no address in the ready line {line:?}"))
 }
 
+fn free_port() -> anyhow::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+/// Starts a private etcd on loopback (temporary data directory) when `etcd` is
+/// installed; returns it with its client URL.
+fn start_etcd() -> anyhow::Result<Option<(Proc, String, std::path::PathBuf)>> {
+    if Command::new("etcd").arg("--version").stdout(Stdio::null()).stderr(Stdio::null()).status().is_err() {
+        return Ok(None);
+    }
+    let (client, peer) = (free_port()?, free_port()?);
+    let dir = std::env::temp_dir().join(format!("disagg-etcd-{}-{client}", std::process::id()));
+    let c = format!("http://127.0.0.1:{client}");
+    let p = format!("http://127.0.0.1:{peer}");
+    let child = Command::new("etcd")
+        .args(["--name", "disagg", "--data-dir"])
+        .arg(&dir)
+        .args(["--listen-client-urls", &c, "--advertise-client-urls", &c])
+        .args(["--listen-peer-urls", &p, "--initial-advertise-peer-urls", &p])
+        .args(["--initial-cluster", &format!("disagg={p}")])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()?;
+    let mut proc = Proc { name: "etcd".into(), child };
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    while std::net::TcpStream::connect(("127.0.0.1", client)).is_err() {
+        if std::time::Instant::now() > deadline || proc.child.try_wait()?.is_some() {
+            let _ = proc.child.kill();
+            anyhow::bail!("the private etcd did not start (data dir {}); pass --etcd URL or --no-etcd", dir.display());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Ok(Some((proc, c, dir)))
+}
+
 pub(crate) fn stop_all(procs: &mut [Proc]) {
     for p in procs.iter_mut() {
         // SIGTERM first, so servers shut down cleanly; SIGKILL after a grace period.
@@ -304,11 +436,32 @@ pub fn up(a: UpArgs) -> anyhow::Result<()> {
         e.max_model_len.to_string(),
     ];
     let mut procs: Vec<Proc> = Vec::new();
+    let mut etcd_dir = None;
+    let etcd = match (&a.etcd, a.no_etcd) {
+        (_, true) => None,
+        (Some(ep), false) => Some(ep.clone()),
+        (None, false) => match start_etcd()? {
+            Some((p, url, dir)) => {
+                eprintln!("disagg up: private etcd at {url}");
+                procs.push(p);
+                etcd_dir = Some(dir);
+                Some(url)
+            }
+            None => None,
+        },
+    };
+    let with_etcd = |mut args: Vec<String>| {
+        if let Some(ep) = &etcd {
+            args.extend(["--etcd".to_string(), ep.clone()]);
+        }
+        args
+    };
     let result = (|| -> anyhow::Result<String> {
         let (mut prefill, mut decode) = (Vec::new(), Vec::new());
         for i in 0..a.prefill {
             let mut args = vec!["prefill".to_string(), "--port".into(), "0".into()];
             args.extend(engine_args.iter().cloned());
+            let args = with_etcd(args);
             let (p, line) =
                 spawn_role(&format!("prefill-{i}"), &args, "prefill worker ready", Duration::from_secs(300))?;
             procs.push(p);
@@ -317,6 +470,7 @@ pub fn up(a: UpArgs) -> anyhow::Result<()> {
         for i in 0..a.decode {
             let mut args = vec!["decode".to_string(), "--port".into(), "0".into()];
             args.extend(engine_args.iter().cloned());
+            let args = with_etcd(args);
             let (p, line) = spawn_role(&format!("decode-{i}"), &args, "decode worker ready", Duration::from_secs(300))?;
             procs.push(p);
             decode.push(url_in(&line)?);
@@ -329,13 +483,15 @@ pub fn up(a: UpArgs) -> anyhow::Result<()> {
             a.port.to_string(),
             "--local-prefill-below".into(),
             a.local_prefill_below.to_string(),
-            "--decode".into(),
-            decode.join(","),
         ];
-        if !prefill.is_empty() {
-            args.push("--prefill".into());
-            args.push(prefill.join(","));
+        // With etcd the router discovers the workers; without, it gets the lists.
+        if etcd.is_none() {
+            args.extend(["--decode".into(), decode.join(",")]);
+            if !prefill.is_empty() {
+                args.extend(["--prefill".into(), prefill.join(",")]);
+            }
         }
+        let mut args = with_etcd(args);
         if let Some(k) = &a.api_key {
             args.push("--api-key".into());
             args.push(k.clone());
@@ -348,6 +504,9 @@ pub fn up(a: UpArgs) -> anyhow::Result<()> {
         Ok(u) => u,
         Err(e) => {
             stop_all(&mut procs);
+            if let Some(d) = &etcd_dir {
+                let _ = std::fs::remove_dir_all(d);
+            }
             return Err(e);
         }
     };
@@ -384,6 +543,9 @@ pub fn up(a: UpArgs) -> anyhow::Result<()> {
         }
     };
     stop_all(&mut procs);
+    if let Some(d) = &etcd_dir {
+        let _ = std::fs::remove_dir_all(d);
+    }
     if reason.is_empty() {
         println!("disagg cluster stopped");
         Ok(())

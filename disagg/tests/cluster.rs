@@ -16,6 +16,8 @@ use serde_json::{json, Value};
 struct Proc {
     child: Child,
     url: String,
+    /// The /metrics URL when the ready line names one.
+    metrics: Option<String>,
 }
 
 impl Proc {
@@ -53,7 +55,9 @@ impl Proc {
             .expect("an address in the ready line")
             .trim_end_matches("/v1")
             .to_string();
-        Proc { child, url }
+        let metrics =
+            line.split_whitespace().find(|w| w.ends_with("/metrics)")).map(|w| w.trim_end_matches(')').to_string());
+        Proc { child, url, metrics }
     }
 
     fn pid(&self) -> u32 {
@@ -158,6 +162,49 @@ async fn greedy_ids(base: &str, n: usize, concurrency: usize) -> Vec<Vec<u64>> {
     out
 }
 
+/// Streams a completion; signals `started` at its first token. Returns the completion
+/// tokens (from the usage chunk, 0 without one) and the error event's message, if the
+/// stream ended with one.
+async fn stream_events(
+    c: &reqwest::Client,
+    base: &str,
+    body: Value,
+    started: &tokio::sync::Semaphore,
+) -> (usize, Option<String>) {
+    use futures::StreamExt;
+    let r = c
+        .post(format!("{base}/v1/completions"))
+        .header("content-type", "application/json")
+        .body(body.to_string())
+        .send()
+        .await
+        .expect("request sent");
+    assert_eq!(r.status().as_u16(), 200);
+    let (mut s, mut buf, mut tokens, mut first) = (r.bytes_stream(), Vec::new(), 0, false);
+    while let Some(chunk) = s.next().await {
+        buf.extend_from_slice(&chunk.expect("stream readable"));
+        while let Some(end) = buf.windows(2).position(|w| w == b"\n\n") {
+            let ev: Vec<u8> = buf.drain(..end + 2).collect();
+            let line = String::from_utf8_lossy(&ev).trim().to_string();
+            let Some(data) = line.strip_prefix("data: ") else { continue };
+            if data == "[DONE]" {
+                return (tokens, None);
+            }
+            let v: Value = serde_json::from_str(data).unwrap();
+            if let Some(e) = v.get("error") {
+                return (tokens, Some(e["message"].as_str().unwrap_or_default().to_string()));
+            }
+            if let Some(n) = v["usage"]["completion_tokens"].as_u64() {
+                tokens = n as usize;
+            } else if v["choices"][0]["text"].is_string() && !first {
+                first = true;
+                started.add_permits(1);
+            }
+        }
+    }
+    (tokens, Some("the stream ended without [DONE]".into()))
+}
+
 async fn blocks_used(url: &str, role: &str) -> u32 {
     let info = match role {
         "decode" => DecodeWorkerClient::connect(url.to_string()).await.unwrap().info(WorkerInfoRequest {}).await,
@@ -198,7 +245,8 @@ fn up_gives_the_same_tokens_as_serve_at_1_and_64_concurrent() {
     // Ctrl-C (SIGTERM here) stops every process `up` started.
     let out = Command::new("pgrep").args(["-P", &up.pid().to_string()]).output().unwrap();
     let children: Vec<String> = String::from_utf8_lossy(&out.stdout).split_whitespace().map(String::from).collect();
-    assert_eq!(children.len(), 5, "2 prefill + 2 decode workers and a router");
+    let etcd = Command::new("etcd").arg("--version").stdout(Stdio::null()).status().is_ok();
+    assert_eq!(children.len(), 5 + etcd as usize, "2 prefill + 2 decode workers, a router (and a private etcd)");
     drop(up);
     for c in children {
         let alive = Command::new("kill").args(["-0", &c]).stderr(Stdio::null()).status().unwrap().success();
@@ -215,27 +263,33 @@ fn a_killed_decode_worker_fails_its_requests_clearly_and_the_rest_keep_serving()
     let rt = rt();
     rt.block_on(async {
         let c = reqwest::Client::new();
-        // Long generations on both decode workers, then SIGKILL one of them.
+        // Streaming generations on both decode workers; once every stream has tokens,
+        // SIGKILL one worker.
+        let started = std::sync::Arc::new(tokio::sync::Semaphore::new(0));
         let tasks: Vec<_> = (0..6)
             .map(|i| {
-                let (c, base) = (c.clone(), r.url.clone());
+                let (c, base, started) = (c.clone(), r.url.clone(), started.clone());
                 tokio::spawn(async move {
                     let body = json!({"model": "smollm2-135m-instruct", "prompt": prompt(i), "max_tokens": 400,
-                                      "temperature": 0, "ignore_eos": true});
-                    complete(&c, &base, body).await
+                                      "temperature": 0, "ignore_eos": true, "stream": true,
+                                      "stream_options": {"include_usage": true}});
+                    stream_events(&c, &base, body, &started).await
                 })
             })
             .collect();
-        tokio::time::sleep(Duration::from_millis(1500)).await;
+        let all = tokio::time::timeout(Duration::from_secs(120), started.acquire_many(6)).await;
+        all.expect("every stream started").unwrap().forget();
         d2.child.kill().unwrap();
         d2.child.wait().unwrap();
         let mut failed = 0;
         for t in tasks {
-            let (status, v) = t.await.unwrap();
-            if status != 200 {
-                failed += 1;
-                let msg = v["error"]["message"].as_str().unwrap();
-                assert!(msg.contains("decode worker"), "a clear reason: {msg}");
+            let (tokens, error) = t.await.unwrap();
+            match error {
+                Some(msg) => {
+                    failed += 1;
+                    assert!(msg.contains("decode worker"), "a clear reason: {msg}");
+                }
+                None => assert_eq!(tokens, 400, "a stream on the survivor completes"),
             }
         }
         assert!(failed > 0, "requests on the killed worker failed");
@@ -283,7 +337,8 @@ fn a_corrupted_block_is_caught_by_its_checksum() {
 
 #[test]
 fn short_prompts_are_prefilled_on_the_decode_worker() {
-    // No prefill worker at all: with a threshold, short prompts still work.
+    // No prefill worker at all: short prompts (below the threshold) and, as a fallback,
+    // long ones are prefilled on the decode worker.
     let d = decode();
     let r = router(&[], &[&d], &["--local-prefill-below", "64"]);
     let rt = rt();
@@ -294,11 +349,11 @@ fn short_prompts_are_prefilled_on_the_decode_worker() {
         let (status, v) = complete(&c, &r.url, body).await;
         assert_eq!(status, 200, "{v}");
         assert!(v["choices"][0]["text"].as_str().unwrap().starts_with(" Paris"), "{v}");
-        // A long prompt needs a prefill worker, and there is none: a clear 503.
+        // A long prompt would go to a prefill worker; with none, the decode worker
+        // prefills it itself rather than failing the request.
         let body = json!({"model": "smollm2-135m-instruct", "prompt": prompt(3), "max_tokens": 4, "temperature": 0});
         let (status, v) = complete(&c, &r.url, body).await;
-        assert_eq!(status, 503, "{v}");
-        assert!(v["error"]["message"].as_str().unwrap().contains("no prefill worker"), "{v}");
+        assert_eq!(status, 200, "{v}");
     });
 }
 
@@ -316,4 +371,219 @@ fn a_worker_of_another_kv_layout_is_refused() {
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("refused") && err.contains("KV layout"), "{err}");
+}
+
+/// A private etcd on loopback for one test, restartable on the same ports and data.
+struct Etcd {
+    child: Option<Child>,
+    dir: std::path::PathBuf,
+    client: u16,
+    peer: u16,
+}
+
+impl Etcd {
+    fn start() -> Option<Etcd> {
+        if Command::new("etcd").arg("--version").stdout(Stdio::null()).status().is_err() {
+            assert!(
+                std::env::var_os("CI").is_none(),
+                "etcd is not installed; .ci/run installs etcd-server (apt) before the tests"
+            );
+            eprintln!("etcd not installed: skipping the discovery test");
+            return None;
+        }
+        let port = || std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let (client, peer) = (port(), port());
+        let dir = std::env::temp_dir().join(format!("disagg-test-etcd-{}-{client}", std::process::id()));
+        let mut e = Etcd { child: None, dir, client, peer };
+        e.run();
+        Some(e)
+    }
+
+    fn url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.client)
+    }
+
+    fn run(&mut self) {
+        let c = self.url();
+        let p = format!("http://127.0.0.1:{}", self.peer);
+        let child = Command::new("etcd")
+            .args(["--name", "t", "--data-dir"])
+            .arg(&self.dir)
+            .args(["--listen-client-urls", &c, "--advertise-client-urls", &c])
+            .args(["--listen-peer-urls", &p, "--initial-advertise-peer-urls", &p])
+            .args(["--initial-cluster", &format!("t={p}")])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("etcd starts");
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(15);
+        while std::net::TcpStream::connect(("127.0.0.1", self.client)).is_err() {
+            assert!(Instant::now() < deadline, "etcd did not start");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// The registered worker addresses of `role`.
+    fn registered(&self, role: &str) -> Vec<String> {
+        let out = Command::new("etcdctl")
+            .env("ETCDCTL_API", "3")
+            .args(["--endpoints", &self.url(), "get", "--prefix", "--keys-only", &format!("/disagg/workers/{role}/")])
+            .output()
+            .expect("etcdctl runs");
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter(|l| !l.is_empty())
+            .map(|l| l.trim_start_matches(&format!("/disagg/workers/{role}/")).to_string())
+            .collect()
+    }
+}
+
+impl Drop for Etcd {
+    fn drop(&mut self) {
+        self.kill();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn with_etcd(role: &str, etcd: &Etcd, extra: &[&str]) -> Proc {
+    let mut a = vec![role, "--etcd"];
+    let url = etcd.url();
+    a.push(&url);
+    a.extend(WORKER);
+    a.extend(extra);
+    Proc::start(&a, &format!("{role} worker ready"), &[])
+}
+
+/// How many requests a decode worker has served, from its /metrics.
+async fn served(metrics_url: &str) -> u64 {
+    let text = reqwest::get(metrics_url).await.unwrap().text().await.unwrap();
+    text.lines()
+        .find_map(|l| l.strip_prefix("disagg:decode_requests_total "))
+        .map(|v| v.trim().parse::<f64>().unwrap() as u64)
+        .unwrap_or(0)
+}
+
+fn metrics_url(p: &Proc) -> String {
+    p.metrics.clone().expect("started with --metrics-port")
+}
+
+#[test]
+fn workers_found_through_etcd_join_leave_and_survive_an_etcd_restart() {
+    let Some(mut etcd) = Etcd::start() else { return };
+    let p = with_etcd("prefill", &etcd, &[]);
+    let d1 = with_etcd("decode", &etcd, &[]);
+    let url = etcd.url();
+    let r = Proc::start(&["router", "--port", "0", "--etcd", &url], "disagg serving", &[]);
+    let rt = rt();
+    let c = reqwest::Client::new();
+    let ok = |i: usize| {
+        let (c, base) = (c.clone(), r.url.clone());
+        async move {
+            let body =
+                json!({"model": "smollm2-135m-instruct", "prompt": prompt(i), "max_tokens": 2, "temperature": 0});
+            complete(&c, &base, body).await
+        }
+    };
+    rt.block_on(async {
+        assert_eq!(ok(0).await.0, 200);
+        // A decode worker that joins is used within 2 s.
+        let mut d2 = with_etcd("decode", &etcd, &["--metrics-port", "0"]);
+        let m2 = metrics_url(&d2);
+        let joined = Instant::now();
+        let mut i = 1;
+        while served(&m2).await == 0 {
+            assert!(joined.elapsed() < Duration::from_secs(2), "the new decode worker was not used within 2 s");
+            let (s, v) = ok(i).await;
+            assert_eq!(s, 200, "{v}");
+            i += 1;
+        }
+        // etcd restarted while serving: requests keep flowing, workers re-register.
+        etcd.kill();
+        for j in 0..3 {
+            let (s, v) = ok(100 + j).await;
+            assert_eq!(s, 200, "while etcd is down: {v}");
+        }
+        etcd.run();
+        let back = Instant::now();
+        while etcd.registered("decode").len() < 2 || etcd.registered("prefill").is_empty() {
+            assert!(back.elapsed() < Duration::from_secs(10), "workers did not re-register");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        assert_eq!(ok(200).await.0, 200);
+        // A worker killed with SIGKILL leaves etcd within the lease TTL, and the router
+        // keeps serving from the rest.
+        d2.child.kill().unwrap();
+        d2.child.wait().unwrap();
+        let gone = Instant::now();
+        while etcd.registered("decode").len() > 1 {
+            assert!(gone.elapsed() < Duration::from_secs(6), "the dead worker's lease did not expire");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        for j in 0..4 {
+            let (s, v) = ok(300 + j).await;
+            assert_eq!(s, 200, "{v}");
+        }
+        until_no_blocks(&d1.url, "decode").await;
+        until_no_blocks(&p.url, "prefill").await;
+    });
+}
+
+#[test]
+fn full_decode_workers_queue_requests_and_bad_worker_calls_are_refused() {
+    use proto::v1::{DecodeRequest, KvLayout, PrefillRequest};
+    let p = prefill(&[]);
+    // Room for one long prompt at a time (12 MiB: 33 blocks; the prompt needs ~24).
+    let d =
+        Proc::start(&["decode", "--port", "0", "--threads", "1", "--kv-cache-mib", "12"], "decode worker ready", &[]);
+    let r = router(&[&p], &[&d], &[]);
+    let rt = rt();
+    rt.block_on(async {
+        let c = reqwest::Client::new();
+        let tasks: Vec<_> = (0..2)
+            .map(|i| {
+                let (c, base) = (c.clone(), r.url.clone());
+                tokio::spawn(async move {
+                    let body = json!({"model": "smollm2-135m-instruct", "prompt": prompt(8 * i + 3), "max_tokens": 24,
+                                      "temperature": 0, "ignore_eos": true});
+                    complete(&c, &base, body).await
+                })
+            })
+            .collect();
+        for t in tasks {
+            let (status, v) = t.await.unwrap();
+            assert_eq!(status, 200, "the second request waits for blocks instead of failing: {v}");
+        }
+        until_no_blocks(&d.url, "decode").await;
+
+        // Malformed calls straight to the workers.
+        let mut dc = DecodeWorkerClient::connect(d.url.clone()).await.unwrap();
+        let e = dc.generate(DecodeRequest { prompt_ids: vec![], ..Default::default() }).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+        let bad = DecodeRequest { prompt_ids: vec![5, 4_000_000], prefill: p.url.clone(), ..Default::default() };
+        let e = dc.generate(bad).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+        assert!(e.message().contains("out of range"), "{e:?}");
+        let mut pc = PrefillWorkerClient::connect(p.url.clone()).await.unwrap();
+        let e = pc.prefill(PrefillRequest { prompt_ids: vec![5, 6], ..Default::default() }).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+        let other = KvLayout { n_layers: 2, block_size: 16, n_kv_heads: 3, head_dim: 64, dtype_bytes: 2 };
+        let req = PrefillRequest {
+            prompt_ids: vec![5, 6],
+            kv_layout: Some(other),
+            kv_target: "127.0.0.1:9".into(),
+            ..Default::default()
+        };
+        let e = pc.prefill(req).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::FailedPrecondition, "{e:?}");
+        assert!(e.message().contains("incompatible KV layout"), "{e:?}");
+        until_no_blocks(&p.url, "prefill").await;
+    });
 }

@@ -195,6 +195,8 @@ impl EngineHandle {
         params: SamplingParams,
         sink: KvSink,
     ) -> Result<RequestStream, SubmitError> {
+        // Only the first token is generated here, whatever max_tokens the client asked.
+        let params = SamplingParams { max_tokens: Some(1), ..params };
         self.start(prompt, params, move |id, prompt, params, tx| Command::Add {
             id,
             prompt,
@@ -374,9 +376,12 @@ fn engine_loop<B: Backend>(mut core: EngineCore<B>, rx: Receiver<Command>, share
     let publish = |core: &EngineCore<B>| {
         *shared.stats.lock().unwrap_or_else(|e| e.into_inner()) = core.stats();
     };
+    let mut pending: Option<Command> = None;
     loop {
         // Take every pending command; block only when there is nothing to compute.
-        let mut first = if core.has_work() {
+        let mut first = if let Some(c) = pending.take() {
+            Some(c)
+        } else if core.has_work() {
             match rx.try_recv() {
                 Ok(c) => Some(c),
                 Err(mpsc::TryRecvError::Empty) => None,
@@ -450,7 +455,17 @@ fn engine_loop<B: Backend>(mut core: EngineCore<B>, rx: Receiver<Command>, share
             }
         }
         if core.has_work() {
+            let steps = core.stats().steps;
             let outs = core.step();
+            if core.stats().steps == steps {
+                // Work exists but none could be scheduled (waiting for blocks held by
+                // requests whose KV is still arriving): wait for a command instead of
+                // spinning.
+                if let Ok(c) = rx.recv_timeout(Duration::from_millis(2)) {
+                    pending = Some(c);
+                }
+                continue;
+            }
             let at = Instant::now();
             for out in outs {
                 let id = out.id;

@@ -253,9 +253,12 @@ impl<B: Backend> EngineCore<B> {
     pub fn reserve(&mut self, id: RequestId, prompt: Vec<u32>, params: SamplingParams) -> Result<(), EngineError> {
         let mut seq = self.new_sequence(id, prompt, params)?;
         let need = blocks_for(seq.prompt_len, self.cfg.block_size);
-        if !self.alloc.allocate(need, &mut seq.block_table) {
+        // Keep a block of headroom per running sequence, so reservations (which cannot
+        // be preempted while their KV arrives) do not starve running decodes.
+        let headroom = self.running.len();
+        if self.alloc.n_free() < need + headroom || !self.alloc.allocate(need, &mut seq.block_table) {
             return Err(EngineError::Busy(format!(
-                "this worker has {} free KV blocks and the prompt needs {need}",
+                "this worker has {} free KV blocks and the prompt needs {need} (plus {headroom} kept for running requests)",
                 self.alloc.n_free()
             )));
         }
@@ -419,6 +422,8 @@ impl<B: Backend> EngineCore<B> {
             let n = (seq.tokens.len() - seq.n_computed).min(budget);
             let mut need = blocks_for(seq.n_computed + n, bs).saturating_sub(seq.block_table.len());
             let mut self_preempted = false;
+            // Blocks held by activated requests not yet admitted go first.
+            while need > self.alloc.n_free() && self.release_a_waiting_holder(None) {}
             while need > self.alloc.n_free() {
                 let victim = *self.running.last().expect("non-empty");
                 self.preempt(victim);
@@ -439,6 +444,32 @@ impl<B: Backend> EngineCore<B> {
             budget -= n;
             i += 1;
         }
+        // Requests that already hold their blocks (activated after a KV import) are
+        // admitted before anything else, so they never wait behind a request that needs
+        // the very blocks they hold. One that needs a block more may take it from
+        // another such request (which then recomputes).
+        let mut j = 0;
+        while !preempted && budget > 0 && self.running.len() < self.cfg.max_num_seqs && j < self.waiting.len() {
+            let id = self.waiting[j];
+            let seq = &self.seqs[&id];
+            if seq.block_table.is_empty() {
+                j += 1;
+                continue;
+            }
+            let n = (seq.tokens.len() - seq.n_computed).min(budget);
+            let need = blocks_for(seq.n_computed + n, bs) - seq.block_table.len();
+            while need > self.alloc.n_free() && self.release_a_waiting_holder(Some(id)) {}
+            let seq = self.seqs.get_mut(&id).expect("waiting sequence exists");
+            if !self.alloc.allocate(need, &mut seq.block_table) {
+                j += 1;
+                continue;
+            }
+            seq.scheduled_at.get_or_insert_with(Instant::now);
+            self.waiting.remove(j);
+            self.running.push(id);
+            plan.push((id, n));
+            budget -= n;
+        }
         // Admit new work only when nothing had to be preempted this step.
         while !preempted && budget > 0 && self.running.len() < self.cfg.max_num_seqs {
             let Some(&id) = self.waiting.front() else {
@@ -457,6 +488,21 @@ impl<B: Backend> EngineCore<B> {
             budget -= n;
         }
         plan
+    }
+
+    /// Frees the blocks of the last waiting request that holds some (other than
+    /// `keep`); it will be prefilled again when admitted. Returns false if none holds any.
+    fn release_a_waiting_holder(&mut self, keep: Option<RequestId>) -> bool {
+        let Some(&victim) =
+            self.waiting.iter().rev().find(|id| Some(**id) != keep && !self.seqs[id].block_table.is_empty())
+        else {
+            return false;
+        };
+        let seq = self.seqs.get_mut(&victim).expect("waiting sequence exists");
+        self.alloc.release(&mut seq.block_table);
+        seq.n_computed = 0;
+        self.stats.preemptions += 1;
+        true
     }
 
     /// Runs one step of continuous batching. Returns what each request produced.

@@ -216,7 +216,11 @@ impl KvReceiver {
         let r = reg.clone();
         let accept = tokio::spawn(async move {
             loop {
-                let Ok((s, peer)) = listener.accept().await else { continue };
+                let Ok((s, peer)) = listener.accept().await else {
+                    // E.g. out of file descriptors: back off instead of spinning.
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                    continue;
+                };
                 let r = r.clone();
                 tokio::spawn(async move {
                     if let Err(e) = serve_connection(s, &r).await {
@@ -245,7 +249,9 @@ impl KvReceiver {
 async fn serve_connection(mut s: TcpStream, reg: &Registry) -> Result<(), TransferError> {
     s.set_nodelay(true)?;
     let mut hello = [0u8; 36];
-    s.read_exact(&mut hello).await?;
+    tokio::time::timeout(Duration::from_secs(10), s.read_exact(&mut hello))
+        .await
+        .map_err(|_| TransferError::Protocol("no HELLO within 10 s".into()))??;
     if &hello[..4] != MAGIC {
         write_status(&mut s, 1, "not a disagg KV transfer (bad magic)").await?;
         return Err(TransferError::Protocol("bad magic".into()));
@@ -314,7 +320,7 @@ async fn receive_frames(s: &mut TcpStream, exp: &Expected) -> Result<(), Transfe
         if l >= next.len()
             || desc.first_block != next[l]
             || desc.n_blocks == 0
-            || desc.first_block + desc.n_blocks > n_blocks
+            || desc.first_block as u64 + desc.n_blocks as u64 > n_blocks as u64
         {
             return Err(TransferError::Protocol(format!(
                 "frame for layer {} blocks {}..{} does not continue the transfer ({} layers, {n_blocks} blocks)",

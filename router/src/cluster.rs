@@ -11,7 +11,9 @@
 //! Failures: a call that fails before its first token (decode worker unreachable or
 //! out of blocks, prefill worker or transfer failed) is retried on other workers, up
 //! to [`MAX_ATTEMPTS`] times; once a token was sent, a failure ends the request with
-//! an error (the client saw part of the answer). Workers are polled for their state
+//! an error (the client saw part of the answer). When every decode worker is out of
+//! KV blocks, a request waits (backing off up to [`QUEUE_LIMIT`]) instead of failing.
+//! Workers are polled for their state
 //! every [`POLL`]; one that does not answer is skipped until it does again.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -27,6 +29,8 @@ use proto::v1::{DecodeRequest, WorkerInfo, WorkerInfoRequest};
 use tonic::transport::Channel;
 
 pub const MAX_ATTEMPTS: usize = 3;
+/// How long a request waits for KV blocks when every decode worker is full.
+pub const QUEUE_LIMIT: Duration = Duration::from_secs(60);
 pub const POLL: Duration = Duration::from_millis(500);
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -60,6 +64,9 @@ impl Worker {
         let channel = Channel::from_shared(addr.to_string())
             .map_err(|e| format!("worker address {addr:?}: {e}"))?
             .connect_timeout(Duration::from_secs(2))
+            .http2_keep_alive_interval(Duration::from_secs(5))
+            .keep_alive_timeout(Duration::from_secs(10))
+            .keep_alive_while_idle(true)
             .tcp_nodelay(true)
             .connect_lazy();
         Ok(Worker {
@@ -119,7 +126,9 @@ pub struct Compat {
 pub struct Cluster {
     workers: RwLock<Vec<Arc<Worker>>>,
     compat: Mutex<Option<Compat>>,
-    rr: AtomicUsize,
+    /// Round-robin counters, one per role (a shared one would advance by two per
+    /// request and always land on the same decode worker of two).
+    rr: [AtomicUsize; 2],
     pub local_prefill_below: usize,
 }
 
@@ -128,7 +137,7 @@ impl Cluster {
         Arc::new(Cluster {
             workers: RwLock::new(Vec::new()),
             compat: Mutex::new(None),
-            rr: AtomicUsize::new(0),
+            rr: [AtomicUsize::new(0), AtomicUsize::new(0)],
             local_prefill_below,
         })
     }
@@ -143,9 +152,10 @@ impl Cluster {
 
     /// Adds a worker after asking for its info: one serving another model or another
     /// KV layout is refused with the reason. Re-adding a known address refreshes it.
-    pub async fn add(&self, addr: &str, role: Role) -> Result<Arc<Worker>, String> {
+    /// Returns the worker and whether it was new.
+    pub async fn add(&self, addr: &str, role: Role) -> Result<(Arc<Worker>, bool), String> {
         if let Some(w) = self.workers().into_iter().find(|w| w.addr == addr && w.role == role) {
-            return Ok(w);
+            return Ok((w, false));
         }
         let w = Arc::new(Worker::new(addr, role)?);
         let info = w
@@ -160,11 +170,11 @@ impl Cluster {
         w.healthy.store(true, Ordering::Relaxed);
         let mut ws = self.workers.write().unwrap_or_else(|e| e.into_inner());
         if let Some(existing) = ws.iter().find(|x| x.addr == addr && x.role == role) {
-            return Ok(existing.clone());
+            return Ok((existing.clone(), false));
         }
         ws.push(w.clone());
         tracing::info!(addr, role = role.as_str(), "worker added");
-        Ok(w)
+        Ok((w, true))
     }
 
     /// Removes a worker (its lease expired, or it was deregistered).
@@ -199,9 +209,21 @@ impl Cluster {
     pub async fn poll_forever(self: Arc<Self>) {
         loop {
             let ws = self.workers();
+            let me = &self;
             let polls = ws.iter().map(|w| async move {
                 let r = w.fetch_info().await;
-                let ok = r.is_ok();
+                // A worker restarted at the same address with another model or layout
+                // gets no more traffic.
+                let ok = match &r {
+                    Ok(info) => match me.check(info) {
+                        Ok(()) => true,
+                        Err(e) => {
+                            tracing::warn!(addr = %w.addr, reason = %e, "worker no longer compatible");
+                            false
+                        }
+                    },
+                    Err(_) => false,
+                };
                 if w.healthy.swap(ok, Ordering::Relaxed) != ok {
                     tracing::warn!(addr = %w.addr, role = w.role.as_str(), healthy = ok, "worker health changed");
                 }
@@ -222,7 +244,7 @@ impl Cluster {
         let pool: Vec<&Arc<Worker>> = if fresh.is_empty() { ws.iter().collect() } else { fresh };
         let min = pool.iter().map(|w| w.in_flight()).min()?;
         let ties: Vec<&&Arc<Worker>> = pool.iter().filter(|w| w.in_flight() == min).collect();
-        let i = self.rr.fetch_add(1, Ordering::Relaxed) % ties.len();
+        let i = self.rr[role as usize].fetch_add(1, Ordering::Relaxed) % ties.len();
         Some((*ties[i]).clone())
     }
 
@@ -231,13 +253,12 @@ impl Cluster {
         let local = prompt.len() < self.local_prefill_below;
         let mut avoid = Vec::new();
         let mut last_error = String::from("no decode worker is available");
-        for _ in 0..MAX_ATTEMPTS {
+        let (mut attempts, mut waited, mut backoff) = (0, Duration::ZERO, Duration::from_millis(20));
+        while attempts < MAX_ATTEMPTS {
             let Some(d) = self.pick(Role::Decode, &avoid) else { break };
+            // Without a usable prefill worker the decode worker prefills the prompt
+            // itself: slower for long prompts, but the request is served.
             let p = if local { None } else { self.pick(Role::Prefill, &avoid) };
-            if !local && p.is_none() {
-                last_error = "no prefill worker is available".into();
-                break;
-            }
             let _dg = InFlight::new(&d);
             let _pg = p.as_ref().map(InFlight::new);
             let req = DecodeRequest {
@@ -248,17 +269,44 @@ impl Cluster {
             };
             let mut client = DecodeWorkerClient::new(d.channel.clone()).max_decoding_message_size(64 << 20);
             let mut stream = match client.generate(req).await {
-                Ok(s) => s.into_inner(),
+                Ok(s) => {
+                    // The prefill part is over once the call is answered.
+                    drop(_pg);
+                    s.into_inner()
+                }
+                Err(e) if e.code() == tonic::Code::ResourceExhausted => {
+                    // Out of KV blocks (or requests): another decode worker, or wait
+                    // for blocks to free (the request queues here, bounded in time).
+                    last_error = format!("decode worker {}: {}", d.addr, e.message());
+                    avoid.push(d.addr.clone());
+                    let others = self
+                        .workers()
+                        .iter()
+                        .any(|w| w.role == Role::Decode && w.is_healthy() && !avoid.contains(&w.addr));
+                    if !others {
+                        if waited >= QUEUE_LIMIT {
+                            last_error = format!(
+                                "every decode worker stayed out of KV blocks for {} s ({last_error})",
+                                QUEUE_LIMIT.as_secs()
+                            );
+                            break;
+                        }
+                        drop(_dg);
+                        tokio::time::sleep(backoff).await;
+                        waited += backoff;
+                        backoff = (backoff * 2).min(Duration::from_millis(500));
+                        avoid.clear();
+                    }
+                    continue;
+                }
                 Err(e) => {
                     // Nothing was sent to the client yet: try other workers.
+                    attempts += 1;
                     last_error = format!("decode worker {}: {}", d.addr, e.message());
                     tracing::warn!(request = id, error = %last_error, "attempt failed; retrying elsewhere");
                     let retry = matches!(
                         e.code(),
-                        tonic::Code::Unavailable
-                            | tonic::Code::ResourceExhausted
-                            | tonic::Code::Unknown
-                            | tonic::Code::DeadlineExceeded
+                        tonic::Code::Unavailable | tonic::Code::Unknown | tonic::Code::DeadlineExceeded
                     );
                     if !retry {
                         let _ = tx.send(Err(e.message().to_string()));
@@ -347,10 +395,55 @@ pub struct ClusterOptions {
     pub model: String,
     pub prefill: Vec<String>,
     pub decode: Vec<String>,
+    /// Workers found in etcd at start: admitted when they can be, skipped otherwise.
+    pub discovered_prefill: Vec<String>,
+    pub discovered_decode: Vec<String>,
     pub local_prefill_below: usize,
     pub max_in_flight: usize,
     /// How long to wait for the listed workers to answer at start.
     pub wait: Duration,
+}
+
+/// Admits one worker, retrying until `deadline` while it does not answer. The first
+/// decode worker sets the cluster's KV layout (after its model is checked against the
+/// router's).
+async fn admit(
+    cluster: &Cluster,
+    cfg: &engine::config::ModelConfig,
+    addr: &str,
+    role: Role,
+    deadline: Instant,
+) -> Result<(), String> {
+    loop {
+        if role == Role::Decode && cluster.compat().is_none() {
+            let w = Worker::new(addr, role)?;
+            match w.fetch_info().await {
+                Ok(info) => {
+                    let mine = rpc::model_identity(cfg);
+                    if info.model != mine {
+                        return Err(format!(
+                            "decode worker {addr} serves model {:?}, the router {:?}",
+                            info.model, mine
+                        ));
+                    }
+                    *cluster.compat.lock().unwrap_or_else(|e| e.into_inner()) =
+                        Some(Compat { model: mine, kv_layout: info.kv_layout.unwrap_or_default() });
+                }
+                Err(_) if Instant::now() < deadline => {
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                    continue;
+                }
+                Err(e) => return Err(format!("decode worker {addr} did not answer: {}", e.message())),
+            }
+        }
+        match cluster.add(addr, role).await {
+            Ok(_) => return Ok(()),
+            Err(e) if e.contains("did not answer") && Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            Err(e) => return Err(e),
+        }
+    }
 }
 
 /// Loads the tokenizer, admits the listed workers (waiting up to `wait` for each to
@@ -368,41 +461,23 @@ pub async fn connect(o: &ClusterOptions) -> Result<(engine::handle::EngineHandle
     // The model identity comes from the router's model, the layout from the first
     // decode worker; every other worker must match both.
     let deadline = Instant::now() + o.wait;
-    for (role, list) in [(Role::Decode, &o.decode), (Role::Prefill, &o.prefill)] {
-        for addr in list {
-            loop {
-                let first = role == Role::Decode && cluster.workers().is_empty();
-                if first {
-                    // Adopt this worker's layout after checking its model.
-                    let w = Worker::new(addr, role)?;
-                    match w.fetch_info().await {
-                        Ok(info) => {
-                            let mine = rpc::model_identity(&cfg);
-                            if info.model != mine {
-                                return Err(format!(
-                                    "decode worker {addr} serves model {:?}, the router {:?}",
-                                    info.model, mine
-                                ));
-                            }
-                            *cluster.compat.lock().unwrap_or_else(|e| e.into_inner()) =
-                                Some(Compat { model: mine, kv_layout: info.kv_layout.unwrap_or_default() });
-                        }
-                        Err(e) if Instant::now() < deadline => {
-                            let _ = e;
-                            tokio::time::sleep(Duration::from_millis(200)).await;
-                            continue;
-                        }
-                        Err(e) => return Err(format!("decode worker {addr} did not answer: {}", e.message())),
-                    }
-                }
-                match cluster.add(addr, role).await {
-                    Ok(_) => break,
-                    Err(e) if e.contains("did not answer") && Instant::now() < deadline => {
-                        tokio::time::sleep(Duration::from_millis(200)).await;
-                    }
-                    Err(e) => return Err(e),
-                }
-            }
+    // Listed workers must be admitted (an error stops the router); discovered ones
+    // (etcd) are skipped with a logged reason when they cannot be.
+    let mut todo: Vec<(Role, &String, bool)> = Vec::new();
+    for (role, list, required) in [
+        (Role::Decode, &o.decode, true),
+        (Role::Decode, &o.discovered_decode, false),
+        (Role::Prefill, &o.prefill, true),
+        (Role::Prefill, &o.discovered_prefill, false),
+    ] {
+        todo.extend(list.iter().map(|a| (role, a, required)));
+    }
+    for (role, addr, required) in todo {
+        let r = admit(&cluster, &cfg, addr, role, if required { deadline } else { Instant::now() }).await;
+        match r {
+            Ok(()) => {}
+            Err(e) if required => return Err(e),
+            Err(e) => tracing::warn!(addr = %addr, reason = %e, "registered worker skipped"),
         }
     }
     let decodes: Vec<WorkerInfo> = cluster
@@ -412,9 +487,11 @@ pub async fn connect(o: &ClusterOptions) -> Result<(engine::handle::EngineHandle
         .filter(|i| i.role == "decode")
         .collect();
     let Some(first) = decodes.first() else {
-        return Err("give at least one decode worker".into());
+        return Err(
+            "no decode worker could be admitted; give at least one with --decode or register one in etcd".into()
+        );
     };
-    if o.prefill.is_empty() && o.local_prefill_below != usize::MAX {
+    if cluster.workers().iter().all(|w| w.role != Role::Prefill) {
         tracing::warn!("no prefill workers: every prompt is prefilled on the decode workers");
     }
     let layout = first.kv_layout.unwrap_or_default();
@@ -444,4 +521,70 @@ pub async fn connect(o: &ClusterOptions) -> Result<(engine::handle::EngineHandle
     );
     tokio::spawn(cluster.clone().poll_forever());
     Ok((handle, cluster))
+}
+
+/// Follows etcd registrations (see `rpc::discovery`): admits registered workers (after
+/// the same model and layout check as any other; a refusal is logged with its reason)
+/// and removes those whose registration ended. Only workers that etcd brought are ever
+/// removed by it; workers given on the command line stay.
+pub async fn follow_etcd(
+    cluster: Arc<Cluster>,
+    mut events: tokio::sync::mpsc::UnboundedReceiver<rpc::discovery::Event>,
+    mut from_etcd: std::collections::HashSet<(String, String)>,
+) {
+    use rpc::discovery::Event;
+    let role = |r: &str| match r {
+        "prefill" => Some(Role::Prefill),
+        "decode" => Some(Role::Decode),
+        _ => None,
+    };
+    let admit = |reg: rpc::discovery::Registration| {
+        let cluster = cluster.clone();
+        async move {
+            let Some(r) = role(&reg.role) else {
+                tracing::warn!(role = %reg.role, addr = %reg.addr, "ignoring a registration with an unknown role");
+                return false;
+            };
+            match cluster.add(&reg.addr, r).await {
+                Ok((_, new)) => new,
+                Err(e) => {
+                    tracing::warn!(addr = %reg.addr, reason = %e, "worker refused");
+                    false
+                }
+            }
+        }
+    };
+    while let Some(ev) = events.recv().await {
+        match ev {
+            Event::Sync(all) => {
+                let now: std::collections::HashSet<(String, String)> =
+                    all.iter().map(|r| (r.role.clone(), r.addr.clone())).collect();
+                for (r, addr) in from_etcd.difference(&now) {
+                    if let Some(r) = role(r) {
+                        cluster.remove(addr, r);
+                    }
+                }
+                from_etcd.retain(|k| now.contains(k));
+                for reg in all {
+                    let k = (reg.role.clone(), reg.addr.clone());
+                    if admit(reg).await {
+                        from_etcd.insert(k);
+                    }
+                }
+            }
+            Event::Put(reg) => {
+                let k = (reg.role.clone(), reg.addr.clone());
+                if admit(reg).await {
+                    from_etcd.insert(k);
+                }
+            }
+            Event::Delete(r, addr) => {
+                if from_etcd.remove(&(r.clone(), addr.clone())) {
+                    if let Some(r) = role(&r) {
+                        cluster.remove(&addr, r);
+                    }
+                }
+            }
+        }
+    }
 }

@@ -1,6 +1,9 @@
-//! Conversions between engine types and the protobuf messages of `proto`, in one place
-//! so the router and both workers speak the same dialect.
+//! What the router and both workers share: conversions between engine types and the
+//! protobuf messages of `proto` (one dialect everywhere), the workers' `/metrics`
+//! endpoint, and discovery through etcd ([`discovery`]).
 #![forbid(unsafe_code)]
+
+pub mod discovery;
 
 use engine::handle::SubmitError;
 use engine::sampling::{SamplingParams, TokenLogprob};
@@ -183,4 +186,43 @@ pub fn worker_info(role: &str, e: &engine::handle::EngineHandle) -> pb::WorkerIn
         backend: e.backend.to_string(),
         in_flight: e.in_flight() as u32,
     }
+}
+
+/// Serves `GET /metrics` (Prometheus text) for a worker: its role's `registry` plus
+/// the engine's queue depths and KV usage at scrape time.
+pub async fn serve_metrics(
+    listener: tokio::net::TcpListener,
+    registry: prometheus::Registry,
+    engine: engine::handle::EngineHandle,
+    role: &'static str,
+) -> std::io::Result<()> {
+    use axum::routing::get;
+    let gauges = prometheus::IntGaugeVec::new(
+        prometheus::Opts::new("disagg:worker_state", "Engine state of this worker at scrape time"),
+        &["role", "what"],
+    )
+    .expect("valid metric");
+    registry.register(Box::new(gauges.clone())).expect("registered once");
+    let app = axum::Router::new().route(
+        "/metrics",
+        get(move || {
+            let (registry, engine, gauges) = (registry.clone(), engine.clone(), gauges.clone());
+            async move {
+                let st = engine.stats();
+                for (what, v) in [
+                    ("running", st.running),
+                    ("waiting", st.waiting),
+                    ("kv_blocks_used", st.kv_blocks_used),
+                    ("kv_blocks_total", st.kv_blocks_total),
+                    ("in_flight", engine.in_flight()),
+                ] {
+                    gauges.with_label_values(&[role, what]).set(v as i64);
+                }
+                let mut out = String::new();
+                let _ = prometheus::TextEncoder::new().encode_utf8(&registry.gather(), &mut out);
+                out
+            }
+        }),
+    );
+    axum::serve(listener, app).await
 }

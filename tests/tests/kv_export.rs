@@ -118,3 +118,38 @@ fn reservations_are_bounded_and_aborts_free_them() {
     assert_eq!(d.stats().kv_blocks_used, 0);
     assert!(!d.has_work());
 }
+
+#[test]
+fn activated_requests_and_running_ones_make_progress_when_blocks_run_out() {
+    // 11 blocks. R runs and grows; A holds 5 blocks from a transfer. Both must finish
+    // (someone is preempted and recomputed), and every block comes back.
+    let mut opts = test_options();
+    opts.kv_cache_mib = 4;
+    let mut d = engine(&opts);
+    let total = d.stats().kv_blocks_total;
+    assert_eq!(total, 11);
+    let r_params = SamplingParams { max_tokens: Some(60), ignore_eos: true, ..SamplingParams::greedy() };
+    d.add_request(1, prompt(80), r_params).unwrap();
+    d.step();
+    let a_params = SamplingParams { max_tokens: Some(30), ignore_eos: true, ..SamplingParams::greedy() };
+    d.reserve(2, prompt(80), a_params).unwrap();
+    let bytes = d.kv_shape().block_bytes_per_layer();
+    for layer in 0..d.model.cfg.n_layers as u32 {
+        d.import_kv(2, &KvChunk { layer, first_block: 0, n_blocks: 5, data: vec![0; 5 * bytes] }).unwrap();
+    }
+    d.activate(2, 100, None).unwrap();
+    let mut done = std::collections::HashSet::new();
+    for _ in 0..2000 {
+        if !d.has_work() {
+            break;
+        }
+        for o in d.step() {
+            if o.finish.is_some() {
+                done.insert(o.id);
+            }
+        }
+    }
+    assert_eq!(done.len(), 2, "both requests finished");
+    assert!(d.stats().preemptions > 0, "blocks ran out, as intended");
+    assert_eq!(d.stats().kv_blocks_used, 0);
+}
