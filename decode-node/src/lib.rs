@@ -23,9 +23,11 @@ use std::time::{Duration, Instant};
 use engine::handle::EngineHandle;
 use engine::scheduler::KvChunk;
 use kv_transfer::KvReceiver;
+use opentelemetry::KeyValue;
 use proto::v1::decode_worker_server::{DecodeWorker, DecodeWorkerServer};
 use proto::v1::prefill_worker_client::PrefillWorkerClient;
 use proto::v1::{DecodeRequest, GenerateResponse, PrefillRequest, WorkerInfo, WorkerInfoRequest};
+use rpc::telemetry::{SpanSpec, Telemetry, TraceParent};
 use tonic::transport::Channel;
 use tonic::{Request, Response, Status};
 
@@ -70,6 +72,7 @@ pub struct DecodeService {
     kv_addr: String,
     clients: Mutex<HashMap<String, PrefillWorkerClient<Channel>>>,
     pub metrics: Arc<DecodeMetrics>,
+    telemetry: Option<Arc<Telemetry>>,
 }
 
 impl DecodeService {
@@ -82,7 +85,14 @@ impl DecodeService {
             kv_addr,
             clients: Mutex::new(HashMap::new()),
             metrics: Arc::new(DecodeMetrics::new()),
+            telemetry: None,
         }
+    }
+
+    /// Records this worker's part of each request as spans (see `rpc::telemetry`).
+    pub fn with_telemetry(mut self, t: Arc<Telemetry>) -> Self {
+        self.telemetry = Some(t);
+        self
     }
 
     pub fn into_server(self) -> DecodeWorkerServer<DecodeService> {
@@ -107,7 +117,11 @@ impl DecodeService {
     }
 
     /// Steps 1–4 of the module docs for one request; returns its engine stream, active.
-    async fn prefill_remote(&self, r: DecodeRequest) -> Result<engine::handle::RequestStream, Status> {
+    async fn prefill_remote(
+        &self,
+        r: DecodeRequest,
+        trace: Option<TraceParent>,
+    ) -> Result<engine::handle::RequestStream, Status> {
         let t0 = Instant::now();
         let params = rpc::sampling_from_proto(r.sampling.clone());
         let (stream, n_blocks) = self.engine.reserve(r.prompt_ids.clone(), params).await.map_err(rpc::submit_status)?;
@@ -123,6 +137,10 @@ impl DecodeService {
             request_id: r.request_id.clone(),
         };
         let prefill_addr = r.prefill.clone();
+        let mut call = tonic::Request::new(call);
+        if let Some(v) = trace.and_then(|t| t.header().parse().ok()) {
+            call.metadata_mut().insert("traceparent", v);
+        }
         let prefill = async move {
             client.prefill(call).await.map(|x| x.into_inner()).map_err(|e| {
                 // Keep codes the router acts on (queue on RESOURCE_EXHAUSTED, no retry
@@ -178,7 +196,12 @@ impl DecodeWorker for DecodeService {
     type GenerateStream = GenStream;
 
     async fn generate(&self, req: Request<DecodeRequest>) -> Result<Response<GenStream>, Status> {
+        let arrival = Instant::now();
+        let parent = req.metadata().get("traceparent").and_then(|v| v.to_str().ok()).and_then(TraceParent::parse);
+        // This worker's span: a child of the router's, parent of the prefill worker's.
+        let ids = self.telemetry.as_ref().map(|_| parent.map(|p| p.child()).unwrap_or_else(TraceParent::new_root));
         let r = req.into_inner();
+        let remote = !r.prefill.is_empty();
         self.metrics.requests.inc();
         let request_id = r.request_id.clone();
         let mut stream = if r.prefill.is_empty() {
@@ -186,21 +209,42 @@ impl DecodeWorker for DecodeService {
             let params = rpc::sampling_from_proto(r.sampling);
             self.engine.submit(r.prompt_ids, params).map_err(rpc::submit_status)?
         } else {
-            self.prefill_remote(r).await.inspect_err(|e| {
+            self.prefill_remote(r, ids).await.inspect_err(|e| {
                 self.metrics.failures.inc();
                 tracing::warn!(request = %request_id, error = %e.message(), "remote prefill failed");
             })?
         };
+        let started = Instant::now();
         let (tx, rx) = tokio::sync::mpsc::channel(64);
+        let telemetry = self.telemetry.clone();
         tokio::spawn(async move {
+            let mut tokens = 0;
             while let Some(item) = stream.next().await {
                 let done = item.out.finish.is_some();
+                tokens += item.out.new_token_ids.len();
                 if tx.send(Ok(rpc::output_to_proto(item.out, Vec::new()))).await.is_err() || done {
-                    return;
+                    break;
                 }
             }
-            let reason = stream.error().unwrap_or("the engine stopped").to_string();
-            let _ = tx.send(Err(Status::unavailable(reason))).await;
+            if let Some(reason) = stream.error() {
+                let _ = tx.send(Err(Status::unavailable(reason.to_string()))).await;
+            }
+            if let (Some(t), Some(ids)) = (telemetry, ids) {
+                let end = Instant::now();
+                let root = SpanSpec {
+                    name: "decode_worker",
+                    start: arrival,
+                    end,
+                    attributes: vec![
+                        KeyValue::new("disagg.request_id", request_id),
+                        KeyValue::new("disagg.remote_prefill", remote),
+                        KeyValue::new("gen_ai.usage.output_tokens", tokens as i64),
+                    ],
+                };
+                let span = |name, start, end| SpanSpec { name, start, end, attributes: Vec::new() };
+                let first = if remote { "kv_wait" } else { "local_prefill_queue" };
+                t.record_tree(parent, ids, root, &[span(first, arrival, started), span("decode", started, end)]);
+            }
         });
         Ok(Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx))))
     }

@@ -38,6 +38,17 @@ pub struct WorkerArgs {
     /// Host others use to reach this worker (default: --host).
     #[arg(long)]
     pub advertise_host: Option<String>,
+    /// Export this worker's spans over OTLP/gRPC to this endpoint.
+    #[arg(long, env = "OTEL_EXPORTER_OTLP_ENDPOINT")]
+    pub otlp_endpoint: Option<String>,
+}
+
+/// The OTLP exporter when an endpoint is configured (inside the runtime).
+fn telemetry(endpoint: &Option<String>, service: &str) -> anyhow::Result<Option<Arc<rpc::telemetry::Telemetry>>> {
+    let Some(ep) = endpoint.as_deref().filter(|e| !e.is_empty()) else { return Ok(None) };
+    let t = rpc::telemetry::Telemetry::otlp(ep, service)
+        .map_err(|e| anyhow::anyhow!("cannot set up OTLP export to {ep}: {e}; check --otlp-endpoint"))?;
+    Ok(Some(Arc::new(t)))
 }
 
 impl WorkerArgs {
@@ -115,6 +126,9 @@ pub struct RouterArgs {
     /// Also serve the gRPC API (disagg.v1.Inference + health) on this port.
     #[arg(long)]
     pub grpc_port: Option<u16>,
+    /// Export traces over OTLP/gRPC to this endpoint; they continue in the workers.
+    #[arg(long, env = "OTEL_EXPORTER_OTLP_ENDPOINT")]
+    pub otlp_endpoint: Option<String>,
 }
 
 #[derive(Args, Debug)]
@@ -173,7 +187,11 @@ pub fn prefill(a: WorkerArgs) -> anyhow::Result<()> {
     rt.block_on(async move {
         let listener = worker_listener(&a.host, a.port).await?;
         let addr = listener.local_addr()?;
-        let svc = prefill_node::PrefillService::new(engine.clone(), fault);
+        let mut svc = prefill_node::PrefillService::new(engine.clone(), fault);
+        let tel = telemetry(&a.otlp_endpoint, "disagg-prefill")?;
+        if let Some(t) = &tel {
+            svc = svc.with_telemetry(t.clone());
+        }
         a.register("prefill", addr.port(), &engine);
         let note = metrics(&a, svc.metrics.registry.clone(), engine, "prefill").await?;
         let (reporter, health) = tonic_health::server::health_reporter();
@@ -186,6 +204,9 @@ pub fn prefill(a: WorkerArgs) -> anyhow::Result<()> {
             .add_service(svc.into_server())
             .serve_with_incoming_shutdown(router::grpc::incoming(listener), shutdown_signal())
             .await?;
+        if let Some(t) = tel {
+            t.shutdown();
+        }
         Ok(())
     })
 }
@@ -203,7 +224,11 @@ pub fn decode(a: DecodeArgs) -> anyhow::Result<()> {
         })?;
         let kv_host = w.advertised();
         let kv_addr = receiver.local_addr();
-        let svc = decode_node::DecodeService::new(engine.clone(), Arc::new(receiver), &kv_host);
+        let mut svc = decode_node::DecodeService::new(engine.clone(), Arc::new(receiver), &kv_host);
+        let tel = telemetry(&w.otlp_endpoint, "disagg-decode")?;
+        if let Some(t) = &tel {
+            svc = svc.with_telemetry(t.clone());
+        }
         w.register("decode", addr.port(), &engine);
         let note = metrics(&w, svc.metrics.registry.clone(), engine, "decode").await?;
         let (reporter, health) = tonic_health::server::health_reporter();
@@ -214,6 +239,9 @@ pub fn decode(a: DecodeArgs) -> anyhow::Result<()> {
             .add_service(svc.into_server())
             .serve_with_incoming_shutdown(router::grpc::incoming(listener), shutdown_signal())
             .await?;
+        if let Some(t) = tel {
+            t.shutdown();
+        }
         Ok(())
     })
 }
@@ -235,6 +263,9 @@ pub fn router(a: RouterArgs) -> anyhow::Result<()> {
             ..GatewayConfig::default()
         };
         let state = AppState::new(cfg);
+        if let Some(t) = telemetry(&a.otlp_endpoint, "disagg-router")? {
+            let _ = state.telemetry.set(Arc::into_inner(t).expect("one owner"));
+        }
         let server = tokio::spawn(router::serve(listener, state.clone(), shutdown_signal()));
         if let Some(port) = a.grpc_port {
             let gl = tokio::net::TcpListener::bind((a.host.as_str(), port)).await?;
@@ -295,6 +326,9 @@ pub fn router(a: RouterArgs) -> anyhow::Result<()> {
         state.set_engine(handle);
         println!("disagg serving '{}' at http://{addr}/v1", state.cfg.served_model_name);
         server.await??;
+        if let Some(t) = state.telemetry.get() {
+            t.shutdown();
+        }
         Ok(())
     })
 }

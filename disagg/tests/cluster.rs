@@ -587,3 +587,84 @@ fn full_decode_workers_queue_requests_and_bad_worker_calls_are_refused() {
         until_no_blocks(&p.url, "prefill").await;
     });
 }
+
+#[derive(Clone, Default)]
+struct Collector(std::sync::Arc<std::sync::Mutex<Vec<opentelemetry_proto::tonic::trace::v1::Span>>>);
+
+#[tonic::async_trait]
+impl opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::TraceService for Collector {
+    async fn export(
+        &self,
+        req: tonic::Request<opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest>,
+    ) -> Result<
+        tonic::Response<opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceResponse>,
+        tonic::Status,
+    > {
+        let mut spans = self.0.lock().unwrap();
+        for rs in req.into_inner().resource_spans {
+            for ss in rs.scope_spans {
+                spans.extend(ss.spans);
+            }
+        }
+        Ok(tonic::Response::new(Default::default()))
+    }
+}
+
+#[test]
+fn one_trace_follows_a_request_through_router_decode_and_prefill() {
+    use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::TraceServiceServer;
+    let rt = rt();
+    let collector = Collector::default();
+    let spans = collector.0.clone();
+    let endpoint = rt.block_on(async {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(TraceServiceServer::new(collector))
+                .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(l)),
+        );
+        format!("http://{addr}")
+    });
+    let env = [("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint.as_str())];
+    let mut a = vec!["prefill"];
+    a.extend(WORKER);
+    let p = Proc::start(&a, "prefill worker ready", &env);
+    let mut a = vec!["decode"];
+    a.extend(WORKER);
+    let d = Proc::start(&a, "decode worker ready", &env);
+    let r = Proc::start(&["router", "--port", "0", "--decode", &d.url, "--prefill", &p.url], "disagg serving", &env);
+    rt.block_on(async {
+        let body = json!({"model": "smollm2-135m-instruct", "prompt": prompt(0), "max_tokens": 4, "temperature": 0});
+        let (status, v) = complete(&reqwest::Client::new(), &r.url, body).await;
+        assert_eq!(status, 200, "{v}");
+    });
+    // Stopping the processes flushes their exporters.
+    drop(r);
+    drop(d);
+    drop(p);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let by_name = |name: &str| spans.lock().unwrap().iter().find(|s| s.name == name).cloned();
+    while ["request", "decode_worker", "prefill_worker"].iter().any(|n| by_name(n).is_none()) {
+        assert!(
+            Instant::now() < deadline,
+            "spans: {:?}",
+            spans.lock().unwrap().iter().map(|s| s.name.clone()).collect::<Vec<_>>()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let (req, dec, pre) =
+        (by_name("request").unwrap(), by_name("decode_worker").unwrap(), by_name("prefill_worker").unwrap());
+    assert_eq!(dec.trace_id, req.trace_id, "the decode worker's span is in the router's trace");
+    assert_eq!(pre.trace_id, req.trace_id, "the prefill worker's span is in the router's trace");
+    assert_eq!(dec.parent_span_id, req.span_id, "decode_worker is a child of request");
+    assert_eq!(pre.parent_span_id, dec.span_id, "prefill_worker is a child of decode_worker");
+    let all = spans.lock().unwrap().clone();
+    let kids = |parent: &Vec<u8>| {
+        let mut n: Vec<String> = all.iter().filter(|s| &s.parent_span_id == parent).map(|s| s.name.clone()).collect();
+        n.sort();
+        n
+    };
+    assert_eq!(kids(&dec.span_id), ["decode", "kv_wait", "prefill_worker"]);
+    assert_eq!(kids(&pre.span_id), ["kv_transfer", "prefill"]);
+}

@@ -43,7 +43,15 @@ pub type Outputs = UnboundedSender<Result<StreamItem, String>>;
 pub trait RemoteEngine: Send + Sync + 'static {
     /// Starts request `id`. Its outputs, in order, or the error that ended it, go to
     /// `tx`. Dropping the returned guard cancels the request.
-    fn start(&self, id: RequestId, prompt: Vec<u32>, params: SamplingParams, tx: Outputs) -> Box<dyn Send + Sync>;
+    /// `trace` is the W3C `traceparent` of the caller's span, when traces are on.
+    fn start(
+        &self,
+        id: RequestId,
+        prompt: Vec<u32>,
+        params: SamplingParams,
+        trace: Option<String>,
+        tx: Outputs,
+    ) -> Box<dyn Send + Sync>;
     /// Aggregate statistics of the engines behind it.
     fn stats(&self) -> EngineStats;
 }
@@ -184,7 +192,27 @@ impl EngineHandle {
     /// Submits a request. The returned stream yields its outputs; dropping it early
     /// cancels the request.
     pub fn submit(&self, prompt: Vec<u32>, params: SamplingParams) -> Result<RequestStream, SubmitError> {
-        self.start(prompt, params, |id, prompt, params, tx| Command::Add { id, prompt, params, tx, export: None })
+        self.submit_traced(prompt, params, None)
+    }
+
+    /// [`EngineHandle::submit`] inside a trace: `trace` (a W3C `traceparent`) goes to a
+    /// remote engine with the request, so its spans join the caller's trace; the
+    /// returned stream carries it.
+    pub fn submit_traced(
+        &self,
+        prompt: Vec<u32>,
+        params: SamplingParams,
+        trace: Option<String>,
+    ) -> Result<RequestStream, SubmitError> {
+        let mut st = self.start_traced(prompt, params, trace.clone(), |id, prompt, params, tx| Command::Add {
+            id,
+            prompt,
+            params,
+            tx,
+            export: None,
+        })?;
+        st.trace = trace;
+        Ok(st)
     }
 
     /// Submits a prefill-only request: it ends after its first token, and the engine
@@ -248,6 +276,16 @@ impl EngineHandle {
         params: SamplingParams,
         command: impl FnOnce(RequestId, Vec<u32>, SamplingParams, Outputs) -> Command,
     ) -> Result<RequestStream, SubmitError> {
+        self.start_traced(prompt, params, None, command)
+    }
+
+    fn start_traced(
+        &self,
+        prompt: Vec<u32>,
+        params: SamplingParams,
+        trace: Option<String>,
+        command: impl FnOnce(RequestId, Vec<u32>, SamplingParams, Outputs) -> Command,
+    ) -> Result<RequestStream, SubmitError> {
         self.limits.validate(&prompt, &params).map_err(SubmitError::Invalid)?;
         let n = self.shared.in_flight.fetch_add(1, Ordering::SeqCst);
         if n >= self.max_in_flight {
@@ -264,9 +302,9 @@ impl EngineHandle {
                 }
                 Cancel::Local(link.clone())
             }
-            Link::Remote(r) => Cancel::Remote(Some(r.start(id, prompt, params, tx))),
+            Link::Remote(r) => Cancel::Remote(Some(r.start(id, prompt, params, trace, tx))),
         };
-        Ok(RequestStream { id, rx, cancel, shared: self.shared.clone(), finished: false, error: None })
+        Ok(RequestStream { id, rx, cancel, shared: self.shared.clone(), finished: false, error: None, trace: None })
     }
 
     pub fn stats(&self) -> EngineStats {
@@ -297,6 +335,8 @@ pub struct RequestStream {
     shared: Arc<Shared>,
     finished: bool,
     error: Option<String>,
+    /// The W3C `traceparent` it was submitted with, if any.
+    pub trace: Option<String>,
 }
 
 enum Cancel {

@@ -15,8 +15,10 @@ use engine::handle::EngineHandle;
 use engine::kv::blocks_for;
 use engine::scheduler::KvChunk;
 use kv_transfer::{Fault, KvSender, XferDesc};
+use opentelemetry::KeyValue;
 use proto::v1::prefill_worker_server::{PrefillWorker, PrefillWorkerServer};
 use proto::v1::{PrefillRequest, PrefillResponse, WorkerInfo, WorkerInfoRequest};
+use rpc::telemetry::{SpanSpec, Telemetry, TraceParent};
 use tonic::{Request, Response, Status};
 
 /// Per-role metrics of a prefill worker.
@@ -56,12 +58,19 @@ pub struct PrefillService {
     engine: EngineHandle,
     fault: Fault,
     pub metrics: Arc<PrefillMetrics>,
+    telemetry: Option<Arc<Telemetry>>,
 }
 
 impl PrefillService {
     /// `fault` injects transfer failures (tests; `DISAGG_KV_FAULT`).
     pub fn new(engine: EngineHandle, fault: Fault) -> Self {
-        PrefillService { engine, fault, metrics: Arc::new(PrefillMetrics::new()) }
+        PrefillService { engine, fault, metrics: Arc::new(PrefillMetrics::new()), telemetry: None }
+    }
+
+    /// Records this worker's part of each request as spans (see `rpc::telemetry`).
+    pub fn with_telemetry(mut self, t: Arc<Telemetry>) -> Self {
+        self.telemetry = Some(t);
+        self
     }
 
     pub fn into_server(self) -> PrefillWorkerServer<PrefillService> {
@@ -81,6 +90,7 @@ impl Drop for AbortOnDrop {
 impl PrefillWorker for PrefillService {
     async fn prefill(&self, req: Request<PrefillRequest>) -> Result<Response<PrefillResponse>, Status> {
         let t0 = Instant::now();
+        let parent = req.metadata().get("traceparent").and_then(|v| v.to_str().ok()).and_then(TraceParent::parse);
         let r = req.into_inner();
         let mine = rpc::transfer_layout(&self.engine.kv_shape);
         let Some(theirs) = r.kv_layout.as_ref().map(rpc::layout_from_proto) else {
@@ -96,7 +106,8 @@ impl PrefillWorker for PrefillService {
         }
         self.metrics.requests.inc();
         let params = rpc::sampling_from_proto(r.sampling);
-        let n_blocks = blocks_for(r.prompt_ids.len(), mine.block_size as usize) as u32;
+        let prompt_len = r.prompt_ids.len();
+        let n_blocks = blocks_for(prompt_len, mine.block_size as usize) as u32;
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<KvChunk>();
         let sink = Box::new(move |c: KvChunk| {
             let _ = tx.send(c);
@@ -117,10 +128,12 @@ impl PrefillWorker for PrefillService {
             s.finish().await.map_err(|e| Status::unavailable(format!("KV transfer to {target}: {e}")))
         }));
         let first = stream.next().await;
+        let mut first_at = t0;
         let result = async {
             let Some(first) = first else {
                 return Err(Status::unavailable(stream.error().unwrap_or("the engine stopped").to_string()));
             };
+            first_at = Instant::now();
             let token = *first.out.new_token_ids.first().ok_or_else(|| Status::internal("no first token"))?;
             let logprob = first.out.logprobs.into_iter().next().map(rpc::logprob_to_proto);
             let bytes = tokio::time::timeout(Duration::from_secs(120), &mut sender.0)
@@ -130,6 +143,23 @@ impl PrefillWorker for PrefillService {
             Ok((token, logprob, bytes))
         }
         .await;
+        if let Some(t) = &self.telemetry {
+            let end = Instant::now();
+            let root = SpanSpec {
+                name: "prefill_worker",
+                start: t0,
+                end,
+                attributes: vec![
+                    KeyValue::new("disagg.request_id", r.request_id.clone()),
+                    KeyValue::new("gen_ai.usage.input_tokens", prompt_len as i64),
+                    KeyValue::new("disagg.ok", result.is_ok()),
+                ],
+            };
+            let span = |name, start, end| SpanSpec { name, start, end, attributes: Vec::new() };
+            let ids = parent.map(|p| p.child()).unwrap_or_else(TraceParent::new_root);
+            // The transfer runs beside the prefill (layer by layer) and ends after it.
+            t.record_tree(parent, ids, root, &[span("prefill", t0, first_at), span("kv_transfer", t0, end)]);
+        }
         match result {
             Ok((first_token, first_logprob, kv_bytes)) => {
                 let secs = t0.elapsed().as_secs_f64();

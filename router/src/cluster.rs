@@ -248,7 +248,14 @@ impl Cluster {
         Some((*ties[i]).clone())
     }
 
-    async fn run(self: Arc<Self>, id: RequestId, prompt: Vec<u32>, params: SamplingParams, tx: Outputs) {
+    async fn run(
+        self: Arc<Self>,
+        id: RequestId,
+        prompt: Vec<u32>,
+        params: SamplingParams,
+        trace: Option<String>,
+        tx: Outputs,
+    ) {
         let sampling = rpc::sampling_to_proto(&params);
         let local = prompt.len() < self.local_prefill_below;
         let mut avoid = Vec::new();
@@ -268,7 +275,11 @@ impl Cluster {
                 request_id: format!("{id}"),
             };
             let mut client = DecodeWorkerClient::new(d.channel.clone()).max_decoding_message_size(64 << 20);
-            let mut stream = match client.generate(req).await {
+            let mut call = tonic::Request::new(req);
+            if let Some(v) = trace.as_deref().and_then(|t| t.parse().ok()) {
+                call.metadata_mut().insert("traceparent", v);
+            }
+            let mut stream = match client.generate(call).await {
                 Ok(s) => {
                     // The prefill part is over once the call is answered.
                     drop(_pg);
@@ -378,8 +389,15 @@ pub struct ClusterEngine {
 }
 
 impl RemoteEngine for ClusterEngine {
-    fn start(&self, id: RequestId, prompt: Vec<u32>, params: SamplingParams, tx: Outputs) -> Box<dyn Send + Sync> {
-        let task = self.rt.spawn(self.cluster.clone().run(id, prompt, params, tx));
+    fn start(
+        &self,
+        id: RequestId,
+        prompt: Vec<u32>,
+        params: SamplingParams,
+        trace: Option<String>,
+        tx: Outputs,
+    ) -> Box<dyn Send + Sync> {
+        let task = self.rt.spawn(self.cluster.clone().run(id, prompt, params, trace, tx));
         Box::new(AbortOnDrop(task.abort_handle()))
     }
 

@@ -100,7 +100,8 @@ impl Inference for GrpcService {
             None => return Err(Status::invalid_argument("prompt: give text, token_ids or chat")),
         };
         let params = rpc::sampling_from_proto(r.sampling);
-        let mut stream = e.submit(prompt.clone(), params).map_err(|x: SubmitError| status(x.into()))?;
+        let trace = self.state.telemetry.get().map(|_| crate::telemetry::TraceParent::new_root().header());
+        let mut stream = e.submit_traced(prompt.clone(), params, trace).map_err(|x: SubmitError| status(x.into()))?;
         self.state.metrics.prompt_tokens.inc_by(prompt.len() as u64);
         let submitted = Instant::now();
         let state = self.state.clone();
@@ -111,7 +112,8 @@ impl Inference for GrpcService {
             &format!("grpc-{}", stream.id),
             submitted,
             "disagg.v1.Inference/Generate",
-        );
+        )
+        .with_trace(stream.trace.as_deref());
         let out = async_stream(move |tx| async move {
             while let Some(item) = stream.next().await {
                 tracker.observe(&state, &item);

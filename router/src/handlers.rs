@@ -182,6 +182,8 @@ pub(crate) struct Tracker {
     /// bytes ready.
     first_text: Option<(Instant, Instant)>,
     done: bool,
+    /// Ids of this request's `request` span, chosen at submission (traces on).
+    ids: Option<crate::telemetry::TraceParent>,
 }
 
 impl Tracker {
@@ -196,7 +198,14 @@ impl Tracker {
             scheduled: None,
             first_text: None,
             done: false,
+            ids: None,
         }
+    }
+
+    /// Uses the ids of `traceparent` (the one the request was submitted with).
+    pub(crate) fn with_trace(mut self, traceparent: Option<&str>) -> Tracker {
+        self.ids = traceparent.and_then(crate::telemetry::TraceParent::parse);
+        self
     }
 
     /// Metrics for one engine output.
@@ -255,6 +264,7 @@ impl Tracker {
         }
         if let Some(t) = s.telemetry.get() {
             t.record(&crate::telemetry::RequestSpans {
+                ids: self.ids,
                 id: &self.id,
                 route: self.route,
                 arrival: self.arrival,
@@ -284,7 +294,10 @@ fn submit_n(
         let mut p = params.clone();
         p.seed = p.seed.map(|x| x.wrapping_add(i as u64));
         // On failure the streams already submitted are dropped here, which aborts them.
-        out.push(e.submit(prompt.to_vec(), p)?);
+        // With traces on, each choice's `request` span gets its ids now, so a remote
+        // engine's spans can join its trace.
+        let trace = s.telemetry.get().map(|_| crate::telemetry::TraceParent::new_root().header());
+        out.push(e.submit_traced(prompt.to_vec(), p, trace)?);
     }
     s.metrics.prompt_tokens.inc_by(prompt.len() as u64);
     Ok(out)
@@ -325,9 +338,10 @@ async fn collect_all(
     submitted: Instant,
     route: &'static str,
 ) -> Result<(Vec<Collected>, usize), ApiError> {
-    let results = futures::future::join_all(
-        streams.into_iter().map(|st| collect(st, s, Tracker::new(arrival, id, submitted, route))),
-    )
+    let results = futures::future::join_all(streams.into_iter().map(|st| {
+        let t = Tracker::new(arrival, id, submitted, route).with_trace(st.trace.as_deref());
+        collect(st, s, t)
+    }))
     .await;
     let choices = results.into_iter().collect::<Result<Vec<_>, _>>()?;
     let completion = choices.iter().map(|c| c.ids.len()).sum();
@@ -595,10 +609,15 @@ pub async fn chat(State(s): State<Arc<AppState>>, body: Body) -> AppResult {
     let head = (0..n)
         .map(|i| event(&format.chunk(json!([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}]))))
         .collect();
+    let traces: Vec<Option<String>> = streams.iter().map(|st| st.trace.clone()).collect();
     Ok(EventStream {
         merged: merge(streams.into_iter().enumerate().collect()),
         pending: Default::default(),
-        trackers: (0..n).map(|_| Tracker::new(arrival, &format.id, submitted, "/v1/chat/completions")).collect(),
+        trackers: (0..n)
+            .map(|i| {
+                Tracker::new(arrival, &format.id, submitted, "/v1/chat/completions").with_trace(traces[i].as_deref())
+            })
+            .collect(),
         state: s.clone(),
         format,
         prompt_tokens: prompt.len(),
@@ -731,10 +750,13 @@ pub async fn completions(State(s): State<Arc<AppState>>, body: Body) -> AppResul
         .map(|(i, p)| event(&format.chunk(json!([{"index": i, "text": p, "logprobs": null, "finish_reason": null}]))))
         .collect();
     format.offsets = prefixes.iter().map(String::len).collect();
+    let traces: Vec<Option<String>> = streams.iter().map(|st| st.trace.clone()).collect();
     Ok(EventStream {
         merged: merge(streams.into_iter().enumerate().collect()),
         pending: Default::default(),
-        trackers: (0..total).map(|_| Tracker::new(arrival, &format.id, submitted, "/v1/completions")).collect(),
+        trackers: (0..total)
+            .map(|i| Tracker::new(arrival, &format.id, submitted, "/v1/completions").with_trace(traces[i].as_deref()))
+            .collect(),
         state: s.clone(),
         format,
         prompt_tokens,

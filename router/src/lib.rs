@@ -14,7 +14,8 @@ pub mod grpc;
 pub(crate) mod handlers;
 pub mod metrics;
 pub mod openai;
-pub mod telemetry;
+/// OTLP traces (shared with the workers; see `rpc::telemetry`).
+pub use rpc::telemetry;
 
 use std::net::SocketAddr;
 use std::sync::{Arc, OnceLock};

@@ -53,9 +53,11 @@ fn parse_key(key: &[u8]) -> Option<(String, String)> {
 
 async fn connect(endpoint: &str) -> Result<Client, etcd_client::Error> {
     // Keepalive makes a silently dead connection fail the watch, which then resyncs.
+    // etcd refuses pings more often than every 5 s (--grpc-keepalive-min-time): it
+    // closes the connection ("too many pings"), so stay above that.
     let opts = etcd_client::ConnectOptions::new()
         .with_connect_timeout(Duration::from_secs(2))
-        .with_keep_alive(Duration::from_secs(2), Duration::from_secs(3))
+        .with_keep_alive(Duration::from_secs(10), Duration::from_secs(5))
         .with_keep_alive_while_idle(true);
     Client::connect([endpoint], Some(opts)).await
 }

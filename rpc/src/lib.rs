@@ -4,6 +4,7 @@
 #![forbid(unsafe_code)]
 
 pub mod discovery;
+pub mod telemetry;
 
 use engine::handle::SubmitError;
 use engine::sampling::{SamplingParams, TokenLogprob};
