@@ -668,3 +668,49 @@ fn one_trace_follows_a_request_through_router_decode_and_prefill() {
     assert_eq!(kids(&dec.span_id), ["decode", "kv_wait", "prefill_worker"]);
     assert_eq!(kids(&pre.span_id), ["kv_transfer", "prefill"]);
 }
+
+#[test]
+fn up_stops_everything_when_one_of_its_processes_dies() {
+    let log = std::env::temp_dir().join(format!("disagg-up-{}.log", std::process::id()));
+    let mut up = Command::new(env!("CARGO_BIN_EXE_disagg"))
+        .args(["up", "--port", "0", "--threads", "1", "--kv-cache-mib", "64"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    let out = up.stdout.take().unwrap();
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(out).lines().map_while(Result::ok) {
+            if line.contains("disagg serving") {
+                let _ = tx.send(());
+            }
+        }
+    });
+    rx.recv_timeout(Duration::from_secs(240)).expect("up is ready");
+    let kids = Command::new("pgrep").args(["-P", &up.id().to_string(), "-f", "disagg decode"]).output().unwrap();
+    let decode = String::from_utf8_lossy(&kids.stdout).split_whitespace().next().expect("a decode worker").to_string();
+    let all = Command::new("pgrep").args(["-P", &up.id().to_string()]).output().unwrap();
+    let all: Vec<String> = String::from_utf8_lossy(&all.stdout).split_whitespace().map(String::from).collect();
+    Command::new("kill").args(["-KILL", &decode]).status().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let status = loop {
+        if let Some(s) = up.try_wait().unwrap() {
+            break s;
+        }
+        if Instant::now() > deadline {
+            let _ = up.kill();
+            panic!("`disagg up` did not stop after a worker died");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert!(!status.success());
+    let err = std::fs::read_to_string(&log).unwrap();
+    let _ = std::fs::remove_file(&log);
+    assert!(err.contains("decode-0") && err.contains("exited") && err.contains("stopped the cluster"), "{err}");
+    for c in all {
+        let alive = Command::new("kill").args(["-0", &c]).stderr(Stdio::null()).status().unwrap().success();
+        assert!(!alive, "process {c} outlived `disagg up`");
+    }
+}
