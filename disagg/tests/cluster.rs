@@ -714,3 +714,67 @@ fn up_stops_everything_when_one_of_its_processes_dies() {
         assert!(!alive, "process {c} outlived `disagg up`");
     }
 }
+
+/// Sends raw bytes as a gRPC message (to test what malformed input gets).
+#[derive(Default)]
+struct RawCodec;
+struct Raw;
+
+impl tonic::codec::Codec for RawCodec {
+    type Encode = Vec<u8>;
+    type Decode = Vec<u8>;
+    type Encoder = Raw;
+    type Decoder = Raw;
+    fn encoder(&mut self) -> Raw {
+        Raw
+    }
+    fn decoder(&mut self) -> Raw {
+        Raw
+    }
+}
+
+impl tonic::codec::Encoder for Raw {
+    type Item = Vec<u8>;
+    type Error = tonic::Status;
+    fn encode(&mut self, item: Vec<u8>, dst: &mut tonic::codec::EncodeBuf<'_>) -> Result<(), tonic::Status> {
+        use bytes::BufMut;
+        dst.put_slice(&item);
+        Ok(())
+    }
+}
+
+impl tonic::codec::Decoder for Raw {
+    type Item = Vec<u8>;
+    type Error = tonic::Status;
+    fn decode(&mut self, src: &mut tonic::codec::DecodeBuf<'_>) -> Result<Option<Vec<u8>>, tonic::Status> {
+        use bytes::Buf;
+        let v = src.chunk().to_vec();
+        src.advance(v.len());
+        Ok(Some(v))
+    }
+}
+
+#[test]
+fn undecodable_grpc_messages_are_invalid_argument() {
+    let p = prefill(&[]);
+    let d = decode();
+    rt().block_on(async {
+        for (url, path) in [
+            (&d.url, "/disagg.v1.DecodeWorker/Generate"),
+            (&p.url, "/disagg.v1.PrefillWorker/Prefill"),
+            (&d.url, "/disagg.v1.DecodeWorker/Info"),
+        ] {
+            let ch = tonic::transport::Channel::from_shared(url.clone()).unwrap().connect().await.unwrap();
+            let mut g = tonic::client::Grpc::new(ch);
+            g.ready().await.unwrap();
+            let path = tonic::codegen::http::uri::PathAndQuery::from_static(path);
+            let req = tonic::Request::new(vec![0xff, 0xff, 0xff]);
+            let code = if path.path().ends_with("Generate") {
+                g.server_streaming(req, path, RawCodec).await.err().map(|e| e.code())
+            } else {
+                g.unary(req, path, RawCodec).await.err().map(|e| e.code())
+            };
+            assert_eq!(code, Some(tonic::Code::InvalidArgument), "{url}");
+        }
+    });
+}
