@@ -358,6 +358,25 @@ fn short_prompts_are_prefilled_on_the_decode_worker() {
 }
 
 #[test]
+fn a_worker_serving_another_model_is_refused() {
+    let d = decode();
+    let tiny = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/data/tiny_hf");
+    let p = Proc::start(
+        &["prefill", "--port", "0", "--threads", "1", "--kv-cache-mib", "8", "--model", tiny],
+        "prefill worker ready",
+        &[],
+    );
+    let out = Command::new(env!("CARGO_BIN_EXE_disagg"))
+        .args(["router", "--port", "0", "--decode", &d.url, "--prefill", &p.url])
+        .stdout(Stdio::null())
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("refused") && err.contains("serves model"), "{err}");
+}
+
+#[test]
 fn a_worker_of_another_kv_layout_is_refused() {
     let d = decode();
     let mut a = vec!["prefill", "--block-size", "32"];
