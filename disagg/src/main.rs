@@ -80,11 +80,19 @@ pub struct EngineArgs {
 
 impl EngineArgs {
     pub fn options(&self) -> anyhow::Result<EngineOptions> {
-        if self.device != "cpu" {
+        if let Some(n) = self.device.strip_prefix("cuda:") {
+            let ordinal: usize =
+                n.parse().map_err(|_| anyhow::anyhow!("--device {}: give cuda:N with N a number", self.device))?;
+            // A missing driver or device is reported as such; with one, say plainly that
+            // the model does not run on it yet.
+            let d = kernels::cuda::CudaDevice::open(ordinal)?;
             anyhow::bail!(
-                "--device {} is not available: this build has only the CPU backend (use --device cpu)",
-                self.device
+                "--device cuda:{ordinal} ({}): the CUDA backend runs its first ops but not yet the whole model; use --device cpu",
+                d.describe()
             );
+        }
+        if self.device != "cpu" {
+            anyhow::bail!("--device {} is not a device; use cpu or cuda:N", self.device);
         }
         let kv_dtype = KvDtype::parse(&self.kv_dtype)
             .ok_or_else(|| anyhow::anyhow!("--kv-dtype must be f16 or f32, got '{}'", self.kv_dtype))?;

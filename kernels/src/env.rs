@@ -43,3 +43,7 @@ pub const OTLP_ENDPOINT: &str = "OTEL_EXPORTER_OTLP_ENDPOINT";
 /// byte of the second range sent after its checksum, `cut` closes the connection after
 /// the second range. Unset or `none`: no fault.
 pub const KV_FAULT: &str = "DISAGG_KV_FAULT";
+
+/// Set on the GPU machine to run the CUDA tests (`kernels/tests/cuda_ops.rs`); unset,
+/// they check only the no-driver error and never pretend to have run on a GPU.
+pub const TEST_CUDA: &str = "DISAGG_TEST_CUDA";
