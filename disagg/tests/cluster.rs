@@ -603,6 +603,17 @@ fn full_decode_workers_queue_requests_and_bad_worker_calls_are_refused() {
         let e = pc.prefill(req).await.unwrap_err();
         assert_eq!(e.code(), tonic::Code::FailedPrecondition, "{e:?}");
         assert!(e.message().contains("incompatible KV layout"), "{e:?}");
+        // A receiver that cannot be reached fails the call (and stops the prefill).
+        let ours = KvLayout { n_layers: 30, ..other };
+        let req = PrefillRequest {
+            prompt_ids: (0..2000).map(|i| 100 + i % 3000).collect(),
+            kv_layout: Some(ours),
+            kv_target: "127.0.0.1:9".into(),
+            ..Default::default()
+        };
+        let e = pc.prefill(req).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::Unavailable, "{e:?}");
+        assert!(e.message().contains("KV transfer to 127.0.0.1:9"), "{e:?}");
         until_no_blocks(&p.url, "prefill").await;
     });
 }

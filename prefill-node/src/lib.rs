@@ -112,6 +112,7 @@ impl PrefillWorker for PrefillService {
         let sink = Box::new(move |c: KvChunk| {
             let _ = tx.send(c);
         });
+        let r_id = r.request_id.clone();
         let mut stream = self.engine.submit_exporting(r.prompt_ids, params, sink).map_err(rpc::submit_status)?;
         let (target, ticket, fault) = (r.kv_target, r.ticket, self.fault);
         let mut sender = AbortOnDrop(tokio::spawn(async move {
@@ -127,7 +128,21 @@ impl PrefillWorker for PrefillService {
             }
             s.finish().await.map_err(|e| Status::unavailable(format!("KV transfer to {target}: {e}")))
         }));
-        let first = stream.next().await;
+        // The transfer can only end early by failing (it ends normally after the first
+        // token): then stop computing the prompt at once and say why.
+        let first = tokio::select! {
+            f = stream.next() => f,
+            r = &mut sender.0 => {
+                self.metrics.failures.inc();
+                let e = match r {
+                    Ok(Err(e)) => e,
+                    Ok(Ok(_)) => Status::internal("the KV transfer ended before the prefill"),
+                    Err(e) => Status::internal(format!("KV sender task: {e}")),
+                };
+                tracing::warn!(request = %r_id, error = %e.message(), "KV transfer failed before the first token");
+                return Err(e);
+            }
+        };
         let mut first_at = t0;
         let result = async {
             let Some(first) = first else {
