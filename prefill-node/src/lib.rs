@@ -128,19 +128,25 @@ impl PrefillWorker for PrefillService {
             }
             s.finish().await.map_err(|e| Status::unavailable(format!("KV transfer to {target}: {e}")))
         }));
-        // The transfer can only end early by failing (it ends normally after the first
-        // token): then stop computing the prompt at once and say why.
+        // A transfer that fails before the first token stops the prompt's compute at
+        // once. (It can also end successfully just after the first token, when the
+        // engine closed the sink: then take the token.)
+        let mut done_transfer: Option<u64> = None;
         let first = tokio::select! {
+            biased;
             f = stream.next() => f,
             r = &mut sender.0 => {
-                self.metrics.failures.inc();
-                let e = match r {
-                    Ok(Err(e)) => e,
-                    Ok(Ok(_)) => Status::internal("the KV transfer ended before the prefill"),
-                    Err(e) => Status::internal(format!("KV sender task: {e}")),
-                };
-                tracing::warn!(request = %r_id, error = %e.message(), "KV transfer failed before the first token");
-                return Err(e);
+                match r.unwrap_or_else(|e| Err(Status::internal(format!("KV sender task: {e}")))) {
+                    Ok(bytes) => {
+                        done_transfer = Some(bytes);
+                        stream.next().await
+                    }
+                    Err(e) => {
+                        self.metrics.failures.inc();
+                        tracing::warn!(request = %r_id, error = %e.message(), "KV transfer failed before the first token");
+                        return Err(e);
+                    }
+                }
             }
         };
         let mut first_at = t0;
@@ -151,10 +157,13 @@ impl PrefillWorker for PrefillService {
             first_at = Instant::now();
             let token = *first.out.new_token_ids.first().ok_or_else(|| Status::internal("no first token"))?;
             let logprob = first.out.logprobs.into_iter().next().map(rpc::logprob_to_proto);
-            let bytes = tokio::time::timeout(Duration::from_secs(120), &mut sender.0)
-                .await
-                .map_err(|_| Status::deadline_exceeded("the KV transfer did not complete in 120 s"))?
-                .map_err(|e| Status::internal(format!("KV sender task: {e}")))??;
+            let bytes = match done_transfer {
+                Some(b) => b,
+                None => tokio::time::timeout(Duration::from_secs(120), &mut sender.0)
+                    .await
+                    .map_err(|_| Status::deadline_exceeded("the KV transfer did not complete in 120 s"))?
+                    .map_err(|e| Status::internal(format!("KV sender task: {e}")))??,
+            };
             Ok((token, logprob, bytes))
         }
         .await;
