@@ -102,15 +102,12 @@ async fn http_request(
             eprintln!("{:.2}ms chunk of {} bytes", send.elapsed().as_secs_f64() * 1e3, chunk.len());
         }
         buf.extend_from_slice(&chunk);
-        while let Some(end) = buf.windows(2).position(|w| w == b"\n\n") {
-            let ev: Vec<u8> = buf.drain(..end + 2).collect();
-            let line = String::from_utf8_lossy(&ev);
-            let Some(data) = line.trim().strip_prefix("data: ") else { continue };
+        while let Some(data) = crate::sse::next_data(&mut buf) {
             if data == "[DONE]" {
                 done = Some(Instant::now());
                 continue;
             }
-            let v: serde_json::Value = serde_json::from_str(data)?;
+            let v: serde_json::Value = serde_json::from_str(&data)?;
             if id.is_empty() {
                 id = v["id"].as_str().unwrap_or("").to_string();
             }

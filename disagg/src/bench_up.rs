@@ -62,14 +62,11 @@ async fn one(
         let chunk = chunk?;
         let now = Instant::now();
         buf.extend_from_slice(&chunk);
-        while let Some(end) = buf.windows(2).position(|w| w == b"\n\n") {
-            let ev: Vec<u8> = buf.drain(..end + 2).collect();
-            let line = String::from_utf8_lossy(&ev);
-            let Some(data) = line.trim().strip_prefix("data: ") else { continue };
+        while let Some(data) = crate::sse::next_data(&mut buf) {
             if data == "[DONE]" {
                 continue;
             }
-            let v: serde_json::Value = serde_json::from_str(data)?;
+            let v: serde_json::Value = serde_json::from_str(&data)?;
             anyhow::ensure!(v.get("error").is_none(), "stream error: {v}");
             if v["choices"][0]["text"].is_string() {
                 stamps.push(now);
@@ -127,29 +124,15 @@ pub fn run(a: ServeBenchArgs) -> anyhow::Result<()> {
     let opts = e.options()?;
     engine::load::resolve(&opts.model)?;
     let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
-    let common = |threads: usize| -> Vec<String> {
-        vec![
-            "--model".into(),
-            e.model.clone(),
-            "--threads".into(),
-            threads.to_string(),
-            "--kv-cache-mib".into(),
-            e.kv_cache_mib.to_string(),
-            "--max-num-seqs".into(),
-            e.max_num_seqs.to_string(),
-            "--max-batched-tokens".into(),
-            e.max_batched_tokens.to_string(),
-        ]
-    };
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     let mut results = serde_json::Map::new();
     for mode in ["serve", "up"] {
         let mut args: Vec<String> = vec![mode.into(), "--port".into(), "0".into()];
         if mode == "serve" {
-            args.extend(common(if e.threads > 0 { e.threads } else { cores }));
+            args.extend(e.to_args(if e.threads > 0 { e.threads } else { cores }));
         } else {
             args.extend(["--prefill".into(), a.prefill.to_string(), "--decode".into(), a.decode.to_string()]);
-            args.extend(common(e.threads));
+            args.extend(e.to_args(e.threads));
         }
         let (p, line) = spawn_role(mode, &args, "disagg serving", std::time::Duration::from_secs(300))?;
         let mut procs = vec![p];

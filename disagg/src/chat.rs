@@ -70,14 +70,11 @@ async fn chat(a: ChatArgs) -> anyhow::Result<()> {
         let mut s = r.bytes_stream();
         while let Some(chunk) = s.next().await {
             buf.extend_from_slice(&chunk?);
-            while let Some(end) = buf.windows(2).position(|w| w == b"\n\n") {
-                let ev: Vec<u8> = buf.drain(..end + 2).collect();
-                let ev = String::from_utf8_lossy(&ev);
-                let Some(data) = ev.trim().strip_prefix("data: ") else { continue };
+            while let Some(data) = crate::sse::next_data(&mut buf) {
                 if data == "[DONE]" {
                     continue;
                 }
-                let v: Value = serde_json::from_str(data)?;
+                let v: Value = serde_json::from_str(&data)?;
                 if let Some(t) = v["choices"][0]["delta"]["content"].as_str() {
                     print!("{t}");
                     std::io::stdout().flush()?;

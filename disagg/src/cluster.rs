@@ -194,21 +194,43 @@ pub fn prefill(a: WorkerArgs) -> anyhow::Result<()> {
         }
         a.register("prefill", addr.port(), &engine);
         let note = metrics(&a, svc.metrics.registry.clone(), engine, "prefill").await?;
-        let (reporter, health) = tonic_health::server::health_reporter();
-        reporter
-            .set_serving::<proto::v1::prefill_worker_server::PrefillWorkerServer<prefill_node::PrefillService>>()
-            .await;
-        println!("disagg prefill worker ready at http://{addr}{note}");
-        tonic::transport::Server::builder()
-            .add_service(health)
-            .add_service(svc.into_server())
-            .serve_with_incoming_shutdown(router::grpc::incoming(listener), shutdown_signal())
-            .await?;
-        if let Some(t) = tel {
-            t.shutdown();
-        }
-        Ok(())
+        serve_worker(listener, svc.into_server(), tel, format!("disagg prefill worker ready at http://{addr}{note}"))
+            .await
     })
+}
+
+/// Serves a worker's gRPC service (with grpc.health.v1) until Ctrl-C/SIGTERM, after
+/// printing its ready line; then flushes its traces.
+async fn serve_worker<S>(
+    listener: tokio::net::TcpListener,
+    svc: S,
+    tel: Option<Arc<rpc::telemetry::Telemetry>>,
+    ready: String,
+) -> anyhow::Result<()>
+where
+    S: tonic::codegen::Service<
+            tonic::codegen::http::Request<tonic::body::Body>,
+            Response = tonic::codegen::http::Response<tonic::body::Body>,
+            Error = std::convert::Infallible,
+        > + tonic::server::NamedService
+        + Clone
+        + Send
+        + Sync
+        + 'static,
+    S::Future: Send + 'static,
+{
+    let (reporter, health) = tonic_health::server::health_reporter();
+    reporter.set_serving::<S>().await;
+    println!("{ready}");
+    tonic::transport::Server::builder()
+        .add_service(health)
+        .add_service(svc)
+        .serve_with_incoming_shutdown(router::grpc::incoming(listener), shutdown_signal())
+        .await?;
+    if let Some(t) = tel {
+        t.shutdown();
+    }
+    Ok(())
 }
 
 pub fn decode(a: DecodeArgs) -> anyhow::Result<()> {
@@ -231,18 +253,8 @@ pub fn decode(a: DecodeArgs) -> anyhow::Result<()> {
         }
         w.register("decode", addr.port(), &engine);
         let note = metrics(&w, svc.metrics.registry.clone(), engine, "decode").await?;
-        let (reporter, health) = tonic_health::server::health_reporter();
-        reporter.set_serving::<proto::v1::decode_worker_server::DecodeWorkerServer<decode_node::DecodeService>>().await;
-        println!("disagg decode worker ready at http://{addr} (KV receiver {kv_addr}){note}");
-        tonic::transport::Server::builder()
-            .add_service(health)
-            .add_service(svc.into_server())
-            .serve_with_incoming_shutdown(router::grpc::incoming(listener), shutdown_signal())
-            .await?;
-        if let Some(t) = tel {
-            t.shutdown();
-        }
-        Ok(())
+        let ready = format!("disagg decode worker ready at http://{addr} (KV receiver {kv_addr}){note}");
+        serve_worker(listener, svc.into_server(), tel, ready).await
     })
 }
 
@@ -451,24 +463,7 @@ pub fn up(a: UpArgs) -> anyhow::Result<()> {
     let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
     let threads = if a.engine.threads > 0 { a.engine.threads } else { (cores / workers).max(1) };
     let e = &a.engine;
-    let engine_args = vec![
-        "--model".into(),
-        e.model.clone(),
-        "--threads".into(),
-        threads.to_string(),
-        "--kv-cache-mib".into(),
-        e.kv_cache_mib.to_string(),
-        "--kv-dtype".into(),
-        e.kv_dtype.clone(),
-        "--block-size".into(),
-        e.block_size.to_string(),
-        "--max-num-seqs".into(),
-        e.max_num_seqs.to_string(),
-        "--max-batched-tokens".into(),
-        e.max_batched_tokens.to_string(),
-        "--max-model-len".into(),
-        e.max_model_len.to_string(),
-    ];
+    let engine_args = e.to_args(threads);
     let mut procs: Vec<Proc> = Vec::new();
     let mut etcd_dir = None;
     let etcd = match (&a.etcd, a.no_etcd) {

@@ -10,6 +10,7 @@ mod chat;
 mod cluster;
 mod generate;
 mod serve;
+mod sse;
 
 use clap::{Args, Parser, Subcommand};
 use engine::load::EngineOptions;
@@ -79,6 +80,20 @@ pub struct EngineArgs {
 }
 
 impl EngineArgs {
+    /// These flags as arguments for a child `disagg` process, with `threads` threads.
+    pub fn to_args(&self, threads: usize) -> Vec<String> {
+        let mut v = vec![("--model", self.model.clone()), ("--threads", threads.to_string())];
+        v.extend([
+            ("--kv-cache-mib", self.kv_cache_mib.to_string()),
+            ("--kv-dtype", self.kv_dtype.clone()),
+            ("--block-size", self.block_size.to_string()),
+            ("--max-num-seqs", self.max_num_seqs.to_string()),
+            ("--max-batched-tokens", self.max_batched_tokens.to_string()),
+            ("--max-model-len", self.max_model_len.to_string()),
+        ]);
+        v.into_iter().flat_map(|(k, x)| [k.to_string(), x]).collect()
+    }
+
     pub fn options(&self) -> anyhow::Result<EngineOptions> {
         if let Some(n) = self.device.strip_prefix("cuda:") {
             let ordinal: usize =

@@ -618,44 +618,12 @@ fn full_decode_workers_queue_requests_and_bad_worker_calls_are_refused() {
     });
 }
 
-#[derive(Clone, Default)]
-struct Collector(std::sync::Arc<std::sync::Mutex<Vec<opentelemetry_proto::tonic::trace::v1::Span>>>);
-
-#[tonic::async_trait]
-impl opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::TraceService for Collector {
-    async fn export(
-        &self,
-        req: tonic::Request<opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest>,
-    ) -> Result<
-        tonic::Response<opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceResponse>,
-        tonic::Status,
-    > {
-        let mut spans = self.0.lock().unwrap();
-        for rs in req.into_inner().resource_spans {
-            for ss in rs.scope_spans {
-                spans.extend(ss.spans);
-            }
-        }
-        Ok(tonic::Response::new(Default::default()))
-    }
-}
-
 #[test]
 fn one_trace_follows_a_request_through_router_decode_and_prefill() {
-    use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::TraceServiceServer;
     let rt = rt();
-    let collector = Collector::default();
+    let collector = disagg_tests::Collector::default();
     let spans = collector.0.clone();
-    let endpoint = rt.block_on(async {
-        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = l.local_addr().unwrap();
-        tokio::spawn(
-            tonic::transport::Server::builder()
-                .add_service(TraceServiceServer::new(collector))
-                .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(l)),
-        );
-        format!("http://{addr}")
-    });
+    let endpoint = collector.start(&rt);
     let env = [("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint.as_str())];
     let mut a = vec!["prefill"];
     a.extend(WORKER);

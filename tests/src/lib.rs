@@ -151,3 +151,44 @@ pub fn python_with_openai() -> PathBuf {
     }
     py
 }
+
+/// A fake OTLP/gRPC trace collector that keeps every span it receives.
+#[derive(Clone, Default)]
+pub struct Collector(pub Arc<std::sync::Mutex<Vec<opentelemetry_proto::tonic::trace::v1::Span>>>);
+
+#[tonic::async_trait]
+impl opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::TraceService for Collector {
+    async fn export(
+        &self,
+        req: tonic::Request<opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest>,
+    ) -> Result<
+        tonic::Response<opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceResponse>,
+        tonic::Status,
+    > {
+        let mut spans = self.0.lock().unwrap();
+        for rs in req.into_inner().resource_spans {
+            for ss in rs.scope_spans {
+                spans.extend(ss.spans);
+            }
+        }
+        Ok(tonic::Response::new(Default::default()))
+    }
+}
+
+impl Collector {
+    /// Serves the collector on a loopback port (inside `rt`); returns its endpoint URL.
+    pub fn start(&self, rt: &tokio::runtime::Runtime) -> String {
+        use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::TraceServiceServer;
+        let svc = TraceServiceServer::new(self.clone());
+        rt.block_on(async {
+            let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let addr = l.local_addr().unwrap();
+            tokio::spawn(
+                tonic::transport::Server::builder()
+                    .add_service(svc)
+                    .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(l)),
+            );
+            format!("http://{addr}")
+        })
+    }
+}

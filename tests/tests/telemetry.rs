@@ -1,33 +1,10 @@
 //! Traces: with an OTLP endpoint, each request is exported as a `request` span with
 //! `queue`, `prefill` and `decode` children; without one, nothing is exported.
 
-use std::sync::{Arc, Mutex};
-
-use disagg_tests::{test_options, TestServer};
-use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{TraceService, TraceServiceServer};
-use opentelemetry_proto::tonic::collector::trace::v1::{ExportTraceServiceRequest, ExportTraceServiceResponse};
+use disagg_tests::{test_options, Collector, TestServer};
 use opentelemetry_proto::tonic::trace::v1::Span;
 use router::GatewayConfig;
 use serde_json::json;
-
-#[derive(Clone, Default)]
-struct Collector(Arc<Mutex<Vec<Span>>>);
-
-#[tonic::async_trait]
-impl TraceService for Collector {
-    async fn export(
-        &self,
-        req: tonic::Request<ExportTraceServiceRequest>,
-    ) -> Result<tonic::Response<ExportTraceServiceResponse>, tonic::Status> {
-        let mut spans = self.0.lock().unwrap();
-        for rs in req.into_inner().resource_spans {
-            for ss in rs.scope_spans {
-                spans.extend(ss.spans);
-            }
-        }
-        Ok(tonic::Response::new(ExportTraceServiceResponse { partial_success: None }))
-    }
-}
 
 #[test]
 fn requests_become_request_queue_prefill_decode_spans() {
@@ -37,16 +14,7 @@ fn requests_become_request_queue_prefill_decode_spans() {
     let without = TestServer::start(&o, GatewayConfig::default(), 64);
     let collector = Collector::default();
     let spans = collector.0.clone();
-    let endpoint = with.rt.block_on(async {
-        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = l.local_addr().unwrap();
-        tokio::spawn(
-            tonic::transport::Server::builder()
-                .add_service(TraceServiceServer::new(collector))
-                .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(l)),
-        );
-        format!("http://{addr}")
-    });
+    let endpoint = collector.start(&with.rt);
     with.rt.block_on(async {
         let t = router::telemetry::Telemetry::otlp(&endpoint, "disagg-test").unwrap();
         let _ = with.state.telemetry.set(t);
