@@ -13,7 +13,7 @@ use engine::load::cpu_engine;
 use router::cluster::ClusterOptions;
 use router::{AppState, GatewayConfig};
 
-use crate::serve::{init_logging, shutdown_signal};
+use crate::serve::{init_logging, otlp, shutdown_signal};
 use crate::EngineArgs;
 
 #[derive(Args, Debug)]
@@ -41,14 +41,6 @@ pub struct WorkerArgs {
     /// Export this worker's spans over OTLP/gRPC to this endpoint.
     #[arg(long, env = "OTEL_EXPORTER_OTLP_ENDPOINT")]
     pub otlp_endpoint: Option<String>,
-}
-
-/// The OTLP exporter when an endpoint is configured (inside the runtime).
-fn telemetry(endpoint: &Option<String>, service: &str) -> anyhow::Result<Option<Arc<rpc::telemetry::Telemetry>>> {
-    let Some(ep) = endpoint.as_deref().filter(|e| !e.is_empty()) else { return Ok(None) };
-    let t = rpc::telemetry::Telemetry::otlp(ep, service)
-        .map_err(|e| anyhow::anyhow!("cannot set up OTLP export to {ep}: {e}; check --otlp-endpoint"))?;
-    Ok(Some(Arc::new(t)))
 }
 
 impl WorkerArgs {
@@ -188,7 +180,7 @@ pub fn prefill(a: WorkerArgs) -> anyhow::Result<()> {
         let listener = worker_listener(&a.host, a.port).await?;
         let addr = listener.local_addr()?;
         let mut svc = prefill_node::PrefillService::new(engine.clone(), fault);
-        let tel = telemetry(&a.otlp_endpoint, "disagg-prefill")?;
+        let tel = otlp(&a.otlp_endpoint, "disagg-prefill")?.map(Arc::new);
         if let Some(t) = &tel {
             svc = svc.with_telemetry(t.clone());
         }
@@ -247,7 +239,7 @@ pub fn decode(a: DecodeArgs) -> anyhow::Result<()> {
         let kv_host = w.advertised();
         let kv_addr = receiver.local_addr();
         let mut svc = decode_node::DecodeService::new(engine.clone(), Arc::new(receiver), &kv_host);
-        let tel = telemetry(&w.otlp_endpoint, "disagg-decode")?;
+        let tel = otlp(&w.otlp_endpoint, "disagg-decode")?.map(Arc::new);
         if let Some(t) = &tel {
             svc = svc.with_telemetry(t.clone());
         }
@@ -275,8 +267,8 @@ pub fn router(a: RouterArgs) -> anyhow::Result<()> {
             ..GatewayConfig::default()
         };
         let state = AppState::new(cfg);
-        if let Some(t) = telemetry(&a.otlp_endpoint, "disagg-router")? {
-            let _ = state.telemetry.set(Arc::into_inner(t).expect("one owner"));
+        if let Some(t) = otlp(&a.otlp_endpoint, "disagg-router")? {
+            let _ = state.telemetry.set(t);
         }
         let server = tokio::spawn(router::serve(listener, state.clone(), shutdown_signal()));
         if let Some(port) = a.grpc_port {

@@ -38,6 +38,15 @@ pub struct ServeArgs {
     pub max_body_mib: usize,
 }
 
+/// The OTLP trace exporter when an endpoint is configured (call inside the runtime).
+pub fn otlp(endpoint: &Option<String>, service: &str) -> anyhow::Result<Option<router::telemetry::Telemetry>> {
+    let Some(ep) = endpoint.as_deref().filter(|e| !e.is_empty()) else { return Ok(None) };
+    let t = router::telemetry::Telemetry::otlp(ep, service)
+        .map_err(|e| anyhow::anyhow!("cannot set up OTLP export to {ep}: {e}; check --otlp-endpoint"))?;
+    tracing::info!(endpoint = ep, service, "exporting traces over OTLP");
+    Ok(Some(t))
+}
+
 pub fn init_logging() {
     let filter = tracing_subscriber::EnvFilter::try_from_env(kernels::env::LOG)
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
@@ -63,11 +72,8 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
         })?;
         let addr = listener.local_addr()?;
         let state = AppState::new(cfg);
-        if let Some(ep) = a.otlp_endpoint.as_deref().filter(|e| !e.is_empty()) {
-            let t = router::telemetry::Telemetry::otlp(ep, "disagg")
-                .map_err(|e| anyhow::anyhow!("cannot set up OTLP export to {ep}: {e}; check --otlp-endpoint"))?;
+        if let Some(t) = otlp(&a.otlp_endpoint, "disagg")? {
             let _ = state.telemetry.set(t);
-            tracing::info!(endpoint = ep, "exporting traces over OTLP");
         }
         // Listen first so /health can say "loading" while the model loads.
         let server = tokio::spawn(router::serve(listener, state.clone(), shutdown_signal()));
