@@ -3,8 +3,11 @@
 //!
 //! Generate, for a request naming a prefill worker:
 //! 1. reserve KV blocks for the prompt in the engine (RESOURCE_EXHAUSTED when none);
+//!    the blocks of its longest prefix in this worker's prefix cache are taken from
+//!    there, and only the rest will be transferred;
 //! 2. register a ticket with the KV receiver for that many blocks in this layout;
-//! 3. call the prefill worker with the prompt, the receiver's address and the ticket;
+//! 3. call the prefill worker with the prompt, the blocks to skip, the receiver's
+//!    address and the ticket;
 //!    meanwhile import each verified KV range into the reserved blocks as it arrives;
 //! 4. when the transfer has completed and the prefill call returned the first token,
 //!    activate the request: it joins the decode batch and its tokens stream back.
@@ -124,9 +127,12 @@ impl DecodeService {
     ) -> Result<engine::handle::RequestStream, Status> {
         let t0 = Instant::now();
         let params = rpc::sampling_from_proto(r.sampling.clone());
-        let (stream, n_blocks) = self.engine.reserve(r.prompt_ids.clone(), params).await.map_err(rpc::submit_status)?;
+        let (stream, res) = self.engine.reserve(r.prompt_ids.clone(), params).await.map_err(rpc::submit_status)?;
         let layout = rpc::layout_to_proto(&self.engine.kv_shape);
-        let mut inbound = self.receiver.expect(rpc::layout_from_proto(&layout), n_blocks as u32);
+        // The transfer covers the blocks after the cached ones, counted from 0.
+        let skip = res.cached_blocks as u32;
+        let mut inbound =
+            self.receiver.expect(rpc::layout_from_proto(&layout), (res.n_blocks - res.cached_blocks) as u32);
         let mut client = self.client(&r.prefill)?;
         let call = PrefillRequest {
             prompt_ids: r.prompt_ids,
@@ -135,6 +141,7 @@ impl DecodeService {
             ticket: inbound.ticket,
             kv_layout: Some(layout),
             request_id: r.request_id.clone(),
+            skip_blocks: skip,
         };
         let prefill_addr = r.prefill.clone();
         let mut call = tonic::Request::new(call);
@@ -164,7 +171,12 @@ impl DecodeService {
                         let d = c.desc;
                         engine.import_kv(
                             id,
-                            KvChunk { layer: d.layer, first_block: d.first_block, n_blocks: d.n_blocks, data: c.data },
+                            KvChunk {
+                                layer: d.layer,
+                                first_block: d.first_block + skip,
+                                n_blocks: d.n_blocks,
+                                data: c.data,
+                            },
                         );
                     }
                     Ok(None) => return Ok(bytes),
@@ -180,7 +192,7 @@ impl DecodeService {
         // A failed activation means the reservation is gone (e.g. an import was
         // refused): the request can be retried elsewhere.
         self.engine
-            .activate(id, resp.first_token, logprob)
+            .activate(id, resp.first_token, logprob, resp.cached_tokens as usize)
             .await
             .map_err(|e| Status::unavailable(format!("activating the transferred request: {e}")))?;
         self.metrics.transfer_bytes.inc_by(bytes);
@@ -251,5 +263,14 @@ impl DecodeWorker for DecodeService {
 
     async fn info(&self, _: Request<WorkerInfoRequest>) -> Result<Response<WorkerInfo>, Status> {
         Ok(Response::new(rpc::worker_info("decode", &self.engine)))
+    }
+
+    type KvEventsStream = rpc::KvEventStream;
+
+    async fn kv_events(
+        &self,
+        _: Request<proto::v1::KvEventsRequest>,
+    ) -> Result<Response<Self::KvEventsStream>, Status> {
+        Ok(Response::new(rpc::kv_event_stream(&self.engine)?))
     }
 }

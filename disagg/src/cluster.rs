@@ -86,6 +86,50 @@ pub struct DecodeArgs {
     pub kv_port: u16,
 }
 
+/// How the router chooses workers (see router::cluster).
+#[derive(Args, Clone, Debug)]
+pub struct RoutingArgs {
+    /// Worker choice: kv-aware (prefix overlap and load), least-loaded or round-robin.
+    #[arg(long, default_value = "kv-aware")]
+    pub routing: String,
+    /// Randomises kv-aware choices (0: always the cheapest worker, ties round-robin).
+    #[arg(long, default_value_t = 0.0)]
+    pub router_temperature: f64,
+    /// Do not follow the workers' KV events; predict their caches from routing
+    /// decisions instead (approximate mode).
+    #[arg(long)]
+    pub no_kv_events: bool,
+}
+
+impl RoutingArgs {
+    pub fn options(&self) -> anyhow::Result<router::cluster::RoutingOptions> {
+        let policy = self.routing.parse().map_err(|e: String| anyhow::anyhow!("--routing: {e}"))?;
+        if !(self.router_temperature >= 0.0 && self.router_temperature.is_finite()) {
+            anyhow::bail!("--router-temperature must be a number ≥ 0, got {}", self.router_temperature);
+        }
+        Ok(router::cluster::RoutingOptions {
+            policy,
+            temperature: self.router_temperature,
+            kv_events: !self.no_kv_events,
+            ..Default::default()
+        })
+    }
+
+    /// These flags as arguments for a child `disagg router`.
+    pub fn to_args(&self) -> Vec<String> {
+        let mut v = vec![
+            "--routing".to_string(),
+            self.routing.clone(),
+            "--router-temperature".into(),
+            self.router_temperature.to_string(),
+        ];
+        if self.no_kv_events {
+            v.push("--no-kv-events".into());
+        }
+        v
+    }
+}
+
 #[derive(Args, Debug)]
 pub struct RouterArgs {
     /// The model to tokenize for; workers must serve the same one.
@@ -108,6 +152,8 @@ pub struct RouterArgs {
     /// (conditional disaggregation); 0 sends every prompt to a prefill worker.
     #[arg(long, default_value_t = 0)]
     pub local_prefill_below: usize,
+    #[command(flatten)]
+    pub routing: RoutingArgs,
     #[arg(long, env = "DISAGG_API_KEY", hide_env_values = true)]
     pub api_key: Option<String>,
     /// The model name clients use (default: the --model argument).
@@ -139,6 +185,8 @@ pub struct UpArgs {
     /// See `disagg router --local-prefill-below`.
     #[arg(long, default_value_t = 0)]
     pub local_prefill_below: usize,
+    #[command(flatten)]
+    pub routing: RoutingArgs,
     /// Use this etcd for discovery. Default: a private etcd on loopback when `etcd` is
     /// installed, else static worker lists.
     #[arg(long)]
@@ -320,6 +368,7 @@ pub fn router(a: RouterArgs) -> anyhow::Result<()> {
             discovered_prefill,
             discovered_decode,
             local_prefill_below: a.local_prefill_below,
+            routing: a.routing.options()?,
             max_in_flight: a.max_in_flight,
             wait: Duration::from_secs(60),
         };
@@ -505,6 +554,7 @@ pub fn up(a: UpArgs) -> anyhow::Result<()> {
             "--local-prefill-below".into(),
             a.local_prefill_below.to_string(),
         ];
+        args.extend(a.routing.to_args());
         // With etcd the router discovers the workers; without, it gets the lists.
         if etcd.is_none() {
             args.extend(["--decode".into(), decode.join(",")]);

@@ -82,6 +82,7 @@ pub fn run(a: GenerateArgs) -> anyhow::Result<()> {
         logprobs: a.logprobs,
         logit_bias: Vec::new(),
         skip_special_tokens: true,
+        cache_salt: None,
     };
     let mut core = cpu_engine(&opts)?;
     params.validate(core.model.cfg.vocab).map_err(|e| anyhow::anyhow!("{e} (check the sampling flags)"))?;

@@ -77,6 +77,13 @@ pub struct EngineArgs {
     /// Context length limit (default: the model's).
     #[arg(long, default_value_t = 0)]
     pub max_model_len: usize,
+    /// Do not keep computed KV blocks for reuse by requests with the same prefix.
+    #[arg(long)]
+    pub no_enable_prefix_caching: bool,
+    /// Host memory for the second tier of the prefix cache, in MiB (blocks evicted
+    /// from the KV cache are copied there and back on a hit); 0: none.
+    #[arg(long, default_value_t = 0)]
+    pub host_cache_mib: usize,
 }
 
 impl EngineArgs {
@@ -90,8 +97,13 @@ impl EngineArgs {
             ("--max-num-seqs", self.max_num_seqs.to_string()),
             ("--max-batched-tokens", self.max_batched_tokens.to_string()),
             ("--max-model-len", self.max_model_len.to_string()),
+            ("--host-cache-mib", self.host_cache_mib.to_string()),
         ]);
-        v.into_iter().flat_map(|(k, x)| [k.to_string(), x]).collect()
+        let mut v: Vec<String> = v.into_iter().flat_map(|(k, x)| [k.to_string(), x]).collect();
+        if self.no_enable_prefix_caching {
+            v.push("--no-enable-prefix-caching".into());
+        }
+        v
     }
 
     pub fn options(&self) -> anyhow::Result<EngineOptions> {
@@ -120,6 +132,8 @@ impl EngineArgs {
             max_num_seqs: self.max_num_seqs,
             max_batched_tokens: self.max_batched_tokens,
             max_model_len: self.max_model_len,
+            prefix_caching: !self.no_enable_prefix_caching,
+            host_cache_mib: self.host_cache_mib,
             ..EngineOptions::default()
         };
         o.validate()?;

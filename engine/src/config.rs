@@ -36,6 +36,14 @@ pub struct RopeScaling {
 }
 
 impl ModelConfig {
+    /// What two engines must share to exchange KV or cache: name and architecture.
+    pub fn identity(&self) -> String {
+        format!(
+            "{} (layers {}, hidden {}, heads {}/{}, head dim {}, ffn {}, vocab {})",
+            self.name, self.n_layers, self.hidden, self.n_heads, self.n_kv_heads, self.head_dim, self.ffn, self.vocab
+        )
+    }
+
     /// The inverse frequency of each RoPE dimension pair, with scaling applied.
     /// Computed as the float references do: `1 / theta^(2i/d)` rounded to f32.
     pub fn rope_inv_freq(&self, freq_factors: Option<&[f32]>) -> Vec<f32> {

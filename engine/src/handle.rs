@@ -22,7 +22,9 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 use crate::config::ModelConfig;
 use crate::sampling::SamplingParams;
 use crate::sampling::TokenLogprob;
-use crate::scheduler::{EngineCore, EngineStats, KvChunk, KvSink, Limits, RequestId, RequestOutput};
+use crate::scheduler::{
+    EngineCore, EngineStats, KvChunk, KvEvent, KvSink, Limits, RequestId, RequestOutput, Reservation,
+};
 use crate::tokenizer::Tokenizer;
 use crate::EngineError;
 use kernels::KvShape;
@@ -38,18 +40,37 @@ pub struct StreamItem {
 /// Where a request's outputs go: each item, or the error that ended the request.
 pub type Outputs = UnboundedSender<Result<StreamItem, String>>;
 
+/// Prefix-cache events of one engine step, numbered: a subscriber that sees a gap in
+/// `seq` has missed events and should subscribe again (which starts with a snapshot).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KvEventBatch {
+    pub seq: u64,
+    /// The whole cache as it is now (the first batch of every subscription).
+    pub snapshot: bool,
+    pub events: Vec<KvEvent>,
+}
+
+/// What travels with a request besides its prompt and sampling, for remote engines.
+#[derive(Clone, Debug, Default)]
+pub struct RequestMeta {
+    /// The W3C `traceparent` of the caller's span, when traces are on.
+    pub trace: Option<String>,
+    /// A session (conversation) key: a routing hint to keep a conversation's turns
+    /// where its KV is cached.
+    pub session: Option<String>,
+}
+
 /// An engine in another process (the disaggregated cluster, reached over gRPC),
 /// served through the same [`EngineHandle`] as a local one.
 pub trait RemoteEngine: Send + Sync + 'static {
     /// Starts request `id`. Its outputs, in order, or the error that ended it, go to
     /// `tx`. Dropping the returned guard cancels the request.
-    /// `trace` is the W3C `traceparent` of the caller's span, when traces are on.
     fn start(
         &self,
         id: RequestId,
         prompt: Vec<u32>,
         params: SamplingParams,
-        trace: Option<String>,
+        meta: RequestMeta,
         tx: Outputs,
     ) -> Box<dyn Send + Sync>;
     /// Aggregate statistics of the engines behind it.
@@ -68,14 +89,15 @@ enum Command {
         prompt: Vec<u32>,
         params: SamplingParams,
         tx: Outputs,
-        export: Option<KvSink>,
+        /// The sink, and the blocks not to send.
+        export: Option<(KvSink, usize)>,
     },
     Reserve {
         id: RequestId,
         prompt: Vec<u32>,
         params: SamplingParams,
         tx: Outputs,
-        reply: oneshot::Sender<Result<usize, EngineError>>,
+        reply: oneshot::Sender<Result<Reservation, EngineError>>,
     },
     Import {
         id: RequestId,
@@ -85,8 +107,10 @@ enum Command {
         id: RequestId,
         token: u32,
         logprob: Option<TokenLogprob>,
+        cached_tokens: usize,
         reply: oneshot::Sender<Result<(), EngineError>>,
     },
+    SubscribeKv(UnboundedSender<KvEventBatch>),
     Abort(RequestId),
     Shutdown,
 }
@@ -192,19 +216,20 @@ impl EngineHandle {
     /// Submits a request. The returned stream yields its outputs; dropping it early
     /// cancels the request.
     pub fn submit(&self, prompt: Vec<u32>, params: SamplingParams) -> Result<RequestStream, SubmitError> {
-        self.submit_traced(prompt, params, None)
+        self.submit_traced(prompt, params, RequestMeta::default())
     }
 
-    /// [`EngineHandle::submit`] inside a trace: `trace` (a W3C `traceparent`) goes to a
-    /// remote engine with the request, so its spans join the caller's trace; the
-    /// returned stream carries it.
+    /// [`EngineHandle::submit`] with `meta` for a remote engine: its trace (a W3C
+    /// `traceparent`) makes the remote spans join the caller's trace, and the returned
+    /// stream carries it.
     pub fn submit_traced(
         &self,
         prompt: Vec<u32>,
         params: SamplingParams,
-        trace: Option<String>,
+        meta: RequestMeta,
     ) -> Result<RequestStream, SubmitError> {
-        let mut st = self.start_traced(prompt, params, trace.clone(), |id, prompt, params, tx| Command::Add {
+        let trace = meta.trace.clone();
+        let mut st = self.start_traced(prompt, params, meta, |id, prompt, params, tx| Command::Add {
             id,
             prompt,
             params,
@@ -216,12 +241,14 @@ impl EngineHandle {
     }
 
     /// Submits a prefill-only request: it ends after its first token, and the engine
-    /// thread hands its prompt's KV to `sink` layer by layer as it is computed.
+    /// thread hands its prompt's KV to `sink` layer by layer as it is computed, from
+    /// block `skip_blocks` on (the receiver has the blocks before cached).
     pub fn submit_exporting(
         &self,
         prompt: Vec<u32>,
         params: SamplingParams,
         sink: KvSink,
+        skip_blocks: usize,
     ) -> Result<RequestStream, SubmitError> {
         // Only the first token is generated here, whatever max_tokens the client asked.
         let params = SamplingParams { max_tokens: Some(1), ..params };
@@ -230,19 +257,20 @@ impl EngineHandle {
             prompt,
             params,
             tx,
-            export: Some(sink),
+            export: Some((sink, skip_blocks)),
         })
     }
 
     /// Reserves KV blocks for `prompt`, whose KV another worker computes: feed it with
     /// [`EngineHandle::import_kv`], then [`EngineHandle::activate`] it. The stream
     /// yields its outputs from the first token on; dropping it frees the blocks.
-    /// Returns the stream and the number of blocks reserved.
+    /// Returns the stream and what was reserved (blocks of the cached prefix need no
+    /// import).
     pub async fn reserve(
         &self,
         prompt: Vec<u32>,
         params: SamplingParams,
-    ) -> Result<(RequestStream, usize), SubmitError> {
+    ) -> Result<(RequestStream, Reservation), SubmitError> {
         let (reply, answer) = oneshot::channel();
         let stream =
             self.start(prompt, params, |id, prompt, params, tx| Command::Reserve { id, prompt, params, tx, reply })?;
@@ -263,11 +291,27 @@ impl EngineHandle {
     }
 
     /// Starts a reserved request whose KV has all been imported, with the first token
-    /// sampled by the prefill worker.
-    pub async fn activate(&self, id: RequestId, token: u32, logprob: Option<TokenLogprob>) -> Result<(), SubmitError> {
+    /// sampled by the prefill worker (and the prompt tokens its cache supplied).
+    pub async fn activate(
+        &self,
+        id: RequestId,
+        token: u32,
+        logprob: Option<TokenLogprob>,
+        cached_tokens: usize,
+    ) -> Result<(), SubmitError> {
         let (reply, answer) = oneshot::channel();
-        self.local()?.send(Command::Activate { id, token, logprob, reply }).map_err(|_| SubmitError::Stopped)?;
+        self.local()?
+            .send(Command::Activate { id, token, logprob, cached_tokens, reply })
+            .map_err(|_| SubmitError::Stopped)?;
         answer.await.map_err(|_| SubmitError::Stopped)?.map_err(SubmitError::Invalid)
+    }
+
+    /// Subscribes to the engine's prefix-cache events: the first batch is a snapshot
+    /// of the whole cache, then every change follows in order.
+    pub fn subscribe_kv_events(&self) -> Result<UnboundedReceiver<KvEventBatch>, SubmitError> {
+        let (tx, rx) = unbounded_channel();
+        self.local()?.send(Command::SubscribeKv(tx)).map_err(|_| SubmitError::Stopped)?;
+        Ok(rx)
     }
 
     fn start(
@@ -276,14 +320,14 @@ impl EngineHandle {
         params: SamplingParams,
         command: impl FnOnce(RequestId, Vec<u32>, SamplingParams, Outputs) -> Command,
     ) -> Result<RequestStream, SubmitError> {
-        self.start_traced(prompt, params, None, command)
+        self.start_traced(prompt, params, RequestMeta::default(), command)
     }
 
     fn start_traced(
         &self,
         prompt: Vec<u32>,
         params: SamplingParams,
-        trace: Option<String>,
+        meta: RequestMeta,
         command: impl FnOnce(RequestId, Vec<u32>, SamplingParams, Outputs) -> Command,
     ) -> Result<RequestStream, SubmitError> {
         self.limits.validate(&prompt, &params).map_err(SubmitError::Invalid)?;
@@ -302,7 +346,7 @@ impl EngineHandle {
                 }
                 Cancel::Local(link.clone())
             }
-            Link::Remote(r) => Cancel::Remote(Some(r.start(id, prompt, params, trace, tx))),
+            Link::Remote(r) => Cancel::Remote(Some(r.start(id, prompt, params, meta, tx))),
         };
         Ok(RequestStream { id, rx, cancel, shared: self.shared.clone(), finished: false, error: None, trace: None })
     }
@@ -413,8 +457,17 @@ impl Drop for RequestStream {
 
 fn engine_loop<B: Backend>(mut core: EngineCore<B>, rx: Receiver<Command>, shared: Arc<Shared>) {
     let mut senders: HashMap<RequestId, Outputs> = HashMap::new();
-    let publish = |core: &EngineCore<B>| {
+    // Prefix-cache event subscribers, and the number of the last batch sent.
+    let mut subs: (Vec<UnboundedSender<KvEventBatch>>, u64) = (Vec::new(), 0);
+    core.record_kv_events(true);
+    let publish = |core: &mut EngineCore<B>, subs: &mut (Vec<UnboundedSender<KvEventBatch>>, u64)| {
         *shared.stats.lock().unwrap_or_else(|e| e.into_inner()) = core.stats();
+        let events = core.take_kv_events();
+        if !events.is_empty() && !subs.0.is_empty() {
+            subs.1 += 1;
+            let b = KvEventBatch { seq: subs.1, snapshot: false, events };
+            subs.0.retain(|s| s.send(b.clone()).is_ok());
+        }
     };
     let mut pending: Option<Command> = None;
     loop {
@@ -438,21 +491,20 @@ fn engine_loop<B: Backend>(mut core: EngineCore<B>, rx: Receiver<Command>, share
             match cmd {
                 Command::Add { id, prompt, params, tx, export } => match match export {
                     None => core.add_request(id, prompt, params),
-                    Some(sink) => core.add_exporting(id, prompt, params, sink),
+                    Some((sink, skip)) => core.add_exporting(id, prompt, params, sink, skip),
                 } {
                     Ok(()) => {
                         senders.insert(id, tx);
                     }
-                    // Validated by the caller; a failure here is a bug, but report it
-                    // to the client rather than leaving it waiting.
+                    // Validated by the caller (bar an exporting request's skip);
+                    // report the failure to the client rather than leave it waiting.
                     Err(e) => {
                         tracing::error!(request = id, error = %e, "request rejected by the engine after validation");
-                        drop(tx);
+                        let _ = tx.send(Err(e.to_string()));
                     }
                 },
                 Command::Reserve { id, prompt, params, tx, reply } => {
                     let r = core.reserve(id, prompt, params);
-                    let r = r.map(|()| core.reserved_blocks(id).unwrap_or(0));
                     if r.is_ok() {
                         senders.insert(id, tx);
                     }
@@ -465,31 +517,42 @@ fn engine_loop<B: Backend>(mut core: EngineCore<B>, rx: Receiver<Command>, share
                         senders.remove(&id);
                     }
                 }
-                Command::Activate { id, token, logprob, reply } => match core.activate(id, token, logprob) {
-                    Ok(out) => {
-                        let done = out.finish.is_some();
-                        let at = Instant::now();
-                        let sent = senders.get(&id).is_some_and(|tx| tx.send(Ok(StreamItem { out, at })).is_ok());
-                        if !sent {
+                Command::Activate { id, token, logprob, cached_tokens, reply } => {
+                    match core.activate(id, token, logprob, cached_tokens) {
+                        Ok(out) => {
+                            let done = out.finish.is_some();
+                            let at = Instant::now();
+                            let sent = senders.get(&id).is_some_and(|tx| tx.send(Ok(StreamItem { out, at })).is_ok());
+                            if !sent {
+                                core.abort(id);
+                            }
+                            if done || !sent {
+                                senders.remove(&id);
+                            }
+                            let _ = reply.send(Ok(()));
+                        }
+                        Err(e) => {
                             core.abort(id);
-                        }
-                        if done || !sent {
                             senders.remove(&id);
+                            let _ = reply.send(Err(e));
                         }
-                        let _ = reply.send(Ok(()));
                     }
-                    Err(e) => {
-                        core.abort(id);
-                        senders.remove(&id);
-                        let _ = reply.send(Err(e));
+                }
+                Command::SubscribeKv(tx) => {
+                    // Events recorded before this point go out first (to the others),
+                    // so the snapshot and the numbering line up.
+                    publish(&mut core, &mut subs);
+                    let snap = KvEventBatch { seq: subs.1, snapshot: true, events: core.kv_snapshot() };
+                    if tx.send(snap).is_ok() {
+                        subs.0.push(tx);
                     }
-                },
+                }
                 Command::Abort(id) => {
                     core.abort(id);
                     senders.remove(&id);
                 }
                 Command::Shutdown => {
-                    publish(&core);
+                    publish(&mut core, &mut subs);
                     return;
                 }
             }
@@ -520,6 +583,6 @@ fn engine_loop<B: Backend>(mut core: EngineCore<B>, rx: Receiver<Command>, share
                 }
             }
         }
-        publish(&core);
+        publish(&mut core, &mut subs);
     }
 }

@@ -9,6 +9,7 @@ pub mod handle;
 pub mod kv;
 pub mod load;
 pub mod model;
+pub mod prefix;
 pub mod sampling;
 pub mod scheduler;
 pub mod tokenizer;

@@ -33,6 +33,10 @@ pub struct EngineOptions {
     pub max_model_len: usize,
     /// How the CPU multiplies quantized weights (default from `DISAGG_CPU_MATMUL`).
     pub cpu_matmul: MatmulMode,
+    /// Keep computed KV blocks for reuse by requests with the same prefix.
+    pub prefix_caching: bool,
+    /// Host memory for the second tier of the prefix cache (0: none).
+    pub host_cache_mib: usize,
 }
 
 impl Default for EngineOptions {
@@ -47,6 +51,8 @@ impl Default for EngineOptions {
             max_batched_tokens: 512,
             max_model_len: 0,
             cpu_matmul: MatmulMode::from_env(),
+            prefix_caching: true,
+            host_cache_mib: 0,
         }
     }
 }
@@ -210,6 +216,8 @@ pub fn build_engine<B: Backend>(
         max_model_len,
         block_size: opts.block_size,
         n_blocks: shape.n_blocks,
+        prefix_caching: opts.prefix_caching,
+        host_cache_blocks: (opts.host_cache_mib << 20) / (shape.n_layers * shape.block_bytes_per_layer()),
     };
     Ok(EngineCore::new(backend, model, Arc::new(tokenizer), cfg, kv))
 }

@@ -47,6 +47,9 @@ pub struct SamplingParams {
     pub logprobs: Option<usize>,
     pub logit_bias: Vec<(u32, f32)>,
     pub skip_special_tokens: bool,
+    /// Salts this request's prefix-cache block hashes (vLLM's `cache_salt`): requests
+    /// share cached KV only when their salts are equal.
+    pub cache_salt: Option<String>,
 }
 
 impl Default for SamplingParams {
@@ -68,6 +71,7 @@ impl Default for SamplingParams {
             logprobs: None,
             logit_bias: Vec::new(),
             skip_special_tokens: true,
+            cache_salt: None,
         }
     }
 }

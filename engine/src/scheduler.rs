@@ -26,6 +26,15 @@
 //!   ([`EngineCore::reserve`]), filled by [`EngineCore::import_kv`], and the request
 //!   joins the batch at [`EngineCore::activate`] with the first token the prefill worker
 //!   sampled. Until then it is in neither queue; aborting it frees its blocks.
+//!
+//! Prefix caching (see ARCHITECTURE.md, "Prefix caching"): every fully computed block
+//! is registered under its chained hash ([`crate::prefix`]) and stays cached after its
+//! sequence ends, until the allocator needs it (LRU). A sequence admitted with no
+//! blocks first takes the blocks of its longest cached prefix (leaving at least one
+//! token to compute, for its logits) and computes only the rest; with a host tier,
+//! evicted blocks are copied to host memory and copied back on a hit. Reservations
+//! take their cached prefix the same way, and only the rest is transferred. Every
+//! change to the cache is recorded as a [`KvEvent`] for the router's index.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -34,8 +43,9 @@ use std::time::Instant;
 use kernels::{Backend, KvShape, SeqSpan, StepBatch};
 use serde::Serialize;
 
-use crate::kv::{blocks_for, BlockAllocator};
+use crate::kv::{blocks_for, BlockAllocator, HostTier};
 use crate::model::{Model, Workspace};
+use crate::prefix::{extend_hashes, HashSalt};
 use crate::sampling::{Sampler, SamplingParams, TokenLogprob};
 use crate::tokenizer::{IncrementalDecoder, Tokenizer};
 use crate::EngineError;
@@ -54,6 +64,29 @@ pub struct KvChunk {
 
 /// Receives an exporting request's KV on the engine thread; must not block.
 pub type KvSink = Box<dyn FnMut(KvChunk) + Send>;
+
+/// Which tier of the prefix cache a block is in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CacheTier {
+    Device,
+    Host,
+}
+
+/// A change to an engine's prefix cache, in the order it happened.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum KvEvent {
+    Stored { tier: CacheTier, hashes: Vec<u64> },
+    Removed { tier: CacheTier, hashes: Vec<u64> },
+}
+
+/// What [`EngineCore::reserve`] set aside: `n_blocks` for the prompt, of which the
+/// first `cached_blocks` came from the prefix cache (only the rest must be imported).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Reservation {
+    pub n_blocks: usize,
+    pub cached_blocks: usize,
+}
 
 struct Export {
     sink: KvSink,
@@ -92,6 +125,8 @@ pub struct RequestOutput {
     pub finish: Option<FinishReason>,
     pub prompt_tokens: usize,
     pub completion_tokens: usize,
+    /// Prompt tokens whose KV came from the prefix cache instead of being computed.
+    pub cached_tokens: usize,
     /// On the first output: when the request was first scheduled (its queue time ended).
     #[serde(skip)]
     pub scheduled_at: Option<Instant>,
@@ -107,6 +142,10 @@ pub struct EngineConfig {
     pub max_model_len: usize,
     pub block_size: usize,
     pub n_blocks: usize,
+    /// Keep computed blocks for reuse by later requests with the same prefix.
+    pub prefix_caching: bool,
+    /// Blocks of the host-memory tier of the prefix cache (0: none).
+    pub host_cache_blocks: usize,
 }
 
 #[derive(Clone, Debug, Default, Serialize, PartialEq)]
@@ -119,6 +158,13 @@ pub struct EngineStats {
     pub preemptions: u64,
     /// Tokens run through the model (prefill and decode), recomputation included.
     pub forward_tokens: u64,
+    /// Blocks registered in the prefix cache (held or not), and in its host tier.
+    pub kv_blocks_cached: usize,
+    pub host_blocks_cached: usize,
+    /// Prompt tokens looked up in the prefix cache, and those found (vLLM's
+    /// prefix_cache_queries / prefix_cache_hits).
+    pub prefix_cache_queries: u64,
+    pub prefix_cache_hits: u64,
 }
 
 struct Sequence {
@@ -142,6 +188,15 @@ struct Sequence {
     scheduled_at: Option<Instant>,
     /// Reserved for KV arriving from elsewhere; not yet in a queue.
     awaiting_kv: bool,
+    /// Blocks of a reservation that came from the prefix cache (not imported).
+    import_from: usize,
+    salt: HashSalt,
+    /// Hashes of the full blocks of `tokens` computed so far (may run ahead of
+    /// `n_computed`), and how many of its blocks are registered in the cache.
+    hashes: Vec<u64>,
+    n_registered: usize,
+    /// Prompt tokens found in the cache when first admitted.
+    cached_tokens: Option<usize>,
 }
 
 impl Sequence {
@@ -164,17 +219,30 @@ pub struct EngineCore<B: Backend> {
     logits: Vec<f32>,
     stats: EngineStats,
     exports: HashMap<RequestId, Export>,
+    model_identity: String,
+    host: Option<HostTier>,
+    events: Vec<KvEvent>,
+    record_events: bool,
     // Per-step scratch, kept to avoid allocation.
     step_tokens: Vec<u32>,
     step_rows: Vec<u32>,
+    block_buf: Vec<u8>,
 }
 
 impl<B: Backend> EngineCore<B> {
     pub fn new(backend: B, model: Model<B>, tokenizer: Arc<Tokenizer>, cfg: EngineConfig, kv: B::Kv) -> Self {
         let ws = model.workspace(&backend, cfg.max_batched_tokens, cfg.max_num_seqs);
         let logits = vec![0f32; cfg.max_num_seqs * model.cfg.vocab];
+        let shape = backend.kv_shape(&kv);
+        let host = (cfg.prefix_caching && cfg.host_cache_blocks > 0)
+            .then(|| HostTier::new(cfg.host_cache_blocks, shape.n_layers * shape.block_bytes_per_layer()));
         EngineCore {
-            alloc: BlockAllocator::new(cfg.n_blocks),
+            alloc: BlockAllocator::new(cfg.n_blocks, cfg.prefix_caching),
+            model_identity: model.cfg.identity(),
+            host,
+            events: Vec::new(),
+            record_events: false,
+            block_buf: Vec::new(),
             stats: EngineStats { kv_blocks_total: cfg.n_blocks, ..Default::default() },
             model,
             backend,
@@ -199,6 +267,8 @@ impl<B: Backend> EngineCore<B> {
     pub fn stats(&self) -> EngineStats {
         EngineStats {
             kv_blocks_used: self.alloc.n_used(),
+            kv_blocks_cached: self.alloc.n_cached(),
+            host_blocks_cached: self.host.as_ref().map_or(0, |h| h.len()),
             running: self.running.len(),
             waiting: self.waiting.len(),
             ..self.stats.clone()
@@ -234,42 +304,68 @@ impl<B: Backend> EngineCore<B> {
 
     /// Queues a prefill-only request: it ends after its first token, and its prompt's
     /// KV goes to `sink` layer by layer as it is computed.
+    /// The first `skip_blocks` blocks are not sent (the receiver has them cached).
     pub fn add_exporting(
         &mut self,
         id: RequestId,
         prompt: Vec<u32>,
         mut params: SamplingParams,
         sink: KvSink,
+        skip_blocks: usize,
     ) -> Result<(), EngineError> {
+        let n_blocks = blocks_for(prompt.len(), self.cfg.block_size);
+        if skip_blocks >= n_blocks.max(1) {
+            return Err(EngineError::InvalidRequest(format!(
+                "skip_blocks is {skip_blocks} but the prompt has {n_blocks} blocks; at least its last block must be sent"
+            )));
+        }
         params.max_tokens = Some(1);
         self.add_request(id, prompt, params)?;
-        self.exports.insert(id, Export { sink, sent_blocks: 0 });
+        self.exports.insert(id, Export { sink, sent_blocks: skip_blocks });
         Ok(())
     }
 
     /// Allocates the blocks for `prompt`, whose KV will arrive through
     /// [`EngineCore::import_kv`]. Fails with [`EngineError::Busy`] when too few blocks
     /// are free now.
-    pub fn reserve(&mut self, id: RequestId, prompt: Vec<u32>, params: SamplingParams) -> Result<(), EngineError> {
-        let mut seq = self.new_sequence(id, prompt, params)?;
-        let need = blocks_for(seq.prompt_len, self.cfg.block_size);
+    /// The blocks of its longest cached prefix are taken from the cache; only the rest
+    /// need importing (see [`Reservation`]).
+    pub fn reserve(
+        &mut self,
+        id: RequestId,
+        prompt: Vec<u32>,
+        params: SamplingParams,
+    ) -> Result<Reservation, EngineError> {
+        let seq = self.new_sequence(id, prompt, params)?;
+        let total = blocks_for(seq.prompt_len, self.cfg.block_size);
+        self.seqs.insert(id, seq);
+        let cached = self.attach_prefix(id);
+        let need = total - cached;
         // Keep a block of headroom per running sequence, so reservations (which cannot
         // be preempted while their KV arrives) do not starve running decodes.
         let headroom = self.running.len();
+        let seq = self.seqs.get_mut(&id).expect("inserted above");
         if self.alloc.n_free() < need + headroom || !self.alloc.allocate(need, &mut seq.block_table) {
+            let free = self.alloc.n_free();
+            let mut seq = self.seqs.remove(&id).expect("inserted above");
+            self.alloc.release(&mut seq.block_table);
+            self.sync_cache();
             return Err(EngineError::Busy(format!(
-                "this worker has {} free KV blocks and the prompt needs {need} (plus {headroom} kept for running requests)",
-                self.alloc.n_free()
+                "this worker has {free} free KV blocks and the prompt needs {need} (plus {headroom} kept for running requests)"
             )));
         }
         seq.awaiting_kv = true;
-        self.seqs.insert(id, seq);
-        Ok(())
+        seq.import_from = cached;
+        self.sync_cache();
+        Ok(Reservation { n_blocks: total, cached_blocks: cached })
     }
 
-    /// Blocks a reserved request holds (its prompt's), while it awaits its KV.
-    pub fn reserved_blocks(&self, id: RequestId) -> Option<usize> {
-        self.seqs.get(&id).filter(|s| s.awaiting_kv).map(|s| s.block_table.len())
+    /// What a reserved request holds, while it awaits its KV.
+    pub fn reservation(&self, id: RequestId) -> Option<Reservation> {
+        self.seqs
+            .get(&id)
+            .filter(|s| s.awaiting_kv)
+            .map(|s| Reservation { n_blocks: s.block_table.len(), cached_blocks: s.import_from })
     }
 
     /// Writes one chunk of transferred KV into a reserved request's blocks.
@@ -279,11 +375,12 @@ impl<B: Backend> EngineCore<B> {
             return bad(format!("request {id} has no KV reservation"));
         };
         let (l, first, n) = (chunk.layer as usize, chunk.first_block as usize, chunk.n_blocks as usize);
-        if l >= self.model.cfg.n_layers || first + n > seq.block_table.len() {
+        if l >= self.model.cfg.n_layers || first < seq.import_from || first + n > seq.block_table.len() {
             return bad(format!(
-                "KV chunk (layer {l}, blocks {first}..{}) is outside the reservation ({} layers, {} blocks)",
+                "KV chunk (layer {l}, blocks {first}..{}) is outside the reservation ({} layers, blocks {}..{})",
                 first + n,
                 self.model.cfg.n_layers,
+                seq.import_from,
                 seq.block_table.len()
             ));
         }
@@ -303,11 +400,14 @@ impl<B: Backend> EngineCore<B> {
     /// Starts a reserved request whose KV has all arrived: `token` is its first output
     /// token (sampled by the prefill worker). Returns that token's output; the request
     /// then decodes in the batch like any other (or has finished already).
+    /// `cached_tokens` is what the prefill worker found in its prefix cache (reported
+    /// in usage).
     pub fn activate(
         &mut self,
         id: RequestId,
         token: u32,
         logprob: Option<TokenLogprob>,
+        cached_tokens: usize,
     ) -> Result<RequestOutput, EngineError> {
         let vocab = self.model.cfg.vocab;
         let Some(seq) = self.seqs.get_mut(&id).filter(|s| s.awaiting_kv) else {
@@ -318,6 +418,8 @@ impl<B: Backend> EngineCore<B> {
         }
         seq.awaiting_kv = false;
         seq.n_computed = seq.prompt_len;
+        seq.cached_tokens = Some(cached_tokens.min(seq.prompt_len));
+        Self::register_computed(&mut self.alloc, seq, self.cfg.block_size);
         seq.scheduled_at = Some(Instant::now());
         seq.sampler.accept(&seq.params, token);
         seq.tokens.push(token);
@@ -328,6 +430,7 @@ impl<B: Backend> EngineCore<B> {
             // It holds its blocks already; admission gives it a batch slot.
             self.waiting.push_front(id);
         }
+        self.sync_cache();
         Ok(out)
     }
 
@@ -337,7 +440,13 @@ impl<B: Backend> EngineCore<B> {
         }
         let max_tokens = self.validate(&prompt, &params)?;
         let holdback = params.stop.iter().map(|s| s.len()).max().unwrap_or(1).saturating_sub(1);
+        let salt = HashSalt::new(&self.model_identity, params.cache_salt.as_deref());
         let seq = Sequence {
+            import_from: 0,
+            salt,
+            hashes: Vec::new(),
+            n_registered: 0,
+            cached_tokens: None,
             id,
             prompt_len: prompt.len(),
             sampler: Sampler::new(&params, &prompt),
@@ -372,6 +481,7 @@ impl<B: Backend> EngineCore<B> {
         let seq = self.seqs.get_mut(&id).expect("running sequence exists");
         self.alloc.release(&mut seq.block_table);
         seq.n_computed = 0;
+        seq.n_registered = 0;
         self.running.retain(|r| *r != id);
         self.waiting.push_front(id);
         self.stats.preemptions += 1;
@@ -386,6 +496,7 @@ impl<B: Backend> EngineCore<B> {
         if !self.alloc.allocate(blocks_for(prompt.len(), self.cfg.block_size), &mut table) {
             return Err(EngineError::InvalidRequest("not enough free KV blocks to score this prompt now".into()));
         }
+        self.sync_cache();
         let mut pos = 0;
         while pos < prompt.len() {
             let n = (prompt.len() - pos).min(self.cfg.max_batched_tokens);
@@ -475,10 +586,21 @@ impl<B: Backend> EngineCore<B> {
             let Some(&id) = self.waiting.front() else {
                 break;
             };
+            // A sequence with no blocks starts from its longest cached prefix.
+            let attached = self.seqs[&id].block_table.is_empty();
+            if attached {
+                self.attach_prefix(id);
+            }
             let seq = self.seqs.get_mut(&id).expect("waiting sequence exists");
             let n = (seq.tokens.len() - seq.n_computed).min(budget);
             let need = blocks_for(seq.n_computed + n, bs) - seq.block_table.len();
             if !self.alloc.allocate(need, &mut seq.block_table) {
+                if attached {
+                    // Give the prefix back (it stays cached) and wait.
+                    self.alloc.release(&mut seq.block_table);
+                    seq.n_computed = 0;
+                    seq.n_registered = 0;
+                }
                 break;
             }
             seq.scheduled_at.get_or_insert_with(Instant::now);
@@ -487,7 +609,147 @@ impl<B: Backend> EngineCore<B> {
             plan.push((id, n));
             budget -= n;
         }
+        // Blocks evicted to make room are offloaded before anything writes into them.
+        self.sync_cache();
         plan
+    }
+
+    /// Gives sequence `id`, which holds no blocks, the blocks of its longest cached
+    /// prefix: the device tier first, then the host tier (copied into free blocks),
+    /// leaving at least one token to compute. Returns the number of blocks.
+    fn attach_prefix(&mut self, id: RequestId) -> usize {
+        if !self.alloc.caching() {
+            return 0;
+        }
+        let bs = self.cfg.block_size;
+        let seq = self.seqs.get_mut(&id).expect("sequence exists");
+        debug_assert!(seq.block_table.is_empty());
+        extend_hashes(seq.salt, bs, &seq.tokens, &mut seq.hashes);
+        let limit = ((seq.tokens.len() - 1) / bs).min(seq.hashes.len());
+        let (mut table, hashes) = (std::mem::take(&mut seq.block_table), std::mem::take(&mut seq.hashes));
+        while table.len() < limit {
+            let Some(b) = self.alloc.block_of(hashes[table.len()]) else { break };
+            self.alloc.acquire(b, &mut table);
+        }
+        let bpl = self.kv_shape().block_bytes_per_layer();
+        while table.len() < limit && self.alloc.n_free() > 0 {
+            let h = hashes[table.len()];
+            let Some(bytes) = self.host.as_mut().and_then(|t| t.get(h)) else { break };
+            let mut buf = std::mem::take(&mut self.block_buf);
+            buf.clear();
+            buf.extend_from_slice(bytes);
+            assert!(self.alloc.allocate(1, &mut table));
+            // The block may have held another cached block: offload that first.
+            self.sync_cache();
+            let b = *table.last().expect("allocated");
+            for l in 0..self.model.cfg.n_layers {
+                self.backend.kv_import(&mut self.kv, l, &[b], &buf[l * bpl..(l + 1) * bpl]);
+            }
+            self.block_buf = buf;
+            self.alloc.register(b, h);
+        }
+        let n = table.len();
+        let seq = self.seqs.get_mut(&id).expect("sequence exists");
+        (seq.block_table, seq.hashes) = (table, hashes);
+        seq.n_computed = n * bs;
+        seq.n_registered = n;
+        if seq.cached_tokens.is_none() {
+            seq.cached_tokens = Some(n * bs);
+            self.stats.prefix_cache_queries += seq.prompt_len as u64;
+            self.stats.prefix_cache_hits += (n * bs) as u64;
+        }
+        n
+    }
+
+    /// Registers the blocks of `seq` that are fully computed and not registered yet.
+    fn register_computed(alloc: &mut BlockAllocator, seq: &mut Sequence, bs: usize) {
+        let full = seq.n_computed / bs;
+        if !alloc.caching() || full <= seq.n_registered {
+            return;
+        }
+        extend_hashes(seq.salt, bs, &seq.tokens[..seq.n_computed], &mut seq.hashes);
+        for i in seq.n_registered..full {
+            alloc.register(seq.block_table[i], seq.hashes[i]);
+        }
+        seq.n_registered = full;
+    }
+
+    /// Turns the allocator's changes into [`KvEvent`]s, copying evicted blocks to the
+    /// host tier (when there is one) before their device blocks are reused.
+    fn sync_cache(&mut self) {
+        let (stored, evicted) = self.alloc.take_changes();
+        if self.record_events && !stored.is_empty() {
+            self.events.push(KvEvent::Stored { tier: CacheTier::Device, hashes: stored });
+        }
+        if evicted.is_empty() {
+            return;
+        }
+        if self.record_events {
+            self.events
+                .push(KvEvent::Removed { tier: CacheTier::Device, hashes: evicted.iter().map(|e| e.0).collect() });
+        }
+        let Some(host) = self.host.as_mut() else { return };
+        let (mut put, mut dropped) = (Vec::new(), Vec::new());
+        for (h, b) in evicted {
+            if host.get(h).is_some() {
+                continue;
+            }
+            self.block_buf.clear();
+            for l in 0..self.model.cfg.n_layers {
+                self.backend.kv_export(&self.kv, l, &[b], &mut self.block_buf);
+            }
+            dropped.extend(host.put(h, &self.block_buf));
+            put.push(h);
+        }
+        if self.record_events {
+            // In this order: a hash stored and dropped again in this batch ends dropped.
+            if !put.is_empty() {
+                self.events.push(KvEvent::Stored { tier: CacheTier::Host, hashes: put });
+            }
+            if !dropped.is_empty() {
+                self.events.push(KvEvent::Removed { tier: CacheTier::Host, hashes: dropped });
+            }
+        }
+    }
+
+    /// Starts (or stops) recording [`KvEvent`]s; see [`EngineCore::take_kv_events`].
+    pub fn record_kv_events(&mut self, on: bool) {
+        self.record_events = on;
+    }
+
+    /// The events recorded since the last call.
+    pub fn take_kv_events(&mut self) -> Vec<KvEvent> {
+        std::mem::take(&mut self.events)
+    }
+
+    /// The whole cache as events (for a subscriber that starts now).
+    pub fn kv_snapshot(&self) -> Vec<KvEvent> {
+        let mut v = vec![KvEvent::Stored { tier: CacheTier::Device, hashes: self.alloc.cached_hashes().collect() }];
+        if let Some(h) = &self.host {
+            v.push(KvEvent::Stored { tier: CacheTier::Host, hashes: h.hashes().collect() });
+        }
+        v
+    }
+
+    /// The KV of the block cached under `hash` on the device tier, every layer in the
+    /// transfer layout; `None` when it is not there. For tests and diagnostics.
+    pub fn cached_block_kv(&mut self, hash: u64) -> Option<Vec<u8>> {
+        let b = self.alloc.block_of(hash)?;
+        let mut out = Vec::new();
+        for l in 0..self.model.cfg.n_layers {
+            self.backend.kv_export(&self.kv, l, &[b], &mut out);
+        }
+        Some(out)
+    }
+
+    /// Whether the host tier holds `hash`.
+    pub fn host_has(&self, hash: u64) -> bool {
+        self.host.as_ref().is_some_and(|h| h.contains(hash))
+    }
+
+    /// The salt of requests with `cache_salt` (see [`crate::prefix`]).
+    pub fn hash_salt(&self, cache_salt: Option<&str>) -> HashSalt {
+        HashSalt::new(&self.model_identity, cache_salt)
     }
 
     /// Frees the blocks of the last waiting request that holds some (other than
@@ -501,6 +763,7 @@ impl<B: Backend> EngineCore<B> {
         let seq = self.seqs.get_mut(&victim).expect("waiting sequence exists");
         self.alloc.release(&mut seq.block_table);
         seq.n_computed = 0;
+        seq.n_registered = 0;
         self.stats.preemptions += 1;
         true
     }
@@ -569,7 +832,9 @@ impl<B: Backend> EngineCore<B> {
         self.stats.steps += 1;
         self.stats.forward_tokens += self.step_tokens.len() as u64;
         for &(id, n) in &plan {
-            self.seqs.get_mut(&id).expect("exists").n_computed += n;
+            let seq = self.seqs.get_mut(&id).expect("exists");
+            seq.n_computed += n;
+            Self::register_computed(&mut self.alloc, seq, bs);
         }
         let vocab = self.model.cfg.vocab;
         let mut outputs = Vec::with_capacity(sampled.len());
@@ -581,6 +846,7 @@ impl<B: Backend> EngineCore<B> {
             }
             outputs.push(out);
         }
+        self.sync_cache();
         outputs
     }
 
@@ -648,6 +914,7 @@ impl<B: Backend> EngineCore<B> {
             finish,
             prompt_tokens: seq.prompt_len,
             completion_tokens: n_gen,
+            cached_tokens: seq.cached_tokens.unwrap_or(0),
             scheduled_at: if n_gen == 1 { seq.scheduled_at } else { None },
         }
     }

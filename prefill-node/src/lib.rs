@@ -107,13 +107,24 @@ impl PrefillWorker for PrefillService {
         self.metrics.requests.inc();
         let params = rpc::sampling_from_proto(r.sampling);
         let prompt_len = r.prompt_ids.len();
-        let n_blocks = blocks_for(prompt_len, mine.block_size as usize) as u32;
+        let total = blocks_for(prompt_len, mine.block_size as usize) as u32;
+        // The receiver has the first `skip` blocks cached: the transfer carries the
+        // rest, numbered from 0.
+        let skip = r.skip_blocks;
+        if skip >= total {
+            return Err(Status::invalid_argument(format!(
+                "skip_blocks is {skip} but the prompt has {total} blocks; at least the last block must be sent"
+            )));
+        }
+        let n_blocks = total - skip;
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<KvChunk>();
-        let sink = Box::new(move |c: KvChunk| {
+        let sink = Box::new(move |mut c: KvChunk| {
+            c.first_block -= skip;
             let _ = tx.send(c);
         });
         let r_id = r.request_id.clone();
-        let mut stream = self.engine.submit_exporting(r.prompt_ids, params, sink).map_err(rpc::submit_status)?;
+        let mut stream =
+            self.engine.submit_exporting(r.prompt_ids, params, sink, skip as usize).map_err(rpc::submit_status)?;
         let (target, ticket, fault) = (r.kv_target, r.ticket, self.fault);
         let mut sender = AbortOnDrop(tokio::spawn(async move {
             let mut s = KvSender::connect(&target, ticket, mine, n_blocks, fault)
@@ -156,6 +167,7 @@ impl PrefillWorker for PrefillService {
             };
             first_at = Instant::now();
             let token = *first.out.new_token_ids.first().ok_or_else(|| Status::internal("no first token"))?;
+            let cached = first.out.cached_tokens as u32;
             let logprob = first.out.logprobs.into_iter().next().map(rpc::logprob_to_proto);
             let bytes = match done_transfer {
                 Some(b) => b,
@@ -164,7 +176,7 @@ impl PrefillWorker for PrefillService {
                     .map_err(|_| Status::deadline_exceeded("the KV transfer did not complete in 120 s"))?
                     .map_err(|e| Status::internal(format!("KV sender task: {e}")))??,
             };
-            Ok((token, logprob, bytes))
+            Ok((token, logprob, bytes, cached))
         }
         .await;
         if let Some(t) = &self.telemetry {
@@ -185,11 +197,17 @@ impl PrefillWorker for PrefillService {
             t.record_tree(parent, ids, root, &[span("prefill", t0, first_at), span("kv_transfer", t0, end)]);
         }
         match result {
-            Ok((first_token, first_logprob, kv_bytes)) => {
+            Ok((first_token, first_logprob, kv_bytes, cached_tokens)) => {
                 let secs = t0.elapsed().as_secs_f64();
                 self.metrics.transfer_bytes.inc_by(kv_bytes);
                 self.metrics.transfer_seconds.observe(secs);
-                Ok(Response::new(PrefillResponse { first_token, first_logprob, kv_bytes, seconds: secs }))
+                Ok(Response::new(PrefillResponse {
+                    first_token,
+                    first_logprob,
+                    kv_bytes,
+                    seconds: secs,
+                    cached_tokens,
+                }))
             }
             Err(e) => {
                 self.metrics.failures.inc();
@@ -201,5 +219,14 @@ impl PrefillWorker for PrefillService {
 
     async fn info(&self, _: Request<WorkerInfoRequest>) -> Result<Response<WorkerInfo>, Status> {
         Ok(Response::new(rpc::worker_info("prefill", &self.engine)))
+    }
+
+    type KvEventsStream = rpc::KvEventStream;
+
+    async fn kv_events(
+        &self,
+        _: Request<proto::v1::KvEventsRequest>,
+    ) -> Result<Response<Self::KvEventsStream>, Status> {
+        Ok(Response::new(rpc::kv_event_stream(&self.engine)?))
     }
 }

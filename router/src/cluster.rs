@@ -3,10 +3,21 @@
 //! [`engine::handle::RemoteEngine`], so the gateway's handlers serve a cluster exactly
 //! as they serve a local engine.
 //!
-//! Choice of workers (until the KV-aware policy of the prefix-caching issue): the
-//! healthy worker of each role with the fewest requests in flight from this router,
-//! ties broken round-robin. Prompts shorter than `local_prefill_below` tokens are
-//! prefilled on the decode worker itself (conditional disaggregation; 0 disables).
+//! Choice of workers ([`Policy`]; ARCHITECTURE.md, "Routing"): round-robin,
+//! least-loaded (fewest requests in flight from this router, ties round-robin), or
+//! KV-aware: each healthy worker of a role is scored by
+//! `cost = new_blocks + load`, where `new_blocks` is the request's blocks the worker
+//! does not hold (its overlap, from the [`KvIndex`] fed by the workers' KV events, or
+//! predicted from this router's own decisions when events are off) and `load` is the
+//! blocks of requests in flight there (for a prefill worker: the blocks it still has
+//! to compute). The lowest cost wins, ties round-robin; with a temperature `T > 0` a
+//! worker is drawn with weight `exp(-(cost - min) / (T × max(1, max cost)))`. A
+//! session key (header `x-session-id` or the `user` field) predicts that the worker
+//! that served the session's previous turn still holds that turn's prompt. A prompt
+//! whose part not cached at the chosen decode worker is shorter than
+//! `local_prefill_below` tokens is prefilled there (conditional disaggregation; 0
+//! disables); otherwise a prefill worker computes it, and only the blocks the decode
+//! worker does not hold are transferred.
 //!
 //! Failures: a call that fails before its first token (decode worker unreachable or
 //! out of blocks, prefill worker or transfer failed) is retried on other workers, up
@@ -20,18 +31,77 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
-use engine::handle::{Outputs, RemoteEngine, StreamItem};
+use std::collections::HashMap;
+use std::sync::atomic::AtomicU64;
+
+use engine::handle::{Outputs, RemoteEngine, RequestMeta, StreamItem};
+use engine::kv::blocks_for;
+use engine::prefix::{block_hashes, HashSalt};
 use engine::sampling::SamplingParams;
 use engine::scheduler::{EngineStats, RequestId};
 use proto::v1::decode_worker_client::DecodeWorkerClient;
 use proto::v1::prefill_worker_client::PrefillWorkerClient;
-use proto::v1::{DecodeRequest, WorkerInfo, WorkerInfoRequest};
+use proto::v1::{DecodeRequest, KvEventsRequest, WorkerInfo, WorkerInfoRequest};
 use tonic::transport::Channel;
+
+use crate::kv_index::{KvIndex, Overlaps};
 
 pub const MAX_ATTEMPTS: usize = 3;
 /// How long a request waits for KV blocks when every decode worker is full.
 pub const QUEUE_LIMIT: Duration = Duration::from_secs(60);
 pub const POLL: Duration = Duration::from_millis(500);
+
+/// How the router chooses workers (see the module docs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Policy {
+    RoundRobin,
+    LeastLoaded,
+    KvAware,
+}
+
+impl std::str::FromStr for Policy {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "round-robin" => Ok(Policy::RoundRobin),
+            "least-loaded" => Ok(Policy::LeastLoaded),
+            "kv-aware" => Ok(Policy::KvAware),
+            _ => Err(format!("unknown routing policy {s:?}; use round-robin, least-loaded or kv-aware")),
+        }
+    }
+}
+
+impl Policy {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Policy::RoundRobin => "round-robin",
+            Policy::LeastLoaded => "least-loaded",
+            Policy::KvAware => "kv-aware",
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct RoutingOptions {
+    pub policy: Policy,
+    /// 0: always the cheapest worker (ties round-robin).
+    pub temperature: f64,
+    /// Follow the workers' KV events; when off, predict from routing decisions.
+    pub kv_events: bool,
+    /// How long a predicted block counts (events off).
+    pub predict_ttl: Duration,
+}
+
+impl Default for RoutingOptions {
+    fn default() -> Self {
+        RoutingOptions {
+            policy: Policy::KvAware,
+            temperature: 0.0,
+            kv_events: true,
+            predict_ttl: Duration::from_secs(120),
+        }
+    }
+}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Role {
@@ -55,7 +125,12 @@ pub struct Worker {
     pub role: Role,
     channel: Channel,
     in_flight: AtomicUsize,
+    /// Blocks of the requests in flight here (a prefill worker: blocks to compute).
+    load_blocks: AtomicUsize,
     healthy: AtomicBool,
+    removed: AtomicBool,
+    /// Its slot in the KV index (`usize::MAX`: none).
+    slot: AtomicUsize,
     pub info: Mutex<Option<WorkerInfo>>,
 }
 
@@ -74,7 +149,10 @@ impl Worker {
             role,
             channel,
             in_flight: AtomicUsize::new(0),
+            load_blocks: AtomicUsize::new(0),
             healthy: AtomicBool::new(false),
+            removed: AtomicBool::new(false),
+            slot: AtomicUsize::new(usize::MAX),
             info: Mutex::new(None),
         })
     }
@@ -99,19 +177,66 @@ impl Worker {
     pub fn in_flight(&self) -> usize {
         self.in_flight.load(Ordering::Relaxed)
     }
+
+    pub fn load_blocks(&self) -> usize {
+        self.load_blocks.load(Ordering::Relaxed)
+    }
+
+    /// Its slot in the cluster's KV index.
+    pub fn slot(&self) -> Option<usize> {
+        Some(self.slot.load(Ordering::Relaxed)).filter(|s| *s != usize::MAX)
+    }
+
+    fn key(&self) -> String {
+        format!("{}:{}", self.role.as_str(), self.addr)
+    }
+
+    async fn kv_events(&self) -> Result<tonic::Streaming<proto::v1::KvEventBatch>, tonic::Status> {
+        let r = match self.role {
+            Role::Prefill => PrefillWorkerClient::new(self.channel.clone()).kv_events(KvEventsRequest {}).await,
+            Role::Decode => DecodeWorkerClient::new(self.channel.clone()).kv_events(KvEventsRequest {}).await,
+        };
+        r.map(|s| s.into_inner())
+    }
 }
 
-/// Counts a request against a worker while it is alive.
-struct InFlight(Arc<Worker>);
+/// Counts a request (and its blocks) against a worker while it is alive.
+struct InFlight(Arc<Worker>, usize);
 impl InFlight {
-    fn new(w: &Arc<Worker>) -> Self {
+    fn new(w: &Arc<Worker>, blocks: usize) -> Self {
         w.in_flight.fetch_add(1, Ordering::Relaxed);
-        InFlight(w.clone())
+        w.load_blocks.fetch_add(blocks, Ordering::Relaxed);
+        InFlight(w.clone(), blocks)
     }
 }
 impl Drop for InFlight {
     fn drop(&mut self) {
         self.0.in_flight.fetch_sub(1, Ordering::Relaxed);
+        self.0.load_blocks.fetch_sub(self.1, Ordering::Relaxed);
+    }
+}
+
+/// What the router knows about one request when choosing its workers.
+struct Route {
+    /// Its prompt's blocks (partial last block included) and full-block hashes.
+    blocks: usize,
+    hashes: Vec<u64>,
+    overlaps: Overlaps,
+    /// The worker (address) that served the session's last turn, and that turn's
+    /// prompt blocks.
+    session: Option<(String, usize)>,
+}
+
+impl Route {
+    /// Blocks of the request that `w` is expected to hold.
+    fn overlap(&self, w: &Worker) -> usize {
+        let mut o = self.overlaps.any(w.slot());
+        if let Some((addr, n)) = &self.session {
+            if w.role == Role::Decode && *addr == w.addr {
+                o = o.max(*n);
+            }
+        }
+        o.min(self.hashes.len())
     }
 }
 
@@ -130,16 +255,32 @@ pub struct Cluster {
     /// request and always land on the same decode worker of two).
     rr: [AtomicUsize; 2],
     pub local_prefill_below: usize,
+    pub routing: RoutingOptions,
+    pub index: Mutex<KvIndex>,
+    /// Session key → (decode worker address, prompt blocks of its last turn).
+    sessions: Mutex<HashMap<String, (String, usize, Instant)>>,
+    rng: AtomicU64,
 }
 
+/// Sessions remembered at most (the oldest hour is dropped beyond it).
+const MAX_SESSIONS: usize = 100_000;
+
 impl Cluster {
-    pub fn new(local_prefill_below: usize) -> Arc<Cluster> {
+    pub fn new(local_prefill_below: usize, routing: RoutingOptions) -> Arc<Cluster> {
         Arc::new(Cluster {
             workers: RwLock::new(Vec::new()),
             compat: Mutex::new(None),
             rr: [AtomicUsize::new(0), AtomicUsize::new(0)],
             local_prefill_below,
+            routing,
+            index: Mutex::new(KvIndex::new()),
+            sessions: Mutex::new(HashMap::new()),
+            rng: AtomicU64::new(0x9E37_79B9_7F4A_7C15),
         })
+    }
+
+    fn index(&self) -> std::sync::MutexGuard<'_, KvIndex> {
+        self.index.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     pub fn workers(&self) -> Vec<Arc<Worker>> {
@@ -153,7 +294,7 @@ impl Cluster {
     /// Adds a worker after asking for its info: one serving another model or another
     /// KV layout is refused with the reason. Re-adding a known address refreshes it.
     /// Returns the worker and whether it was new.
-    pub async fn add(&self, addr: &str, role: Role) -> Result<(Arc<Worker>, bool), String> {
+    pub async fn add(self: &Arc<Self>, addr: &str, role: Role) -> Result<(Arc<Worker>, bool), String> {
         if let Some(w) = self.workers().into_iter().find(|w| w.addr == addr && w.role == role) {
             return Ok((w, false));
         }
@@ -173,17 +314,61 @@ impl Cluster {
             return Ok((existing.clone(), false));
         }
         ws.push(w.clone());
+        drop(ws);
+        match self.index().add_worker(&w.key()) {
+            Some(slot) => w.slot.store(slot, Ordering::Relaxed),
+            None => tracing::warn!(addr, "the KV index is full; this worker gets no overlap credit"),
+        }
+        if self.routing.kv_events && w.slot().is_some() {
+            tokio::spawn(self.clone().follow_kv_events(w.clone()));
+        }
         tracing::info!(addr, role = role.as_str(), "worker added");
         Ok((w, true))
     }
 
-    /// Removes a worker (its lease expired, or it was deregistered).
+    /// Removes a worker (its lease expired, or it was deregistered), and its blocks
+    /// from the KV index.
     pub fn remove(&self, addr: &str, role: Role) {
         let mut ws = self.workers.write().unwrap_or_else(|e| e.into_inner());
-        let before = ws.len();
+        let gone: Vec<Arc<Worker>> = ws.iter().filter(|w| w.addr == addr && w.role == role).cloned().collect();
         ws.retain(|w| !(w.addr == addr && w.role == role));
-        if ws.len() != before {
+        drop(ws);
+        for w in gone {
+            w.removed.store(true, Ordering::Relaxed);
+            if let Some(slot) = w.slot() {
+                self.index().remove_worker(slot);
+            }
             tracing::info!(addr, role = role.as_str(), "worker removed");
+        }
+    }
+
+    /// Feeds worker `w`'s KV events into the index for as long as it is in the
+    /// cluster, subscribing again (from a snapshot) after a lost event or connection.
+    async fn follow_kv_events(self: Arc<Self>, w: Arc<Worker>) {
+        let Some(slot) = w.slot() else { return };
+        let mut backoff = Duration::from_millis(100);
+        while !w.removed.load(Ordering::Relaxed) {
+            match w.kv_events().await {
+                Ok(mut stream) => loop {
+                    let batch = match stream.message().await {
+                        Ok(Some(b)) => rpc::kv_events_from_proto(b),
+                        _ => break,
+                    };
+                    backoff = Duration::from_millis(100);
+                    let mut ix = self.index();
+                    // Checked under the index lock: `remove` marks, then clears.
+                    if w.removed.load(Ordering::Relaxed) {
+                        return;
+                    }
+                    if let Err(e) = ix.apply(slot, &batch) {
+                        tracing::warn!(addr = %w.addr, error = %e, "KV events out of step; subscribing again");
+                        break;
+                    }
+                },
+                Err(e) => tracing::debug!(addr = %w.addr, error = %e.message(), "KV events unavailable"),
+            }
+            tokio::time::sleep(backoff).await;
+            backoff = (backoff * 2).min(Duration::from_secs(2));
         }
     }
 
@@ -232,20 +417,106 @@ impl Cluster {
                 }
             });
             futures::future::join_all(polls).await;
+            if !self.routing.kv_events {
+                self.index().expire(Instant::now(), self.routing.predict_ttl);
+            }
             tokio::time::sleep(POLL).await;
         }
     }
 
-    /// The healthy worker of `role` with the fewest requests in flight, not in `avoid`
-    /// (unless nothing else is left).
-    fn pick(&self, role: Role, avoid: &[String]) -> Option<Arc<Worker>> {
+    /// A healthy worker of `role` by the routing policy, not in `avoid` (unless
+    /// nothing else is left).
+    fn pick(&self, role: Role, avoid: &[String], route: &Route) -> Option<Arc<Worker>> {
         let ws: Vec<Arc<Worker>> = self.workers().into_iter().filter(|w| w.role == role && w.is_healthy()).collect();
         let fresh: Vec<&Arc<Worker>> = ws.iter().filter(|w| !avoid.contains(&w.addr)).collect();
         let pool: Vec<&Arc<Worker>> = if fresh.is_empty() { ws.iter().collect() } else { fresh };
-        let min = pool.iter().map(|w| w.in_flight()).min()?;
-        let ties: Vec<&&Arc<Worker>> = pool.iter().filter(|w| w.in_flight() == min).collect();
+        if pool.is_empty() {
+            return None;
+        }
+        let cost = |w: &Worker| -> f64 {
+            match self.routing.policy {
+                Policy::RoundRobin => 0.0,
+                Policy::LeastLoaded => w.in_flight() as f64,
+                Policy::KvAware => (route.blocks - route.overlap(w) + w.load_blocks()) as f64,
+            }
+        };
+        let costs: Vec<f64> = pool.iter().map(|w| cost(w)).collect();
+        let min = costs.iter().copied().fold(f64::INFINITY, f64::min);
+        let t = self.routing.temperature;
+        if t > 0.0 && self.routing.policy == Policy::KvAware {
+            let scale = t * costs.iter().copied().fold(1.0, f64::max);
+            let weights: Vec<f64> = costs.iter().map(|c| (-(c - min) / scale).exp()).collect();
+            let mut x = self.random() * weights.iter().sum::<f64>();
+            for (w, wt) in pool.iter().zip(&weights) {
+                if x < *wt {
+                    return Some((*w).clone());
+                }
+                x -= wt;
+            }
+            return pool.last().map(|w| (*w).clone());
+        }
+        let ties: Vec<&&Arc<Worker>> = pool.iter().zip(&costs).filter(|(_, c)| **c == min).map(|(w, _)| w).collect();
+        // The session's worker wins a tie.
+        if let Some((addr, _)) = &route.session {
+            if let Some(w) = ties.iter().find(|w| w.addr == *addr) {
+                return Some((**w).clone());
+            }
+        }
         let i = self.rr[role as usize].fetch_add(1, Ordering::Relaxed) % ties.len();
         Some((*ties[i]).clone())
+    }
+
+    /// A uniform draw in [0, 1) (xorshift; routing needs no better).
+    fn random(&self) -> f64 {
+        let mut x = self.rng.load(Ordering::Relaxed);
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        self.rng.store(x, Ordering::Relaxed);
+        (x >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    /// What routing needs to know about a request (hashes only when they are used).
+    fn route(&self, prompt: &[u32], params: &SamplingParams, session: Option<&str>) -> Route {
+        let compat = self.compat();
+        let bs = compat.as_ref().map_or(16, |c| c.kv_layout.block_size.max(1) as usize);
+        let blocks = blocks_for(prompt.len(), bs);
+        let hashes = match &compat {
+            Some(c) if self.routing.policy == Policy::KvAware || self.local_prefill_below > 0 => {
+                block_hashes(HashSalt::new(&c.model, params.cache_salt.as_deref()), bs, prompt)
+            }
+            _ => Vec::new(),
+        };
+        let overlaps = if hashes.is_empty() { Overlaps::default() } else { self.index().overlaps(&hashes) };
+        let session = session.and_then(|s| {
+            let m = self.sessions.lock().unwrap_or_else(|e| e.into_inner());
+            m.get(s).map(|(a, n, _)| (a.clone(), *n))
+        });
+        Route { blocks, hashes, overlaps, session }
+    }
+
+    /// Notes where a request went: its session's worker, and (events off) the blocks
+    /// the chosen workers will now hold.
+    fn routed(&self, route: &Route, session: Option<&str>, d: &Worker, p: Option<&Worker>) {
+        if let Some(s) = session {
+            let mut m = self.sessions.lock().unwrap_or_else(|e| e.into_inner());
+            if m.len() >= MAX_SESSIONS {
+                let cutoff = Instant::now() - Duration::from_secs(3600);
+                m.retain(|_, v| v.2 > cutoff);
+            }
+            if m.len() < MAX_SESSIONS || m.contains_key(s) {
+                m.insert(s.to_string(), (d.addr.clone(), route.hashes.len(), Instant::now()));
+            }
+        }
+        if !self.routing.kv_events && !route.hashes.is_empty() {
+            let now = Instant::now();
+            let mut ix = self.index();
+            for w in std::iter::once(d).chain(p) {
+                if let Some(slot) = w.slot() {
+                    ix.predict(slot, &route.hashes, now);
+                }
+            }
+        }
     }
 
     async fn run(
@@ -253,21 +524,28 @@ impl Cluster {
         id: RequestId,
         prompt: Vec<u32>,
         params: SamplingParams,
-        trace: Option<String>,
+        meta: RequestMeta,
         tx: Outputs,
     ) {
         let sampling = rpc::sampling_to_proto(&params);
-        let local = prompt.len() < self.local_prefill_below;
+        let trace = meta.trace;
+        let session = meta.session.as_deref();
+        let route = self.route(&prompt, &params, session);
+        let bs = self.compat().map_or(16, |c| c.kv_layout.block_size.max(1) as usize);
         let mut avoid = Vec::new();
         let mut last_error = String::from("no decode worker is available");
         let (mut attempts, mut waited, mut backoff) = (0, Duration::ZERO, Duration::from_millis(20));
         while attempts < MAX_ATTEMPTS {
-            let Some(d) = self.pick(Role::Decode, &avoid) else { break };
+            let Some(d) = self.pick(Role::Decode, &avoid, &route) else { break };
+            // What the decode worker lacks of the prompt decides where it is prefilled.
+            let uncached = prompt.len().saturating_sub(route.overlap(&d) * bs);
+            let local = uncached < self.local_prefill_below;
             // Without a usable prefill worker the decode worker prefills the prompt
             // itself: slower for long prompts, but the request is served.
-            let p = if local { None } else { self.pick(Role::Prefill, &avoid) };
-            let _dg = InFlight::new(&d);
-            let _pg = p.as_ref().map(InFlight::new);
+            let p = if local { None } else { self.pick(Role::Prefill, &avoid, &route) };
+            let _dg = InFlight::new(&d, route.blocks);
+            let _pg = p.as_ref().map(|p| InFlight::new(p, route.blocks - route.overlap(p)));
+            self.routed(&route, session, &d, p.as_deref());
             let req = DecodeRequest {
                 prompt_ids: prompt.clone(),
                 sampling: Some(sampling.clone()),
@@ -394,10 +672,10 @@ impl RemoteEngine for ClusterEngine {
         id: RequestId,
         prompt: Vec<u32>,
         params: SamplingParams,
-        trace: Option<String>,
+        meta: RequestMeta,
         tx: Outputs,
     ) -> Box<dyn Send + Sync> {
-        let task = self.rt.spawn(self.cluster.clone().run(id, prompt, params, trace, tx));
+        let task = self.rt.spawn(self.cluster.clone().run(id, prompt, params, meta, tx));
         Box::new(AbortOnDrop(task.abort_handle()))
     }
 
@@ -417,6 +695,7 @@ pub struct ClusterOptions {
     pub discovered_prefill: Vec<String>,
     pub discovered_decode: Vec<String>,
     pub local_prefill_below: usize,
+    pub routing: RoutingOptions,
     pub max_in_flight: usize,
     /// How long to wait for the listed workers to answer at start.
     pub wait: Duration,
@@ -426,7 +705,7 @@ pub struct ClusterOptions {
 /// decode worker sets the cluster's KV layout (after its model is checked against the
 /// router's).
 async fn admit(
-    cluster: &Cluster,
+    cluster: &Arc<Cluster>,
     cfg: &engine::config::ModelConfig,
     addr: &str,
     role: Role,
@@ -475,7 +754,7 @@ pub async fn connect(o: &ClusterOptions) -> Result<(engine::handle::EngineHandle
     .await
     .map_err(|e| e.to_string())?
     .map_err(|e| e.to_string())?;
-    let cluster = Cluster::new(o.local_prefill_below);
+    let cluster = Cluster::new(o.local_prefill_below, o.routing.clone());
     // The model identity comes from the router's model, the layout from the first
     // decode worker; every other worker must match both.
     let deadline = Instant::now() + o.wait;

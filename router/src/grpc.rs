@@ -101,7 +101,9 @@ impl Inference for GrpcService {
         };
         let params = rpc::sampling_from_proto(r.sampling);
         let trace = self.state.telemetry.get().map(|_| crate::telemetry::TraceParent::new_root().header());
-        let mut stream = e.submit_traced(prompt.clone(), params, trace).map_err(|x: SubmitError| status(x.into()))?;
+        let mut stream = e
+            .submit_traced(prompt.clone(), params, engine::handle::RequestMeta { trace, session: None })
+            .map_err(|x: SubmitError| status(x.into()))?;
         self.state.metrics.prompt_tokens.inc_by(prompt.len() as u64);
         let submitted = Instant::now();
         let state = self.state.clone();

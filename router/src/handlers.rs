@@ -11,6 +11,7 @@ use std::time::Instant;
 
 use axum::body::{Body, Bytes};
 use axum::extract::State;
+use axum::http::HeaderMap;
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
@@ -288,6 +289,7 @@ fn submit_n(
     prompt: &[u32],
     params: &SamplingParams,
     n: usize,
+    session: Option<&str>,
 ) -> Result<Vec<RequestStream>, ApiError> {
     let mut out = Vec::with_capacity(n);
     for i in 0..n {
@@ -297,7 +299,8 @@ fn submit_n(
         // With traces on, each choice's `request` span gets its ids now, so a remote
         // engine's spans can join its trace.
         let trace = s.telemetry.get().map(|_| crate::telemetry::TraceParent::new_root().header());
-        out.push(e.submit_traced(prompt.to_vec(), p, trace)?);
+        let meta = engine::handle::RequestMeta { trace, session: session.map(str::to_string) };
+        out.push(e.submit_traced(prompt.to_vec(), p, meta)?);
     }
     s.metrics.prompt_tokens.inc_by(prompt.len() as u64);
     Ok(out)
@@ -310,6 +313,7 @@ struct Collected {
     text: String,
     logprobs: Vec<TokenLogprob>,
     finish: Option<FinishReason>,
+    cached: usize,
 }
 
 async fn collect(mut st: RequestStream, s: &AppState, mut t: Tracker) -> Result<Collected, ApiError> {
@@ -322,6 +326,7 @@ async fn collect(mut st: RequestStream, s: &AppState, mut t: Tracker) -> Result<
         c.logprobs.extend(item.out.logprobs);
         if let Some(f) = item.out.finish {
             c.finish = Some(f);
+            c.cached = item.out.cached_tokens;
             return Ok(c);
         }
     }
@@ -398,12 +403,15 @@ fn completion_logprobs(tok: &Tokenizer, lps: &[TokenLogprob], mut offset: usize)
     json!({"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets})
 }
 
-fn usage(prompt: usize, completion: usize) -> Value {
+/// `cached`: per choice, the prompt tokens its engine took from the prefix cache; the
+/// `n` choices of one prompt count it once (the best of them), as its prompt tokens.
+fn usage(prompt: usize, completion: usize, cached: &[usize], n: usize) -> Value {
+    let cached: usize = cached.chunks(n.max(1)).map(|c| c.iter().copied().max().unwrap_or(0)).sum();
     json!({
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": 0},
+        "prompt_tokens_details": {"cached_tokens": cached},
     })
 }
 
@@ -454,6 +462,9 @@ struct EventStream<F: ChunkFormat> {
     format: F,
     prompt_tokens: usize,
     completion_tokens: usize,
+    /// Per choice, from its last output; choices come `n` per prompt.
+    cached: Vec<usize>,
+    n: usize,
     include_usage: bool,
     done: bool,
 }
@@ -482,6 +493,9 @@ impl<F: ChunkFormat> EventStream<F> {
                     Some((i, Ok(item))) => {
                         me.trackers[i].observe(&me.state, &item);
                         me.completion_tokens += item.out.new_token_ids.len();
+                        if item.out.finish.is_some() {
+                            me.cached[i] = item.out.cached_tokens;
+                        }
                         if let Some(text) = me.format.piece(i, &item.out) {
                             me.pending.push_back(Event::default().data(text));
                         }
@@ -489,7 +503,7 @@ impl<F: ChunkFormat> EventStream<F> {
                     }
                     None => {
                         if me.include_usage {
-                            let u = usage(me.prompt_tokens, me.completion_tokens);
+                            let u = usage(me.prompt_tokens, me.completion_tokens, &me.cached, me.n);
                             me.pending.push_back(event(&me.format.usage_chunk(u)));
                         }
                         me.pending.push_back(Event::default().data("[DONE]"));
@@ -561,7 +575,13 @@ impl ChunkFormat for ChatChunks {
     }
 }
 
-pub async fn chat(State(s): State<Arc<AppState>>, body: Body) -> AppResult {
+/// The session a request belongs to (a routing hint): the `x-session-id` header, else
+/// the OpenAI `user` field.
+fn session<'a>(headers: &'a HeaderMap, sampling: &'a openai::Sampling) -> Option<&'a str> {
+    headers.get("x-session-id").and_then(|v| v.to_str().ok()).or(sampling.user.as_deref()).filter(|s| !s.is_empty())
+}
+
+pub async fn chat(State(s): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> AppResult {
     let arrival = Instant::now();
     let e = s.engine()?.clone();
     let req: ChatRequest = openai::parse(&read_body(&s, body).await?)?;
@@ -574,7 +594,7 @@ pub async fn chat(State(s): State<Arc<AppState>>, body: Body) -> AppResult {
     let max_tokens = req.max_completion_tokens.or(req.sampling.max_tokens);
     let params = req.sampling.to_params(max_tokens, req.top_logprobs()?, e.limits.vocab)?;
     let n = req.sampling.n();
-    let streams = submit_n(&s, &e, &prompt, &params, n)?;
+    let streams = submit_n(&s, &e, &prompt, &params, n, session(&headers, &req.sampling))?;
     let submitted = Instant::now();
     let format = ChatChunks {
         id: request_id("chatcmpl"),
@@ -587,6 +607,7 @@ pub async fn chat(State(s): State<Arc<AppState>>, body: Body) -> AppResult {
     if !req.sampling.stream() {
         let (results, completion) =
             collect_all(streams, &s, arrival, &format.id, submitted, "/v1/chat/completions").await?;
+        let cached: Vec<usize> = results.iter().map(|c| c.cached).collect();
         let mut choices = Vec::with_capacity(n);
         for (i, c) in results.into_iter().enumerate() {
             choices.push(json!({
@@ -601,7 +622,7 @@ pub async fn chat(State(s): State<Arc<AppState>>, body: Body) -> AppResult {
         }
         return Ok(Json(json!({
             "id": format.id, "object": "chat.completion", "created": format.created, "model": format.model,
-            "choices": choices, "usage": usage(prompt.len(), completion),
+            "choices": choices, "usage": usage(prompt.len(), completion, &cached, n),
         }))
         .into_response());
     }
@@ -622,6 +643,8 @@ pub async fn chat(State(s): State<Arc<AppState>>, body: Body) -> AppResult {
         format,
         prompt_tokens: prompt.len(),
         completion_tokens: 0,
+        cached: vec![0; n],
+        n,
         include_usage: req.sampling.include_usage(),
         done: false,
     }
@@ -673,7 +696,7 @@ impl ChunkFormat for CompletionChunks {
     }
 }
 
-pub async fn completions(State(s): State<Arc<AppState>>, body: Body) -> AppResult {
+pub async fn completions(State(s): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> AppResult {
     let arrival = Instant::now();
     let e = s.engine()?.clone();
     let req: CompletionRequest = openai::parse(&read_body(&s, body).await?)?;
@@ -701,7 +724,7 @@ pub async fn completions(State(s): State<Arc<AppState>>, body: Body) -> AppResul
     let n = req.sampling.n();
     let mut streams = Vec::new();
     for p in &prompts {
-        streams.extend(submit_n(&s, &e, p, &params, n)?);
+        streams.extend(submit_n(&s, &e, p, &params, n, session(&headers, &req.sampling))?);
     }
     let submitted = Instant::now();
     let prompt_tokens: usize = prompts.iter().map(Vec::len).sum();
@@ -725,6 +748,7 @@ pub async fn completions(State(s): State<Arc<AppState>>, body: Body) -> AppResul
     let total = streams.len();
     if !req.sampling.stream() {
         let (results, completion) = collect_all(streams, &s, arrival, &format.id, submitted, "/v1/completions").await?;
+        let cached: Vec<usize> = results.iter().map(|c| c.cached).collect();
         let mut choices = Vec::with_capacity(total);
         for (i, c) in results.into_iter().enumerate() {
             choices.push(json!({
@@ -739,7 +763,7 @@ pub async fn completions(State(s): State<Arc<AppState>>, body: Body) -> AppResul
         }
         return Ok(Json(json!({
             "id": format.id, "object": "text_completion", "created": format.created, "model": format.model,
-            "choices": choices, "usage": usage(prompt_tokens, completion),
+            "choices": choices, "usage": usage(prompt_tokens, completion, &cached, n),
         }))
         .into_response());
     }
@@ -761,6 +785,8 @@ pub async fn completions(State(s): State<Arc<AppState>>, body: Body) -> AppResul
         format,
         prompt_tokens,
         completion_tokens: 0,
+        cached: vec![0; total],
+        n,
         include_usage: req.sampling.include_usage(),
         done: false,
     }

@@ -12,6 +12,7 @@ pub mod cluster;
 pub mod error;
 pub mod grpc;
 pub(crate) mod handlers;
+pub mod kv_index;
 pub mod metrics;
 pub mod openai;
 /// OTLP traces (shared with the workers; see `rpc::telemetry`).

@@ -103,6 +103,8 @@ pub struct Sampling {
     pub skip_special_tokens: Option<bool>,
     /// vLLM's `return_token_ids`: non-streaming choices carry their `token_ids`.
     pub return_token_ids: Option<bool>,
+    /// vLLM's `cache_salt`: only requests with the same salt share prefix-cache blocks.
+    pub cache_salt: Option<String>,
 }
 
 /// Most choices per request.
@@ -169,7 +171,11 @@ impl Sampling {
             logprobs,
             logit_bias,
             skip_special_tokens: self.skip_special_tokens.unwrap_or(true),
+            cache_salt: self.cache_salt.clone(),
         };
+        if p.cache_salt.as_deref().is_some_and(str::is_empty) {
+            return Err(ApiError::invalid(Some("cache_salt".into()), "cache_salt must be a non-empty string"));
+        }
         if matches!(p.max_tokens, Some(0)) {
             return Err(ApiError::invalid(Some("max_tokens".into()), "max_tokens must be at least 1"));
         }

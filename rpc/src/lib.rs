@@ -34,6 +34,7 @@ pub fn sampling_from_proto(p: Option<pb::SamplingParams>) -> SamplingParams {
         logprobs: p.logprobs.map(|n| n as usize),
         logit_bias: p.logit_bias.into_iter().collect(),
         skip_special_tokens: p.skip_special_tokens.unwrap_or(true),
+        cache_salt: p.cache_salt,
     }
 }
 
@@ -56,6 +57,7 @@ pub fn sampling_to_proto(p: &SamplingParams) -> pb::SamplingParams {
         logprobs: p.logprobs.map(|n| n as u32),
         logit_bias: p.logit_bias.iter().copied().collect(),
         skip_special_tokens: Some(p.skip_special_tokens),
+        cache_salt: p.cache_salt.clone(),
     }
 }
 
@@ -104,7 +106,7 @@ pub fn output_to_proto(o: RequestOutput, prompt_ids: Vec<u32>) -> pb::GenerateRe
         usage: done.then_some(pb::Usage {
             prompt_tokens: o.prompt_tokens as u32,
             completion_tokens: o.completion_tokens as u32,
-            cached_tokens: 0,
+            cached_tokens: o.cached_tokens as u32,
         }),
         prompt_token_ids: prompt_ids,
     }
@@ -125,6 +127,8 @@ pub fn output_from_proto(
         finish: finish_from_proto(r.finish_reason),
         prompt_tokens,
         completion_tokens,
+        // Sent with the usage, on the last response.
+        cached_tokens: r.usage.map_or(0, |u| u.cached_tokens as usize),
         scheduled_at: None,
     }
 }
@@ -155,10 +159,7 @@ pub fn transfer_layout(s: &KvShape) -> kv_transfer::KvLayout {
 
 /// The model identity workers compare at registration: name and architecture.
 pub fn model_identity(c: &engine::config::ModelConfig) -> String {
-    format!(
-        "{} (layers {}, hidden {}, heads {}/{}, head dim {}, ffn {}, vocab {})",
-        c.name, c.n_layers, c.hidden, c.n_heads, c.n_kv_heads, c.head_dim, c.ffn, c.vocab
-    )
+    c.identity()
 }
 
 /// The gRPC status for a refused submission.
@@ -226,4 +227,61 @@ pub async fn serve_metrics(
         }),
     );
     axum::serve(listener, app).await
+}
+
+/// Prefix-cache events onto the wire.
+pub fn kv_events_to_proto(b: engine::handle::KvEventBatch) -> pb::KvEventBatch {
+    use engine::scheduler::{CacheTier, KvEvent};
+    use pb::kv_event::{Kind, Tier};
+    let tier = |t: CacheTier| match t {
+        CacheTier::Device => Tier::Device as i32,
+        CacheTier::Host => Tier::Host as i32,
+    };
+    pb::KvEventBatch {
+        seq: b.seq,
+        snapshot: b.snapshot,
+        events: b
+            .events
+            .into_iter()
+            .map(|e| match e {
+                KvEvent::Stored { tier: t, hashes } => pb::KvEvent { kind: Kind::Stored as i32, tier: tier(t), hashes },
+                KvEvent::Removed { tier: t, hashes } => {
+                    pb::KvEvent { kind: Kind::Removed as i32, tier: tier(t), hashes }
+                }
+            })
+            .collect(),
+    }
+}
+
+/// A worker's stream of prefix-cache events.
+pub type KvEventStream =
+    std::pin::Pin<Box<dyn tokio_stream::Stream<Item = Result<pb::KvEventBatch, tonic::Status>> + Send>>;
+
+/// The server side of `KvEvents` for a worker's engine.
+pub fn kv_event_stream(engine: &engine::handle::EngineHandle) -> Result<KvEventStream, tonic::Status> {
+    use tokio_stream::StreamExt;
+    let rx = engine.subscribe_kv_events().map_err(submit_status)?;
+    let s = tokio_stream::wrappers::UnboundedReceiverStream::new(rx).map(|b| Ok(kv_events_to_proto(b)));
+    Ok(Box::pin(s))
+}
+
+/// Prefix-cache events from the wire (unknown kinds or tiers are skipped).
+pub fn kv_events_from_proto(b: pb::KvEventBatch) -> engine::handle::KvEventBatch {
+    use engine::scheduler::{CacheTier, KvEvent};
+    use pb::kv_event::{Kind, Tier};
+    let events = b
+        .events
+        .into_iter()
+        .filter_map(|e| {
+            let tier = match Tier::try_from(e.tier).ok()? {
+                Tier::Device => CacheTier::Device,
+                Tier::Host => CacheTier::Host,
+            };
+            Some(match Kind::try_from(e.kind).ok()? {
+                Kind::Stored => KvEvent::Stored { tier, hashes: e.hashes },
+                Kind::Removed => KvEvent::Removed { tier, hashes: e.hashes },
+            })
+        })
+        .collect();
+    engine::handle::KvEventBatch { seq: b.seq, snapshot: b.snapshot, events }
 }

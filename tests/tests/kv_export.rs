@@ -13,16 +13,20 @@ fn prompt(n: usize) -> Vec<u32> {
     (0..n).map(|i| 100 + (i as u32 * 37) % 5000).collect()
 }
 
-/// Prefills `prompt` on `p`, moves its KV into `d`, decodes there; returns all tokens.
+/// Reserves blocks for `prompt` on `d` (taking what its prefix cache has), prefills it
+/// on `p`, moves the KV `d` lacks into `d`, decodes there; returns all tokens, the
+/// chunks moved and the blocks `d` had cached.
 fn disaggregated(
     p: &mut EngineCore<CpuBackend>,
     d: &mut EngineCore<CpuBackend>,
     prompt: Vec<u32>,
     params: SamplingParams,
-) -> (Vec<u32>, Vec<KvChunk>) {
+) -> (Vec<u32>, Vec<KvChunk>, usize) {
+    let res = d.reserve(7, prompt.clone(), params.clone()).unwrap();
     let chunks = Arc::new(Mutex::new(Vec::new()));
     let sink = chunks.clone();
-    p.add_exporting(1, prompt.clone(), params.clone(), Box::new(move |c| sink.lock().unwrap().push(c))).unwrap();
+    let skip = res.cached_blocks;
+    p.add_exporting(1, prompt.clone(), params.clone(), Box::new(move |c| sink.lock().unwrap().push(c)), skip).unwrap();
     let mut first: Option<RequestOutput> = None;
     while p.has_work() {
         for o in p.step() {
@@ -32,12 +36,11 @@ fn disaggregated(
     }
     assert_eq!(p.stats().kv_blocks_used, 0, "the prefill engine freed its blocks");
     let first = first.expect("a first token");
-    d.reserve(7, prompt, params).unwrap();
     let chunks = std::mem::take(&mut *chunks.lock().unwrap());
     for c in &chunks {
         d.import_kv(7, c).unwrap();
     }
-    let out = d.activate(7, first.new_token_ids[0], first.logprobs.first().cloned()).unwrap();
+    let out = d.activate(7, first.new_token_ids[0], first.logprobs.first().cloned(), first.cached_tokens).unwrap();
     let mut ids = out.new_token_ids.clone();
     let mut done = out.finish.is_some();
     while !done {
@@ -47,7 +50,7 @@ fn disaggregated(
         }
     }
     assert_eq!(d.stats().kv_blocks_used, 0, "the decode engine freed its blocks");
-    (ids, chunks)
+    (ids, chunks, skip)
 }
 
 #[test]
@@ -77,12 +80,15 @@ fn prefill_here_decode_there_equals_one_engine() {
         ),
     ] {
         let expect = run_to_completion(&mut one, vec![(prompt(len), params.clone())], 1).unwrap().remove(0);
-        let (ids, chunks) = disaggregated(&mut p, &mut d, prompt(len), params);
+        let (ids, chunks, skip) = disaggregated(&mut p, &mut d, prompt(len), params);
         assert_eq!(ids, expect.output_ids, "prompt of {len} tokens");
-        // Every (layer, block) exactly once, each layer in block order.
+        // Each prompt is a prefix of the one before: the decode engine has its full
+        // blocks cached (bar the last block, which always moves) and takes only the rest.
+        assert_eq!(skip, if len == 150 { 0 } else { (len - 1) / 16 }, "prompt of {len} tokens");
+        // Every (layer, block) not cached exactly once, each layer in block order.
         let n_blocks = len.div_ceil(16);
         for l in 0..n_layers as u32 {
-            let mut next = 0;
+            let mut next = skip as u32;
             for c in chunks.iter().filter(|c| c.layer == l) {
                 assert_eq!(c.first_block, next, "layer {l}");
                 next += c.n_blocks;
@@ -132,12 +138,14 @@ fn activated_requests_and_running_ones_make_progress_when_blocks_run_out() {
     d.add_request(1, prompt(80), r_params).unwrap();
     d.step();
     let a_params = SamplingParams { max_tokens: Some(30), ignore_eos: true, ..SamplingParams::greedy() };
-    d.reserve(2, prompt(80), a_params).unwrap();
+    // Another prompt than R's, so nothing comes from the prefix cache.
+    let other: Vec<u32> = prompt(80).iter().map(|t| t + 1).collect();
+    d.reserve(2, other, a_params).unwrap();
     let bytes = d.kv_shape().block_bytes_per_layer();
     for layer in 0..d.model.cfg.n_layers as u32 {
         d.import_kv(2, &KvChunk { layer, first_block: 0, n_blocks: 5, data: vec![0; 5 * bytes] }).unwrap();
     }
-    d.activate(2, 100, None).unwrap();
+    d.activate(2, 100, None, 0).unwrap();
     let mut done = std::collections::HashSet::new();
     for _ in 0..2000 {
         if !d.has_work() {
