@@ -20,6 +20,9 @@ pub enum BenchCmd {
     Serve(crate::bench_serve::ServeBenchArgs),
     /// KV-transfer throughput on loopback against a plain TCP copy of the same bytes.
     Transfer(crate::bench_transfer::TransferBenchArgs),
+    /// Router decision latency with a large KV index, and a multi-turn workload over
+    /// `disagg up` comparing routing policies.
+    Routing(crate::bench_routing::RoutingBenchArgs),
 }
 
 #[derive(Args, Debug)]
@@ -48,6 +51,7 @@ pub fn run(cmd: BenchCmd) -> anyhow::Result<()> {
         BenchCmd::Engine(a) => engine_bench(a),
         BenchCmd::Serve(a) => crate::bench_serve::run(a),
         BenchCmd::Transfer(a) => crate::bench_transfer::run(a),
+        BenchCmd::Routing(a) => crate::bench_routing::run(a),
     }
 }
 

@@ -3,6 +3,7 @@
 #![forbid(unsafe_code)]
 
 mod bench;
+mod bench_routing;
 mod bench_serve;
 mod bench_transfer;
 mod bench_up;

@@ -776,3 +776,64 @@ fn undecodable_grpc_messages_are_invalid_argument() {
         }
     });
 }
+
+/// Token ids for turn `t` of conversation `c`: each turn resends the previous prompt
+/// and adds ~100 tokens.
+fn conversation(c: u32, t: usize) -> Vec<u32> {
+    (0..300 + 100 * t as u32).map(|i| 300 + (i * 7 + c * 1013) % 20_000).collect()
+}
+
+#[test]
+fn a_conversation_stays_on_the_decode_worker_that_caches_it() {
+    let start = |role: &str| {
+        let mut a = vec![role];
+        a.extend(WORKER);
+        a.extend(["--metrics-port", "0"]);
+        Proc::start(&a, &format!("{role} worker ready"), &[])
+    };
+    let p = start("prefill");
+    let (d0, d1) = (start("decode"), start("decode"));
+    // Suffixes shorter than 200 tokens are prefilled on the decode worker, from its
+    // cache; the first turn (300 tokens) goes through the prefill worker.
+    let r = router(&[&p], &[&d0, &d1], &["--local-prefill-below", "200"]);
+    let rt = rt();
+    rt.block_on(async {
+        let c = reqwest::Client::new();
+        // Conversation 0 names its session; conversation 1 relies on KV events alone.
+        for (conv, user) in [(0u32, Some("session-0")), (1, None)] {
+            let before = [served(&metrics_url(&d0)).await, served(&metrics_url(&d1)).await];
+            for t in 0..5 {
+                let prompt = conversation(conv, t);
+                let mut body = json!({"model": "smollm2-135m-instruct", "prompt": prompt, "max_tokens": 3,
+                                      "temperature": 0});
+                if let Some(u) = user {
+                    body["user"] = json!(u);
+                }
+                let (status, v) = complete(&c, &r.url, body).await;
+                assert_eq!(status, 200, "{v}");
+                let cached = v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap() as usize;
+                if t == 0 {
+                    assert_eq!(cached, 0, "conversation {conv}: nothing cached yet");
+                } else {
+                    // Everything but the new tokens (down to a block boundary).
+                    let previous = conversation(conv, t - 1).len();
+                    assert_eq!(cached, previous / 16 * 16, "conversation {conv}, turn {t}: {v}");
+                }
+                // KV events reach the router asynchronously.
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            let after = [served(&metrics_url(&d0)).await, served(&metrics_url(&d1)).await];
+            let counts = [after[0] - before[0], after[1] - before[1]];
+            assert!(counts.contains(&5) && counts.contains(&0), "conversation {conv} moved: {counts:?}");
+        }
+        // Its later turns were prefilled on that decode worker, from its own cache.
+        let local = |m: String| async move {
+            let text = reqwest::get(m).await.unwrap().text().await.unwrap();
+            text.lines()
+                .find_map(|l| l.strip_prefix("disagg:decode_local_prefills_total "))
+                .map(|v| v.trim().parse::<f64>().unwrap() as u64)
+                .unwrap_or(0)
+        };
+        assert_eq!(local(metrics_url(&d0)).await + local(metrics_url(&d1)).await, 8);
+    });
+}

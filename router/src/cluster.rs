@@ -466,6 +466,45 @@ impl Cluster {
         Some((*ties[i]).clone())
     }
 
+    /// The decode worker for a request, and the prefill worker unless the decode worker
+    /// is to prefill it itself (conditional disaggregation on what it lacks).
+    fn choose(&self, route: &Route, prompt_len: usize, avoid: &[String]) -> Option<(Arc<Worker>, Option<Arc<Worker>>)> {
+        let d = self.pick(Role::Decode, avoid, route)?;
+        let bs = self.compat().map_or(16, |c| c.kv_layout.block_size.max(1) as usize);
+        let uncached = prompt_len.saturating_sub(route.overlap(&d) * bs);
+        let local = uncached < self.local_prefill_below;
+        // Without a usable prefill worker the decode worker prefills the prompt itself:
+        // slower for long prompts, but the request is served.
+        let p = if local { None } else { self.pick(Role::Prefill, avoid, route) };
+        Some((d, p))
+    }
+
+    /// One routing decision, as a request gets it (hashing, index lookup, scoring),
+    /// without sending anything: (decode worker, prefill worker) addresses.
+    pub fn decide(
+        &self,
+        prompt: &[u32],
+        params: &SamplingParams,
+        session: Option<&str>,
+    ) -> Option<(String, Option<String>)> {
+        let route = self.route(prompt, params, session);
+        let (d, p) = self.choose(&route, prompt.len(), &[])?;
+        Some((d.addr.clone(), p.map(|p| p.addr.clone())))
+    }
+
+    /// Adds a worker without asking it anything, healthy at once, with the cluster's
+    /// compatibility set to `compat` if unset (for benchmarks and tests of routing).
+    pub fn add_unchecked(&self, addr: &str, role: Role, compat: &Compat) -> Result<Arc<Worker>, String> {
+        self.compat.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert_with(|| compat.clone());
+        let w = Arc::new(Worker::new(addr, role)?);
+        if let Some(slot) = self.index().add_worker(&w.key()) {
+            w.slot.store(slot, Ordering::Relaxed);
+        }
+        w.healthy.store(true, Ordering::Relaxed);
+        self.workers.write().unwrap_or_else(|e| e.into_inner()).push(w.clone());
+        Ok(w)
+    }
+
     /// A uniform draw in [0, 1) (xorshift; routing needs no better).
     fn random(&self) -> f64 {
         let mut x = self.rng.load(Ordering::Relaxed);
@@ -531,18 +570,11 @@ impl Cluster {
         let trace = meta.trace;
         let session = meta.session.as_deref();
         let route = self.route(&prompt, &params, session);
-        let bs = self.compat().map_or(16, |c| c.kv_layout.block_size.max(1) as usize);
         let mut avoid = Vec::new();
         let mut last_error = String::from("no decode worker is available");
         let (mut attempts, mut waited, mut backoff) = (0, Duration::ZERO, Duration::from_millis(20));
         while attempts < MAX_ATTEMPTS {
-            let Some(d) = self.pick(Role::Decode, &avoid, &route) else { break };
-            // What the decode worker lacks of the prompt decides where it is prefilled.
-            let uncached = prompt.len().saturating_sub(route.overlap(&d) * bs);
-            let local = uncached < self.local_prefill_below;
-            // Without a usable prefill worker the decode worker prefills the prompt
-            // itself: slower for long prompts, but the request is served.
-            let p = if local { None } else { self.pick(Role::Prefill, &avoid, &route) };
+            let Some((d, p)) = self.choose(&route, prompt.len(), &avoid) else { break };
             let _dg = InFlight::new(&d, route.blocks);
             let _pg = p.as_ref().map(|p| InFlight::new(p, route.blocks - route.overlap(p)));
             self.routed(&route, session, &d, p.as_deref());
@@ -643,6 +675,8 @@ impl Cluster {
             if let Some(i) = &*w.info.lock().unwrap_or_else(|e| e.into_inner()) {
                 s.running += i.running as usize;
                 s.waiting += i.waiting as usize;
+                s.prefix_cache_queries += i.prefix_cache_queries;
+                s.prefix_cache_hits += i.prefix_cache_hits;
                 if w.role == Role::Decode {
                     s.kv_blocks_total += i.kv_blocks_total as usize;
                     s.kv_blocks_used += i.kv_blocks_used as usize;

@@ -18,6 +18,8 @@ pub struct Metrics {
     pub waiting: IntGauge,
     pub kv_usage: prometheus::Gauge,
     pub preemptions: IntGauge,
+    pub prefix_queries: IntGauge,
+    pub prefix_hits: IntGauge,
 }
 
 fn histogram(name: &str, help: &str, buckets: &[f64]) -> Histogram {
@@ -84,6 +86,16 @@ impl Metrics {
             )
             .unwrap(),
             preemptions: IntGauge::new("disagg:num_preemptions", "Cumulative number of preemptions.").unwrap(),
+            prefix_queries: IntGauge::new(
+                "disagg:prefix_cache_queries",
+                "Cumulative prompt tokens looked up in the prefix cache (all engines).",
+            )
+            .unwrap(),
+            prefix_hits: IntGauge::new(
+                "disagg:prefix_cache_hits",
+                "Cumulative prompt tokens found in the prefix cache (all engines).",
+            )
+            .unwrap(),
             registry,
         };
         let r = &m.registry;
@@ -100,6 +112,8 @@ impl Metrics {
             Box::new(m.waiting.clone()),
             Box::new(m.kv_usage.clone()),
             Box::new(m.preemptions.clone()),
+            Box::new(m.prefix_queries.clone()),
+            Box::new(m.prefix_hits.clone()),
         ] {
             r.register(c).expect("metric names are unique");
         }
@@ -111,6 +125,8 @@ impl Metrics {
         self.running.set(stats.running as i64);
         self.waiting.set(stats.waiting as i64);
         self.preemptions.set(stats.preemptions as i64);
+        self.prefix_queries.set(stats.prefix_cache_queries as i64);
+        self.prefix_hits.set(stats.prefix_cache_hits as i64);
         let total = stats.kv_blocks_total.max(1) as f64;
         self.kv_usage.set(stats.kv_blocks_used as f64 / total);
         let mut buf = Vec::new();

@@ -187,6 +187,9 @@ pub fn worker_info(role: &str, e: &engine::handle::EngineHandle) -> pb::WorkerIn
         vocab_size: e.limits.vocab as u32,
         backend: e.backend.to_string(),
         in_flight: e.in_flight() as u32,
+        kv_blocks_cached: st.kv_blocks_cached as u32,
+        prefix_cache_queries: st.prefix_cache_queries,
+        prefix_cache_hits: st.prefix_cache_hits,
     }
 }
 
@@ -216,6 +219,10 @@ pub async fn serve_metrics(
                     ("waiting", st.waiting),
                     ("kv_blocks_used", st.kv_blocks_used),
                     ("kv_blocks_total", st.kv_blocks_total),
+                    ("kv_blocks_cached", st.kv_blocks_cached),
+                    ("host_blocks_cached", st.host_blocks_cached),
+                    ("prefix_cache_queries", st.prefix_cache_queries as usize),
+                    ("prefix_cache_hits", st.prefix_cache_hits as usize),
                     ("in_flight", engine.in_flight()),
                 ] {
                     gauges.with_label_values(&[role, what]).set(v as i64);
