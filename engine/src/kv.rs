@@ -17,7 +17,7 @@
 //! - A sequence's block table maps position `p` to slot
 //!   `table[p / block_size] * block_size + p % block_size`.
 
-use std::collections::HashMap;
+use crate::prefix::HashMapByBlock;
 
 const NIL: u32 = u32::MAX;
 
@@ -109,7 +109,7 @@ pub struct BlockAllocator {
     free: Vec<u32>,
     /// Free blocks that cache a prefix block, least recently used first.
     lru: LruList,
-    cached: HashMap<u64, u32>,
+    cached: HashMapByBlock<u32>,
     caching: bool,
     /// Hashes registered and dropped since the last [`BlockAllocator::take_changes`]:
     /// `(hash, block)`; a dropped block's contents are still intact until the caller
@@ -128,7 +128,7 @@ impl BlockAllocator {
             // Hand out low ids first (reversed stack).
             free: (0..n_blocks as u32).rev().collect(),
             lru: LruList::new(n_blocks),
-            cached: HashMap::new(),
+            cached: HashMapByBlock::default(),
             caching,
             stored: Vec::new(),
             evicted: Vec::new(),
@@ -249,7 +249,7 @@ pub struct HostTier {
     block_bytes: usize,
     data: Vec<u8>,
     slot_hash: Vec<Option<u64>>,
-    map: HashMap<u64, u32>,
+    map: HashMapByBlock<u32>,
     lru: LruList,
     free: Vec<u32>,
 }
@@ -260,7 +260,7 @@ impl HostTier {
             block_bytes,
             data: vec![0u8; n_slots * block_bytes],
             slot_hash: vec![None; n_slots],
-            map: HashMap::new(),
+            map: HashMapByBlock::default(),
             lru: LruList::new(n_slots),
             free: (0..n_slots as u32).rev().collect(),
         }

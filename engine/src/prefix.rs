@@ -12,6 +12,31 @@
 
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
+/// A `HashMap` hasher for keys that are block hashes already (uniform 64-bit values):
+/// it passes them through instead of hashing them again (SipHash would cost more than
+/// the lookup itself).
+#[derive(Default, Clone, Copy)]
+pub struct PassThrough(u64);
+
+impl std::hash::Hasher for PassThrough {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        // Only u64 keys are meant; anything else is folded in, still correct.
+        for &b in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(b);
+        }
+    }
+    fn write_u64(&mut self, v: u64) {
+        self.0 = v;
+    }
+}
+
+/// Maps keyed by block hash.
+pub type HashMapByBlock<V> = std::collections::HashMap<u64, V, std::hash::BuildHasherDefault<PassThrough>>;
+pub type HashSetOfBlocks = std::collections::HashSet<u64, std::hash::BuildHasherDefault<PassThrough>>;
+
 /// The per-model, per-tenant seed of a block hash chain.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct HashSalt(pub u64);

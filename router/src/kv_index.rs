@@ -17,10 +17,11 @@
 //! request's leading blocks it holds, which one pass over the request's hashes gives
 //! for every worker at once.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use engine::handle::KvEventBatch;
+use engine::prefix::{HashMapByBlock, HashSetOfBlocks};
 use engine::scheduler::{CacheTier, KvEvent};
 
 pub const MAX_WORKERS: usize = 64;
@@ -34,12 +35,12 @@ struct Entry {
 #[derive(Default)]
 struct WorkerBlocks {
     key: String,
-    device: HashSet<u64>,
-    host: HashSet<u64>,
+    device: HashSetOfBlocks,
+    host: HashSetOfBlocks,
     /// The number of the last batch applied; `None` until a snapshot arrives.
     last_seq: Option<u64>,
     /// Approximate mode: predicted blocks, with when each was last predicted.
-    predicted: HashMap<u64, Instant>,
+    predicted: HashMapByBlock<Instant>,
     predicted_order: VecDeque<(Instant, u64)>,
 }
 
@@ -71,7 +72,7 @@ impl Overlaps {
 
 #[derive(Default)]
 pub struct KvIndex {
-    map: HashMap<u64, Entry>,
+    map: HashMapByBlock<Entry>,
     workers: Vec<Option<WorkerBlocks>>,
     /// Batches ignored as duplicates, and batches refused (unknown worker, gap).
     pub duplicates: u64,
