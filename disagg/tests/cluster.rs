@@ -797,6 +797,7 @@ fn a_conversation_stays_on_the_decode_worker_that_caches_it() {
     // cache; the first turn (300 tokens) goes through the prefill worker.
     let r = router(&[&p], &[&d0, &d1], &["--local-prefill-below", "200"]);
     let rt = rt();
+    let mut home = [0; 2];
     rt.block_on(async {
         let c = reqwest::Client::new();
         // Conversation 0 names its session; conversation 1 relies on KV events alone.
@@ -825,6 +826,7 @@ fn a_conversation_stays_on_the_decode_worker_that_caches_it() {
             let after = [served(&metrics_url(&d0)).await, served(&metrics_url(&d1)).await];
             let counts = [after[0] - before[0], after[1] - before[1]];
             assert!(counts.contains(&5) && counts.contains(&0), "conversation {conv} moved: {counts:?}");
+            home[conv as usize] = if counts[0] == 5 { 0 } else { 1 };
         }
         // Its later turns were prefilled on that decode worker, from its own cache.
         let local = |m: String| async move {
@@ -835,5 +837,28 @@ fn a_conversation_stays_on_the_decode_worker_that_caches_it() {
                 .unwrap_or(0)
         };
         assert_eq!(local(metrics_url(&d0)).await + local(metrics_url(&d1)).await, 8);
+    });
+    // Both started on a tie, broken round-robin in list order: conversation 0 on d0,
+    // conversation 1 on d1.
+    assert_eq!(home, [0, 1]);
+    // A new router, knowing nothing of the conversations, learns the workers' caches
+    // from their KV event snapshots: the next turn of conversation 1 (no session key)
+    // still goes to d1, where it is cached (without that knowledge, a tie would send
+    // it to d0).
+    drop(r);
+    let r = router(&[&p], &[&d0, &d1], &["--local-prefill-below", "200"]);
+    rt.block_on(async {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let ds = [&d0, &d1];
+        let before = served(&metrics_url(ds[home[1]])).await;
+        let body = json!({"model": "smollm2-135m-instruct", "prompt": conversation(1, 5), "max_tokens": 3,
+                          "temperature": 0});
+        let (status, v) = complete(&reqwest::Client::new(), &r.url, body).await;
+        assert_eq!(status, 200, "{v}");
+        assert_eq!(
+            served(&metrics_url(ds[home[1]])).await,
+            before + 1,
+            "the restarted router kept the conversation home"
+        );
     });
 }

@@ -919,3 +919,84 @@ pub async fn follow_etcd(
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use engine::handle::KvEventBatch;
+    use engine::scheduler::{CacheTier, KvEvent};
+
+    fn compat() -> Compat {
+        Compat { model: "m".into(), kv_layout: proto::v1::KvLayout { block_size: 16, ..Default::default() } }
+    }
+
+    /// A cluster of two decode workers (no processes) where `a` caches the first 10
+    /// blocks of `prompt`.
+    fn two_workers(policy: Policy) -> (Arc<Cluster>, Arc<Worker>, Arc<Worker>, Vec<u32>) {
+        let c = Cluster::new(0, RoutingOptions { policy, ..Default::default() });
+        let a = c.add_unchecked("http://127.0.0.1:1", Role::Decode, &compat()).unwrap();
+        let b = c.add_unchecked("http://127.0.0.1:2", Role::Decode, &compat()).unwrap();
+        let prompt: Vec<u32> = (0..200).collect();
+        let hashes = block_hashes(HashSalt::new("m", None), 16, &prompt[..160]);
+        let events = vec![KvEvent::Stored { tier: CacheTier::Device, hashes }];
+        c.index().apply(a.slot().unwrap(), &KvEventBatch { seq: 1, snapshot: true, events }).unwrap();
+        let empty = KvEventBatch { seq: 1, snapshot: true, events: vec![] };
+        c.index().apply(b.slot().unwrap(), &empty).unwrap();
+        (c, a, b, prompt)
+    }
+
+    #[test]
+    fn kv_aware_goes_to_the_cache_unless_load_outweighs_it() {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let _g = rt.enter();
+        let (c, a, b, prompt) = two_workers(Policy::KvAware);
+        let p = SamplingParams::greedy();
+        for _ in 0..4 {
+            assert_eq!(c.decide(&prompt, &p, None).unwrap().0, a.addr);
+        }
+        // Another salt shares nothing: a tie, broken round-robin.
+        let salted = SamplingParams { cache_salt: Some("t".into()), ..p.clone() };
+        let picks: Vec<String> = (0..4).map(|_| c.decide(&prompt, &salted, None).unwrap().0).collect();
+        assert!(picks.contains(&a.addr) && picks.contains(&b.addr), "{picks:?}");
+        // `a` saves 10 of 13 blocks; 9 blocks in flight there keep it the choice, 11
+        // move the request.
+        let _load = InFlight::new(&a, 9);
+        assert_eq!(c.decide(&prompt, &p, None).unwrap().0, a.addr);
+        let _more = InFlight::new(&a, 2);
+        assert_eq!(c.decide(&prompt, &p, None).unwrap().0, b.addr);
+        // Round-robin ignores the cache.
+        let (c, a, b, prompt) = two_workers(Policy::RoundRobin);
+        let picks: Vec<String> = (0..4).map(|_| c.decide(&prompt, &p, None).unwrap().0).collect();
+        assert_eq!(picks, [a.addr.clone(), b.addr.clone(), a.addr.clone(), b.addr.clone()]);
+    }
+
+    #[test]
+    fn a_removed_worker_leaves_the_index_and_its_late_events_are_refused() {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let _g = rt.enter();
+        let (c, a, b, prompt) = two_workers(Policy::KvAware);
+        let slot = a.slot().unwrap();
+        assert_eq!(c.index().worker_blocks(slot), (10, 0));
+        c.remove(&a.addr, Role::Decode);
+        assert_eq!(c.index().len(), 0);
+        assert_eq!(c.decide(&prompt, &SamplingParams::greedy(), None).unwrap().0, b.addr);
+        let late = KvEventBatch { seq: 2, snapshot: false, events: vec![] };
+        assert!(c.index().apply(slot, &late).is_err());
+    }
+
+    #[test]
+    fn a_session_names_its_worker_when_the_index_knows_nothing() {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let _g = rt.enter();
+        let (c, a, b, _) = two_workers(Policy::KvAware);
+        let other: Vec<u32> = (5000..5200).collect();
+        let p = SamplingParams::greedy();
+        let route = c.route(&other, &p, Some("s"));
+        let (first, _) = c.choose(&route, other.len(), &[]).unwrap();
+        c.routed(&route, Some("s"), &first, None);
+        for _ in 0..4 {
+            assert_eq!(c.decide(&other, &p, Some("s")).unwrap().0, first.addr);
+        }
+        let _ = (a, b);
+    }
+}
