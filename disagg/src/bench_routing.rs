@@ -46,7 +46,8 @@ pub struct RoutingBenchArgs {
     /// Also run the multi-turn workload over `disagg up`.
     #[arg(long)]
     pub workload: bool,
-    /// Policies compared by the workload.
+    /// Policies compared by the workload (`kv-aware-approx`: kv-aware without KV
+    /// events, predicting from routing decisions).
     #[arg(long, value_delimiter = ',', default_value = "kv-aware,round-robin")]
     pub policies: Vec<String>,
     #[arg(long, default_value_t = 2)]
@@ -234,7 +235,14 @@ async fn session(
 
 fn workload(a: &RoutingBenchArgs, policy: &str) -> anyhow::Result<serde_json::Value> {
     let e = &a.engine;
-    let mut args: Vec<String> = vec!["up".into(), "--port".into(), "0".into(), "--routing".into(), policy.into()];
+    let (routing, approx) = match policy.strip_suffix("-approx") {
+        Some(p) => (p, true),
+        None => (policy, false),
+    };
+    let mut args: Vec<String> = vec!["up".into(), "--port".into(), "0".into(), "--routing".into(), routing.into()];
+    if approx {
+        args.push("--no-kv-events".into());
+    }
     args.extend(["--prefill".into(), a.prefill.to_string(), "--decode".into(), a.decode.to_string()]);
     args.extend(e.to_args(e.threads));
     let (p, line) = spawn_role("up", &args, "disagg serving", Duration::from_secs(300))?;
@@ -282,7 +290,8 @@ pub fn run(a: RoutingBenchArgs) -> anyhow::Result<()> {
         engine::load::resolve(&opts.model)?;
         let mut runs = Vec::new();
         for p in &a.policies {
-            p.parse::<router::cluster::Policy>().map_err(|e| anyhow::anyhow!("--policies: {e}"))?;
+            let base = p.strip_suffix("-approx").unwrap_or(p);
+            base.parse::<router::cluster::Policy>().map_err(|e| anyhow::anyhow!("--policies: {e}"))?;
             runs.push(workload(&a, p)?);
         }
         out.insert(
