@@ -80,7 +80,18 @@ fn engine_bench(a: EngineBenchArgs) -> anyhow::Result<()> {
     opts.max_num_seqs = opts.max_num_seqs.max(max_batch);
     opts.max_batched_tokens = opts.max_batched_tokens.max(a.prompt_tokens).max(opts.max_num_seqs);
     let t_load = Instant::now();
-    let mut core = cpu_engine(&opts)?;
+    match opts.device {
+        engine::load::Device::Cpu => bench_core(a, opts.clone(), cpu_engine(&opts)?, t_load),
+        engine::load::Device::Cuda(_) => bench_core(a, opts.clone(), engine::load::cuda_engine(&opts)?, t_load),
+    }
+}
+
+fn bench_core<B: Backend>(
+    a: EngineBenchArgs,
+    opts: engine::load::EngineOptions,
+    mut core: engine::scheduler::EngineCore<B>,
+    t_load: Instant,
+) -> anyhow::Result<()> {
     let load_s = t_load.elapsed().as_secs_f64();
     let vocab = core.model.cfg.vocab;
     let mut next_id = 0u64;

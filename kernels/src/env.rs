@@ -47,3 +47,7 @@ pub const KV_FAULT: &str = "DISAGG_KV_FAULT";
 /// Set on the GPU machine to run the CUDA tests (`kernels/tests/cuda_ops.rs`); unset,
 /// they check only the no-driver error and never pretend to have run on a GPU.
 pub const TEST_CUDA: &str = "DISAGG_TEST_CUDA";
+
+/// Weight element type on the CUDA backend: `bf16` (default) or `f32` (for exactness
+/// checks against the CPU backend's f32 path; twice the memory and much slower GEMMs).
+pub const CUDA_WEIGHTS: &str = "DISAGG_CUDA_WEIGHTS";

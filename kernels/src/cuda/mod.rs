@@ -1,15 +1,20 @@
-//! The CUDA backend, first part (issue "CUDA backend"): opening a device with clear
-//! errors where there is none, NVRTC compilation of `ops.cu` at start with an on-disk
-//! cache keyed by source hash and GPU architecture, device buffers, and the first ops
-//! (RMSNorm, SiLU·gate, embedding), each tested against the CPU op on the GPU machine
-//! (`DISAGG_TEST_CUDA=1 cargo test -p kernels --test cuda_ops`). The `Backend`
-//! implementation (GEMMs through cuBLAS, attention, the paged KV cache) builds on it.
+//! The CUDA backend (issue "CUDA backend"): opening a device with clear errors where
+//! there is none, NVRTC compilation of `ops.cu` at start with an on-disk cache keyed by
+//! source hash and GPU architecture, device buffers, the row ops (RMSNorm, SiLU·gate,
+//! embedding), each tested against the CPU op on the GPU machine
+//! (`DISAGG_TEST_CUDA=1 cargo test -p kernels --test cuda_ops`), and [`CudaBackend`]:
+//! the whole model on the device (cuBLAS GEMMs, RoPE + KV write, paged attention).
 //!
 //! cudarc loads libcuda and libnvrtc at run time, so this compiles and the CPU path
 //! runs on machines without CUDA.
 
+pub mod backend;
+
+use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
+
+pub use backend::{CudaBackend, CudaKv, CudaLinear};
 
 use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx};
@@ -34,7 +39,23 @@ pub struct CudaDevice {
     rms_norm: CudaFunction,
     silu_mul: CudaFunction,
     embed: CudaFunction,
+    /// Every kernel of `ops.cu` by name.
+    funcs: HashMap<&'static str, CudaFunction>,
 }
+
+/// The kernels of `ops.cu`.
+const KERNELS: &[&str] = &[
+    "rms_norm_rows",
+    "silu_mul_rows",
+    "embed_rows",
+    "embed_rows_bf16",
+    "cast_f32_bf16",
+    "gather_rows",
+    "rope_write_kv_f16",
+    "rope_write_kv_f32",
+    "attention_f16",
+    "attention_f32",
+];
 
 /// Where compiled PTX is cached: `$DISAGG_CACHE/ptx` (default `~/.cache/disagg/ptx`).
 fn ptx_cache_dir() -> PathBuf {
@@ -93,7 +114,12 @@ impl CudaDevice {
         let name = ctx.name().map_err(dev_err)?;
         let module = ctx.load_module(ptx_for(OPS_SRC, arch)?).map_err(dev_err)?;
         let f = |n: &str| module.load_function(n).map_err(dev_err);
+        let mut funcs = HashMap::new();
+        for &k in KERNELS {
+            funcs.insert(k, f(k)?);
+        }
         Ok(CudaDevice {
+            funcs,
             ordinal,
             name,
             arch,
@@ -191,5 +217,14 @@ impl CudaDevice {
 
     pub fn context(&self) -> &Arc<CudaContext> {
         &self.ctx
+    }
+
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// A kernel of `ops.cu` (one of [`KERNELS`]).
+    pub(crate) fn func(&self, name: &str) -> &CudaFunction {
+        self.funcs.get(name).unwrap_or_else(|| panic!("kernel {name} is not in ops.cu"))
     }
 }

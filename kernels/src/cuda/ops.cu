@@ -37,3 +37,175 @@ extern "C" __global__ void embed_rows(const float* table, const unsigned int* id
     size_t r = i / dim, c = i % dim;
     out[i] = table[(size_t)ids[r] * dim + c];
 }
+
+// ---- The whole model (CudaBackend, kernels/src/cuda/backend.rs) ----
+// Half-precision values travel as their bits (unsigned short): conversions are done
+// here with PTX (f16) and integer rounding (bf16), so no CUDA headers are needed.
+
+__device__ __forceinline__ float f16_to_f32(unsigned short h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+__device__ __forceinline__ unsigned short f32_to_f16(float f) {
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+__device__ __forceinline__ float bf16_to_f32(unsigned short b) { return __uint_as_float(((unsigned int)b) << 16); }
+__device__ __forceinline__ unsigned short f32_to_bf16(float f) {
+    unsigned int u = __float_as_uint(f);
+    if ((u & 0x7f800000u) == 0x7f800000u) return (unsigned short)((u >> 16) | ((u & 0xffff) ? 0x40 : 0));
+    u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even
+    return (unsigned short)(u >> 16);
+}
+
+// Cache element access: f16 bits or f32.
+__device__ __forceinline__ float kv_load(const unsigned short* p, size_t i) { return f16_to_f32(p[i]); }
+__device__ __forceinline__ float kv_load(const float* p, size_t i) { return p[i]; }
+__device__ __forceinline__ void kv_store(unsigned short* p, size_t i, float v) { p[i] = f32_to_f16(v); }
+__device__ __forceinline__ void kv_store(float* p, size_t i, float v) { p[i] = v; }
+
+extern "C" __global__ void embed_rows_bf16(const unsigned short* table, const unsigned int* ids, int dim, int n, float* out) {
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (size_t)n * dim) return;
+    size_t r = i / dim, c = i % dim;
+    out[i] = bf16_to_f32(table[(size_t)ids[r] * dim + c]);
+}
+
+extern "C" __global__ void cast_f32_bf16(const float* x, unsigned short* y, long long n) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) y[i] = f32_to_bf16(x[i]);
+}
+
+extern "C" __global__ void gather_rows(const float* x, const unsigned int* rows, int dim, int n, float* out) {
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (size_t)n * dim) return;
+    size_t r = i / dim, c = i % dim;
+    out[i] = x[(size_t)rows[r] * dim + c];
+}
+
+// RoPE on q and k of each token's fused [q|k|v] row (in place), then k and v into the
+// cache at the token's slot. One block per token. cos/sin: [token][head_dim/2], made on
+// the host exactly as the CPU backend makes them. Layer cache: keys
+// [block][kv_head][slot][head_dim] for all blocks, then values the same (`half` elements
+// further).
+template <typename T>
+__device__ void rope_write_kv_impl(float* qkv, const float* cos_t, const float* sin_t, const long long* slots,
+                                   int n_heads, int n_kv, int hd, int interleaved, int block_size, T* cache,
+                                   long long half) {
+    const int t = blockIdx.x;
+    const int w = (n_heads + 2 * n_kv) * hd;
+    float* row = qkv + (size_t)t * w;
+    const int hh = hd / 2;
+    const float* c = cos_t + (size_t)t * hh;
+    const float* s = sin_t + (size_t)t * hh;
+    for (int i = threadIdx.x; i < (n_heads + n_kv) * hh; i += blockDim.x) {
+        const int h = i / hh, j = i % hh;
+        const int a = interleaved ? 2 * j : j, b = interleaved ? 2 * j + 1 : j + hh;
+        float* x = row + h * hd;
+        const float x0 = x[a], x1 = x[b];
+        x[a] = x0 * c[j] - x1 * s[j];
+        x[b] = x0 * s[j] + x1 * c[j];
+    }
+    __syncthreads();
+    const long long slot = slots[t];
+    const long long block = slot / block_size, off = slot % block_size;
+    const float* k = row + n_heads * hd;
+    const float* v = k + n_kv * hd;
+    for (int i = threadIdx.x; i < n_kv * hd; i += blockDim.x) {
+        const int h = i / hd, d = i % hd;
+        const size_t at = (size_t)(((block * n_kv + h) * block_size + off) * hd + d);
+        kv_store(cache, at, k[i]);
+        kv_store(cache, (size_t)half + at, v[i]);
+    }
+}
+
+extern "C" __global__ void rope_write_kv_f16(float* qkv, const float* cos_t, const float* sin_t, const long long* slots,
+                                             int n_heads, int n_kv, int hd, int interleaved, int block_size,
+                                             unsigned short* cache, long long half) {
+    rope_write_kv_impl(qkv, cos_t, sin_t, slots, n_heads, n_kv, hd, interleaved, block_size, cache, half);
+}
+extern "C" __global__ void rope_write_kv_f32(float* qkv, const float* cos_t, const float* sin_t, const long long* slots,
+                                             int n_heads, int n_kv, int hd, int interleaved, int block_size,
+                                             float* cache, long long half) {
+    rope_write_kv_impl(qkv, cos_t, sin_t, slots, n_heads, n_kv, hd, interleaved, block_size, cache, half);
+}
+
+// Causal attention over the paged cache: one block of 4 warps per (token, query head).
+// Token t sits at position pos[t] of its sequence, whose block table starts at
+// tables[table_off[t]]; it attends to positions 0..=pos[t]. Each warp takes every 4th
+// key with an online softmax (lanes split head_dim), and the warps are merged at the
+// end. head_dim ≤ 256.
+#define ATT_WARPS 4
+#define NEG_INF __int_as_float(0xff800000)
+template <typename T>
+__device__ void attention_impl(const float* qkv, const T* cache, long long half, const int* pos, const int* table_off,
+                               const unsigned int* tables, int n_heads, int n_kv, int hd, int block_size, float scale,
+                               float* out) {
+    const int t = blockIdx.x, h = blockIdx.y;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int w = (n_heads + 2 * n_kv) * hd;
+    const int kvh = h / (n_heads / n_kv);
+    const float* q = qkv + (size_t)t * w + h * hd;
+    const int per = (hd + 31) / 32;  // ≤ 8
+    float qv[8], acc[8];
+    for (int e = 0; e < per; e++) {
+        const int d = lane + 32 * e;
+        qv[e] = d < hd ? q[d] : 0.f;
+        acc[e] = 0.f;
+    }
+    float m = NEG_INF, l = 0.f;
+    const int n = pos[t] + 1;
+    const unsigned int* table = tables + table_off[t];
+    for (int j = warp; j < n; j += ATT_WARPS) {
+        const long long block = table[j / block_size], off = j % block_size;
+        const size_t base = (size_t)(((block * n_kv + kvh) * block_size + off) * hd);
+        float sdot = 0.f;
+        for (int e = 0; e < per; e++) {
+            const int d = lane + 32 * e;
+            if (d < hd) sdot += qv[e] * kv_load(cache, base + d);
+        }
+        for (int o = 16; o > 0; o >>= 1) sdot += __shfl_xor_sync(0xffffffff, sdot, o);
+        const float sc = sdot * scale;
+        const float m2 = fmaxf(m, sc);
+        const float a = expf(m - m2), p = expf(sc - m2);
+        l = l * a + p;
+        for (int e = 0; e < per; e++) {
+            const int d = lane + 32 * e;
+            acc[e] = acc[e] * a + (d < hd ? p * kv_load(cache, (size_t)half + base + d) : 0.f);
+        }
+        m = m2;
+    }
+    __shared__ float sm[ATT_WARPS], sl[ATT_WARPS], sacc[ATT_WARPS][256];
+    if (lane == 0) {
+        sm[warp] = m;
+        sl[warp] = l;
+    }
+    for (int e = 0; e < per; e++) {
+        const int d = lane + 32 * e;
+        if (d < hd) sacc[warp][d] = acc[e];
+    }
+    __syncthreads();
+    float M = NEG_INF;
+    for (int k = 0; k < ATT_WARPS; k++) M = fmaxf(M, sm[k]);
+    float L = 0.f;
+    for (int k = 0; k < ATT_WARPS; k++) L += sm[k] == NEG_INF ? 0.f : sl[k] * expf(sm[k] - M);
+    float* o = out + (size_t)t * n_heads * hd + h * hd;
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        float s = 0.f;
+        for (int k = 0; k < ATT_WARPS; k++) s += sm[k] == NEG_INF ? 0.f : sacc[k][d] * expf(sm[k] - M);
+        o[d] = s / L;
+    }
+}
+
+extern "C" __global__ void attention_f16(const float* qkv, const unsigned short* cache, long long half, const int* pos,
+                                         const int* table_off, const unsigned int* tables, int n_heads, int n_kv,
+                                         int hd, int block_size, float scale, float* out) {
+    attention_impl(qkv, cache, half, pos, table_off, tables, n_heads, n_kv, hd, block_size, scale, out);
+}
+extern "C" __global__ void attention_f32(const float* qkv, const float* cache, long long half, const int* pos,
+                                         const int* table_off, const unsigned int* tables, int n_heads, int n_kv,
+                                         int hd, int block_size, float scale, float* out) {
+    attention_impl(qkv, cache, half, pos, table_off, tables, n_heads, n_kv, hd, block_size, scale, out);
+}

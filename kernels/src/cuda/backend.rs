@@ -1,0 +1,527 @@
+//! [`CudaBackend`]: the whole model on one CUDA device, behind [`Backend`].
+//!
+//! - Weights: every matrix dequantized at load (GGUF quantized types included) and kept
+//!   as bf16 (default; `DISAGG_CUDA_WEIGHTS=f32` keeps f32, for exactness checks against
+//!   the CPU backend's f32 path). GEMMs go through cuBLAS: bf16 × bf16 with f32
+//!   accumulation and f32 output (`cublasGemmEx`), or f32 `cublasSgemm` (no TF32).
+//! - Activations: f32 device buffers, allocated once by the engine's workspace.
+//! - KV cache: one device buffer per layer in the CPU backend's layout (keys
+//!   `[block][kv_head][slot][head_dim]` for all blocks, then values), f16 or f32, so
+//!   `kv_export`/`kv_import` move the same transfer layout as every backend.
+//! - Per step, only small metadata goes up (RoPE cos/sin per token, computed on the host
+//!   exactly as the CPU backend does; slots, positions, block tables), never tensors.
+//!
+//! Not yet: fused/faster attention (split-K), sampling on the device, CUDA graphs.
+
+use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
+use cudarc::cublas::{result as blas, CudaBlas};
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+
+use super::{dev_err, CudaDevice};
+use crate::backend::{AttnShape, Backend, KvShape, Rope, StepBatch, WeightPart};
+use crate::cpu::ops::KvDtype;
+use crate::KernelError;
+
+/// A weight matrix on the device, `rows × cols`, row-major.
+pub enum CudaLinear {
+    F32 { w: CudaSlice<f32>, rows: usize, cols: usize },
+    Bf16 { w: CudaSlice<u16>, rows: usize, cols: usize },
+}
+
+impl CudaLinear {
+    pub fn rows(&self) -> usize {
+        match self {
+            CudaLinear::F32 { rows, .. } | CudaLinear::Bf16 { rows, .. } => *rows,
+        }
+    }
+    pub fn cols(&self) -> usize {
+        match self {
+            CudaLinear::F32 { cols, .. } | CudaLinear::Bf16 { cols, .. } => *cols,
+        }
+    }
+    /// Bytes on the device.
+    pub fn n_bytes(&self) -> usize {
+        match self {
+            CudaLinear::F32 { rows, cols, .. } => rows * cols * 4,
+            CudaLinear::Bf16 { rows, cols, .. } => rows * cols * 2,
+        }
+    }
+}
+
+enum KvBuf {
+    F16(CudaSlice<u16>),
+    F32(CudaSlice<f32>),
+}
+
+/// The paged KV cache on the device, one buffer per layer.
+pub struct CudaKv {
+    shape: KvShape,
+    layers: Vec<KvBuf>,
+}
+
+impl CudaKv {
+    /// Elements of one layer's keys (values follow at this offset).
+    fn half(&self) -> usize {
+        let s = &self.shape;
+        s.n_blocks * s.block_size * s.n_kv_heads * s.head_dim
+    }
+    /// Elements of one block's keys in one layer.
+    fn block_elems(&self) -> usize {
+        let s = &self.shape;
+        s.block_size * s.n_kv_heads * s.head_dim
+    }
+}
+
+pub struct CudaBackend {
+    dev: CudaDevice,
+    blas: CudaBlas,
+    bf16_weights: bool,
+    /// Activations cast to bf16 for a GEMM.
+    x_bf16: CudaSlice<u16>,
+    // Per-step metadata, uploaded at layer 0 and reused by every layer.
+    cos: CudaSlice<f32>,
+    sin: CudaSlice<f32>,
+    slots: CudaSlice<i64>,
+    pos: CudaSlice<i32>,
+    table_off: CudaSlice<i32>,
+    tables: CudaSlice<u32>,
+    host_cos: Vec<f32>,
+    host_sin: Vec<f32>,
+}
+
+fn launch_cfg(n: usize) -> LaunchConfig {
+    LaunchConfig::for_num_elems(n.max(1) as u32)
+}
+
+impl CudaBackend {
+    /// Whether `DISAGG_CUDA_WEIGHTS` asks for bf16 weights (the default) or f32.
+    pub fn bf16_weights_from_env() -> Result<bool, KernelError> {
+        match std::env::var(crate::env::CUDA_WEIGHTS).as_deref() {
+            Ok("f32") => Ok(false),
+            Ok("bf16") | Err(_) => Ok(true),
+            Ok(other) => Err(KernelError::Device(format!("{}={other}: use bf16 or f32", crate::env::CUDA_WEIGHTS))),
+        }
+    }
+
+    /// Opens `cuda:ordinal`, keeping weights in bf16 or f32.
+    pub fn new(ordinal: usize, bf16_weights: bool) -> Result<CudaBackend, KernelError> {
+        let dev = CudaDevice::open(ordinal)?;
+        let stream = dev.stream().clone();
+        let blas = CudaBlas::new(stream.clone()).map_err(dev_err)?;
+        let z = |n| stream.alloc_zeros::<f32>(n).map_err(dev_err);
+        Ok(CudaBackend {
+            blas,
+            bf16_weights,
+            x_bf16: stream.alloc_zeros::<u16>(1).map_err(dev_err)?,
+            cos: z(1)?,
+            sin: z(1)?,
+            slots: stream.alloc_zeros::<i64>(1).map_err(dev_err)?,
+            pos: stream.alloc_zeros::<i32>(1).map_err(dev_err)?,
+            table_off: stream.alloc_zeros::<i32>(1).map_err(dev_err)?,
+            tables: stream.alloc_zeros::<u32>(1).map_err(dev_err)?,
+            host_cos: Vec::new(),
+            host_sin: Vec::new(),
+            dev,
+        })
+    }
+
+    pub fn device(&self) -> &CudaDevice {
+        &self.dev
+    }
+
+    /// Free and total device memory, in bytes.
+    pub fn mem_info(&self) -> Result<(usize, usize), KernelError> {
+        self.dev.context().mem_get_info().map_err(dev_err)
+    }
+
+    /// Uploads `host` into `dst`, growing it when too small.
+    fn put<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+        stream: &std::sync::Arc<cudarc::driver::CudaStream>,
+        dst: &mut CudaSlice<T>,
+        host: &[T],
+    ) {
+        if dst.len() < host.len() {
+            *dst = stream.alloc_zeros::<T>(host.len().next_power_of_two()).expect("CUDA: allocating step metadata");
+        }
+        if !host.is_empty() {
+            stream.memcpy_htod(host, &mut dst.slice_mut(..host.len())).expect("CUDA: uploading step metadata");
+        }
+    }
+
+    /// Per-step metadata: RoPE tables (as the CPU backend computes them), each token's
+    /// slot and position, and the block tables.
+    fn prepare_step(&mut self, batch: &StepBatch, rope: &Rope) {
+        let half = rope.inv_freq.len();
+        self.host_cos.resize(batch.n_tokens * half, 0.0);
+        self.host_sin.resize(batch.n_tokens * half, 0.0);
+        let mut slots = vec![0i64; batch.n_tokens];
+        let mut pos = vec![0i32; batch.n_tokens];
+        let mut table_off = vec![0i32; batch.n_tokens];
+        let mut tables: Vec<u32> = Vec::new();
+        for (s, span) in batch.seqs.iter().enumerate() {
+            let off = tables.len() as i32;
+            tables.extend_from_slice(span.block_table);
+            for (i, row) in span.rows.clone().enumerate() {
+                let p = span.pos0 + i;
+                for (j, f) in rope.inv_freq.iter().enumerate() {
+                    let angle = (p as f32 * f) as f64;
+                    self.host_cos[row * half + j] = angle.cos() as f32;
+                    self.host_sin[row * half + j] = angle.sin() as f32;
+                }
+                slots[row] = batch.slot(s, p) as i64;
+                pos[row] = p as i32;
+                table_off[row] = off;
+            }
+        }
+        let st = self.dev.stream().clone();
+        Self::put(&st, &mut self.cos, &self.host_cos);
+        Self::put(&st, &mut self.sin, &self.host_sin);
+        Self::put(&st, &mut self.slots, &slots);
+        Self::put(&st, &mut self.pos, &pos);
+        Self::put(&st, &mut self.table_off, &table_off);
+        Self::put(&st, &mut self.tables, &tables);
+    }
+}
+
+impl Backend for CudaBackend {
+    type Linear = CudaLinear;
+    type Vector = CudaSlice<f32>;
+    type Act = CudaSlice<f32>;
+    type Kv = CudaKv;
+
+    fn describe(&self) -> String {
+        format!("{}, weights {}", self.dev.describe(), if self.bf16_weights { "bf16" } else { "f32" })
+    }
+
+    fn linear(&self, parts: &[WeightPart]) -> Result<CudaLinear, KernelError> {
+        let cols = parts.first().map(|p| p.cols).unwrap_or(0);
+        if parts.iter().any(|p| p.cols != cols) {
+            return Err(KernelError::Shape("stacked matrices must have the same number of columns".into()));
+        }
+        let rows: usize = parts.iter().map(|p| p.rows).sum();
+        let mut row = vec![0f32; cols];
+        let st = self.dev.stream();
+        let oom = |e: cudarc::driver::DriverError| {
+            KernelError::OutOfMemory(format!(
+                "a {rows}×{cols} weight matrix does not fit on the device ({e}); use a smaller model or another device"
+            ))
+        };
+        if self.bf16_weights {
+            let mut host: Vec<u16> = Vec::with_capacity(rows * cols);
+            for p in parts {
+                let rb = p.ty.row_bytes(cols).ok_or_else(|| KernelError::Shape(format!("{} rows of {cols}", p.ty.name())))?;
+                for r in 0..p.rows {
+                    crate::quant::dequantize_row(p.ty, &p.bytes[r * rb..(r + 1) * rb], &mut row);
+                    host.extend(row.iter().map(|x| half::bf16::from_f32(*x).to_bits()));
+                }
+            }
+            let w = st.clone_htod(&host).map_err(oom)?;
+            Ok(CudaLinear::Bf16 { w, rows, cols })
+        } else {
+            let mut host: Vec<f32> = Vec::with_capacity(rows * cols);
+            for p in parts {
+                let rb = p.ty.row_bytes(cols).ok_or_else(|| KernelError::Shape(format!("{} rows of {cols}", p.ty.name())))?;
+                for r in 0..p.rows {
+                    crate::quant::dequantize_row(p.ty, &p.bytes[r * rb..(r + 1) * rb], &mut row);
+                    host.extend_from_slice(&row);
+                }
+            }
+            let w = st.clone_htod(&host).map_err(oom)?;
+            Ok(CudaLinear::F32 { w, rows, cols })
+        }
+    }
+
+    fn vector(&self, v: &[f32]) -> CudaSlice<f32> {
+        self.dev.stream().clone_htod(v).expect("CUDA: uploading a weight vector")
+    }
+
+    fn act(&self, len: usize) -> CudaSlice<f32> {
+        self.dev.stream().alloc_zeros::<f32>(len.max(1)).expect("CUDA: allocating an activation buffer")
+    }
+
+    fn kv_cache(&self, shape: KvShape) -> Result<CudaKv, KernelError> {
+        let per_layer = 2 * shape.n_blocks * shape.block_size * shape.n_kv_heads * shape.head_dim;
+        let st = self.dev.stream();
+        let mut layers = Vec::with_capacity(shape.n_layers);
+        for _ in 0..shape.n_layers {
+            let r = match shape.dtype {
+                KvDtype::F16 => st.alloc_zeros::<u16>(per_layer).map(KvBuf::F16),
+                KvDtype::F32 => st.alloc_zeros::<f32>(per_layer).map(KvBuf::F32),
+            };
+            layers.push(r.map_err(|e| {
+                KernelError::OutOfMemory(format!(
+                    "the KV cache ({} MiB) does not fit on the device ({e}); lower --kv-cache-mib",
+                    shape.total_bytes() >> 20
+                ))
+            })?);
+        }
+        Ok(CudaKv { shape, layers })
+    }
+
+    fn embed(&mut self, table: &CudaLinear, ids: &[u32], out: &mut CudaSlice<f32>) {
+        let dim = table.cols();
+        assert!(ids.iter().all(|&i| (i as usize) < table.rows()) && out.len() >= ids.len() * dim);
+        let st = self.dev.stream().clone();
+        let d_ids = st.clone_htod(ids).expect("CUDA: uploading token ids");
+        let (d, n) = (dim as i32, ids.len() as i32);
+        let cfg = launch_cfg(ids.len() * dim);
+        let r = match table {
+            CudaLinear::F32 { w, .. } => {
+                let mut b = st.launch_builder(self.dev.func("embed_rows"));
+                b.arg(w).arg(&d_ids).arg(&d).arg(&n).arg(out);
+                // SAFETY: argument types match the kernel; ids index rows of the table.
+                unsafe { b.launch(cfg) }
+            }
+            CudaLinear::Bf16 { w, .. } => {
+                let mut b = st.launch_builder(self.dev.func("embed_rows_bf16"));
+                b.arg(w).arg(&d_ids).arg(&d).arg(&n).arg(out);
+                // SAFETY: as above.
+                unsafe { b.launch(cfg) }
+            }
+        };
+        r.expect("CUDA: embedding");
+    }
+
+    fn rms_norm(&mut self, x: &CudaSlice<f32>, w: &CudaSlice<f32>, eps: f32, n_tokens: usize, out: &mut CudaSlice<f32>) {
+        if n_tokens > 0 {
+            self.dev.rms_norm(x, w, eps, n_tokens, w.len(), out).expect("CUDA: RMSNorm");
+        }
+    }
+
+    fn matmul(&mut self, w: &CudaLinear, x: &CudaSlice<f32>, n_tokens: usize, out: &mut CudaSlice<f32>, accumulate: bool) {
+        if n_tokens == 0 {
+            return;
+        }
+        let (rows, cols) = (w.rows(), w.cols());
+        assert!(x.len() >= n_tokens * cols && out.len() >= n_tokens * rows, "matmul buffers");
+        let st = self.dev.stream().clone();
+        let (alpha, beta) = (1f32, if accumulate { 1f32 } else { 0f32 });
+        // Row-major out[n × rows] = x[n × cols] · Wᵀ is, column-major,
+        // out(rows × n) = W(rows × cols, stored as cols × rows, transposed) · x(cols × n).
+        let (m, n, k) = (rows as i32, n_tokens as i32, cols as i32);
+        match w {
+            CudaLinear::F32 { w, .. } => {
+                let (a, _ga) = w.device_ptr(&st);
+                let (b, _gb) = x.device_ptr(&st);
+                let (c, _gc) = out.device_ptr_mut(&st);
+                // SAFETY: pointers are live device buffers of the sizes asserted above.
+                unsafe {
+                    blas::sgemm(
+                        *self.blas.handle(),
+                        cublasOperation_t::CUBLAS_OP_T,
+                        cublasOperation_t::CUBLAS_OP_N,
+                        m,
+                        n,
+                        k,
+                        &alpha,
+                        a as *const f32,
+                        k,
+                        b as *const f32,
+                        k,
+                        &beta,
+                        c as *mut f32,
+                        m,
+                    )
+                }
+                .expect("cuBLAS: sgemm");
+            }
+            CudaLinear::Bf16 { w, .. } => {
+                let len = n_tokens * cols;
+                if self.x_bf16.len() < len {
+                    self.x_bf16 = st.alloc_zeros::<u16>(len.next_power_of_two()).expect("CUDA: GEMM scratch");
+                }
+                {
+                    let mut bld = st.launch_builder(self.dev.func("cast_f32_bf16"));
+                    let n64 = len as i64;
+                    bld.arg(x).arg(&mut self.x_bf16).arg(&n64);
+                    // SAFETY: x holds `len` values, the scratch at least as many.
+                    unsafe { bld.launch(launch_cfg(len)) }.expect("CUDA: cast to bf16");
+                }
+                let (a, _ga) = w.device_ptr(&st);
+                let (b, _gb) = self.x_bf16.device_ptr(&st);
+                let (c, _gc) = out.device_ptr_mut(&st);
+                // SAFETY: as above; types as declared (bf16 A and B, f32 C).
+                unsafe {
+                    blas::gemm_ex(
+                        *self.blas.handle(),
+                        cublasOperation_t::CUBLAS_OP_T,
+                        cublasOperation_t::CUBLAS_OP_N,
+                        m,
+                        n,
+                        k,
+                        &alpha as *const f32 as *const _,
+                        a as *const _,
+                        cudaDataType::CUDA_R_16BF,
+                        k,
+                        b as *const _,
+                        cudaDataType::CUDA_R_16BF,
+                        k,
+                        &beta as *const f32 as *const _,
+                        c as *mut _,
+                        cudaDataType::CUDA_R_32F,
+                        m,
+                        cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                        cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                    )
+                }
+                .expect("cuBLAS: bf16 GEMM");
+            }
+        }
+    }
+
+    fn rope_write_kv(
+        &mut self,
+        qkv: &mut CudaSlice<f32>,
+        layer: usize,
+        batch: &StepBatch,
+        rope: &Rope,
+        attn: &AttnShape,
+        kv: &mut CudaKv,
+    ) {
+        if layer == 0 {
+            self.prepare_step(batch, rope);
+        }
+        if batch.n_tokens == 0 {
+            return;
+        }
+        let st = self.dev.stream().clone();
+        let half = kv.half() as i64;
+        let (nh, nkv, hd) = (attn.n_heads as i32, attn.n_kv_heads as i32, attn.head_dim as i32);
+        let (il, bs) = (i32::from(rope.interleaved), batch.block_size as i32);
+        let cfg = LaunchConfig { grid_dim: (batch.n_tokens as u32, 1, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
+        let r = match &mut kv.layers[layer] {
+            KvBuf::F16(c) => {
+                let mut b = st.launch_builder(self.dev.func("rope_write_kv_f16"));
+                b.arg(qkv).arg(&self.cos).arg(&self.sin).arg(&self.slots);
+                b.arg(&nh).arg(&nkv).arg(&hd).arg(&il).arg(&bs).arg(c).arg(&half);
+                // SAFETY: argument types match the kernel; slots lie in the cache.
+                unsafe { b.launch(cfg) }
+            }
+            KvBuf::F32(c) => {
+                let mut b = st.launch_builder(self.dev.func("rope_write_kv_f32"));
+                b.arg(qkv).arg(&self.cos).arg(&self.sin).arg(&self.slots);
+                b.arg(&nh).arg(&nkv).arg(&hd).arg(&il).arg(&bs).arg(c).arg(&half);
+                // SAFETY: as above.
+                unsafe { b.launch(cfg) }
+            }
+        };
+        r.expect("CUDA: RoPE + KV write");
+    }
+
+    fn attention(
+        &mut self,
+        qkv: &CudaSlice<f32>,
+        layer: usize,
+        batch: &StepBatch,
+        attn: &AttnShape,
+        kv: &CudaKv,
+        out: &mut CudaSlice<f32>,
+    ) {
+        if batch.n_tokens == 0 {
+            return;
+        }
+        assert!(attn.head_dim <= 256 && attn.n_heads % attn.n_kv_heads == 0);
+        let st = self.dev.stream().clone();
+        let half = kv.half() as i64;
+        let (nh, nkv, hd) = (attn.n_heads as i32, attn.n_kv_heads as i32, attn.head_dim as i32);
+        let (bs, scale) = (batch.block_size as i32, attn.scale);
+        let cfg = LaunchConfig {
+            grid_dim: (batch.n_tokens as u32, attn.n_heads as u32, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let r = match &kv.layers[layer] {
+            KvBuf::F16(c) => {
+                let mut b = st.launch_builder(self.dev.func("attention_f16"));
+                b.arg(qkv).arg(c).arg(&half).arg(&self.pos).arg(&self.table_off).arg(&self.tables);
+                b.arg(&nh).arg(&nkv).arg(&hd).arg(&bs).arg(&scale).arg(out);
+                // SAFETY: argument types match the kernel; tables index the cache.
+                unsafe { b.launch(cfg) }
+            }
+            KvBuf::F32(c) => {
+                let mut b = st.launch_builder(self.dev.func("attention_f32"));
+                b.arg(qkv).arg(c).arg(&half).arg(&self.pos).arg(&self.table_off).arg(&self.tables);
+                b.arg(&nh).arg(&nkv).arg(&hd).arg(&bs).arg(&scale).arg(out);
+                // SAFETY: as above.
+                unsafe { b.launch(cfg) }
+            }
+        };
+        r.expect("CUDA: attention");
+    }
+
+    fn silu_mul(&mut self, gu: &CudaSlice<f32>, n_tokens: usize, ff: usize, out: &mut CudaSlice<f32>) {
+        if n_tokens > 0 {
+            self.dev.silu_mul(gu, n_tokens, ff, out).expect("CUDA: SiLU·gate");
+        }
+    }
+
+    fn gather_rows(&mut self, x: &CudaSlice<f32>, rows: &[u32], dim: usize, out: &mut CudaSlice<f32>) {
+        if rows.is_empty() {
+            return;
+        }
+        let st = self.dev.stream().clone();
+        let d_rows = st.clone_htod(rows).expect("CUDA: uploading rows");
+        let (d, n) = (dim as i32, rows.len() as i32);
+        let mut b = st.launch_builder(self.dev.func("gather_rows"));
+        b.arg(x).arg(&d_rows).arg(&d).arg(&n).arg(out);
+        // SAFETY: rows index rows of x (the engine's own batch rows).
+        unsafe { b.launch(launch_cfg(rows.len() * dim)) }.expect("CUDA: gather rows");
+    }
+
+    fn to_host(&mut self, x: &CudaSlice<f32>, out: &mut [f32]) {
+        if !out.is_empty() {
+            self.dev.stream().memcpy_dtoh(&x.slice(..out.len()), out).expect("CUDA: copying to the host");
+        }
+    }
+
+    fn kv_shape(&self, kv: &CudaKv) -> KvShape {
+        kv.shape
+    }
+
+    fn kv_export(&mut self, kv: &CudaKv, layer: usize, blocks: &[u32], out: &mut Vec<u8>) {
+        let (be, half) = (kv.block_elems(), kv.half());
+        let st = self.dev.stream();
+        for &b in blocks {
+            let at = b as usize * be;
+            for start in [at, half + at] {
+                match &kv.layers[layer] {
+                    KvBuf::F16(c) => {
+                        let mut h = vec![0u16; be];
+                        st.memcpy_dtoh(&c.slice(start..start + be), &mut h).expect("CUDA: KV export");
+                        out.extend(h.iter().flat_map(|x| x.to_le_bytes()));
+                    }
+                    KvBuf::F32(c) => {
+                        let mut h = vec![0f32; be];
+                        st.memcpy_dtoh(&c.slice(start..start + be), &mut h).expect("CUDA: KV export");
+                        out.extend(h.iter().flat_map(|x| x.to_le_bytes()));
+                    }
+                }
+            }
+        }
+    }
+
+    fn kv_import(&mut self, kv: &mut CudaKv, layer: usize, blocks: &[u32], data: &[u8]) {
+        let (be, half) = (kv.block_elems(), kv.half());
+        let es = kv.shape.dtype.bytes();
+        assert_eq!(data.len(), blocks.len() * 2 * be * es, "KV import size");
+        let st = self.dev.stream().clone();
+        let mut chunks = data.chunks_exact(be * es);
+        for &b in blocks {
+            let at = b as usize * be;
+            for start in [at, half + at] {
+                let bytes = chunks.next().expect("sized above");
+                match &mut kv.layers[layer] {
+                    KvBuf::F16(c) => {
+                        let h: Vec<u16> = bytes.chunks_exact(2).map(|x| u16::from_le_bytes([x[0], x[1]])).collect();
+                        st.memcpy_htod(&h, &mut c.slice_mut(start..start + be)).expect("CUDA: KV import");
+                    }
+                    KvBuf::F32(c) => {
+                        let h: Vec<f32> =
+                            bytes.chunks_exact(4).map(|x| f32::from_le_bytes([x[0], x[1], x[2], x[3]])).collect();
+                        st.memcpy_htod(&h, &mut c.slice_mut(start..start + be)).expect("CUDA: KV import");
+                    }
+                }
+            }
+        }
+    }
+}
