@@ -38,6 +38,9 @@ pub struct EngineBenchArgs {
     /// Decode batch sizes.
     #[arg(long, value_delimiter = ',', default_value = "1,8,32")]
     batch: Vec<usize>,
+    /// Prompt length of each sequence in the decode measurements (its context).
+    #[arg(long, default_value_t = 8)]
+    context: usize,
     /// Repetitions of each measurement (the median is reported).
     #[arg(long, default_value_t = 3)]
     repeat: usize,
@@ -113,8 +116,9 @@ fn bench_core<B: Backend>(
         let mut rates = Vec::new();
         let mut step_ms = Vec::new();
         for r in 0..a.repeat {
-            let reqs =
-                (0..b).map(|i| (prompt(8, 1000 + (r * b + i) as u64, vocab), greedy(a.gen_tokens + 1))).collect();
+            let reqs = (0..b)
+                .map(|i| (prompt(a.context, 1000 + (r * b + i) as u64, vocab), greedy(a.gen_tokens + 1)))
+                .collect();
             let t = run_batch(&mut core, &mut next_id, reqs)?;
             rates.push((b * a.gen_tokens) as f64 / t.decode_s);
             step_ms.push(t.decode_s * 1e3 / a.gen_tokens as f64);
@@ -127,6 +131,26 @@ fn bench_core<B: Backend>(
     }
     let w_bytes = core.model.weight_bytes as f64;
     let b1 = decode.iter().find(|d| d["batch"] == 1).map(|d| d["ms_per_step"].as_f64().unwrap_or(0.0));
+    // KV read per decode step at batch 1: the average context over the measured steps.
+    let kv = core.kv_shape();
+    let kv_token_bytes = (kv.n_layers * 2 * kv.n_kv_heads * kv.head_dim * kv.dtype.bytes()) as f64;
+    let kv_b1 = (a.context as f64 + a.gen_tokens as f64 / 2.0) * kv_token_bytes;
+    let copy_bw = core.backend().copy_bandwidth_gbps();
+    let c = &core.model.cfg;
+    // As the PyTorch peer counts them: every matrix once per token bar the embedding,
+    // plus causal attention.
+    let (qd, kvd) = (c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim);
+    let layer_params = (qd + 2 * kvd) * c.hidden + c.hidden * qd + 3 * c.ffn * c.hidden;
+    let params = (c.n_layers * layer_params + c.vocab * c.hidden) as f64;
+    let s = a.prompt_tokens as f64;
+    let prefill_flops = 2.0 * params * s + 2.0 * (c.n_layers * c.n_heads * c.head_dim) as f64 * s * s;
+    let prefill_tok_s = median(prefill.clone());
+    let profile: Vec<serde_json::Value> = core
+        .backend()
+        .op_profile()
+        .into_iter()
+        .map(|(op, secs, calls)| json!({"op": op, "seconds": secs, "calls": calls, "us_per_call": secs * 1e6 / calls.max(1) as f64}))
+        .collect();
     let out = json!({
         "bench": "engine",
         "model": core.model.cfg.name,
@@ -139,6 +163,12 @@ fn bench_core<B: Backend>(
         "prefill": {"prompt_tokens": a.prompt_tokens, "tokens_per_s": median(prefill)},
         "decode": decode,
         "decode_b1_weight_gb_per_s": b1.map(|ms| w_bytes / (ms * 1e-3) / 1e9),
+        "decode_context": a.context,
+        "decode_b1_weight_kv_gb_per_s": b1.map(|ms| (w_bytes + kv_b1) / (ms * 1e-3) / 1e9),
+        "copy_gb_per_s": copy_bw,
+        "decode_b1_frac_of_copy_bw": b1.zip(copy_bw).map(|(ms, bw)| (w_bytes + kv_b1) / (ms * 1e-3) / 1e9 / bw),
+        "prefill_tflops": prefill_flops / (s / prefill_tok_s) / 1e12,
+        "op_profile": profile,
         "repeat": a.repeat,
         "stats": core.stats(),
     });

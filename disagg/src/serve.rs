@@ -1,6 +1,5 @@
 //! `disagg serve`: the engine and the OpenAI-compatible gateway in one process.
 
-
 use clap::Args;
 use router::{AppState, GatewayConfig};
 

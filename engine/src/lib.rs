@@ -10,6 +10,7 @@ pub mod kv;
 pub mod load;
 pub mod model;
 pub mod prefix;
+pub mod random;
 pub mod sampling;
 pub mod scheduler;
 pub mod tokenizer;

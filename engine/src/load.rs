@@ -106,9 +106,18 @@ impl EngineOptions {
 pub enum ModelSource {
     Gguf(Gguf),
     HfDir(PathBuf),
+    /// `random:NAME[:SEED]` (see [`crate::random`]).
+    Random {
+        name: String,
+        seed: u64,
+    },
 }
 
 pub fn resolve(model: &str) -> Result<ModelSource, EngineError> {
+    if let Some(r) = crate::random::parse(model) {
+        let (name, seed) = r?;
+        return Ok(ModelSource::Random { name, seed });
+    }
     let path = if model.is_empty() || model == fetch::EMBEDDED_NAME || model == "embedded" {
         fetch::embedded_model_path()?
     } else {
@@ -148,6 +157,11 @@ pub fn load_tokenizer(source: &ModelSource) -> Result<(ModelConfig, Tokenizer), 
                 .map_err(|e| EngineError::Model(format!("cannot read config.json: {e}")))?;
             Ok((ModelConfig::from_hf_json(&text)?, Tokenizer::from_hf_dir(dir)?))
         }
+        ModelSource::Random { name, .. } => {
+            let cfg = crate::random::config(name);
+            let tok = crate::random::tokenizer(cfg.vocab)?;
+            Ok((cfg, tok))
+        }
     }
 }
 
@@ -161,6 +175,7 @@ pub fn load_model<B: Backend>(
     let weights: Box<dyn WeightSource + '_> = match source {
         ModelSource::Gguf(g) => Box::new(GgufRef(g)),
         ModelSource::HfDir(dir) => Box::new(SafetensorsSource::open(dir)?),
+        ModelSource::Random { seed, .. } => Box::new(crate::random::RandomSource { cfg: cfg.clone(), seed: *seed }),
     };
     if tokenizer.vocab_size() > cfg.vocab {
         return Err(EngineError::Model(format!(

@@ -195,6 +195,21 @@ impl Tokenizer {
         })
     }
 
+    /// From a `tokenizer.json` text alone (no special tokens, no chat template).
+    pub fn from_json(json: &str) -> Result<Self, EngineError> {
+        let inner: HfTokenizer = json.parse().map_err(tok_err)?;
+        Ok(Tokenizer {
+            vocab_size: inner.get_vocab_size(true),
+            inner,
+            bos_id: None,
+            eos_ids: Vec::new(),
+            add_bos: false,
+            chat_template: None,
+            bos_text: String::new(),
+            eos_text: String::new(),
+        })
+    }
+
     pub fn vocab_size(&self) -> usize {
         self.vocab_size
     }

@@ -157,4 +157,14 @@ pub trait Backend {
     /// Writes `data` (the transfer layout, `blocks.len()` blocks) into layer `layer` of
     /// the physical `blocks`.
     fn kv_import(&mut self, kv: &mut Self::Kv, layer: usize, blocks: &[u32], data: &[u8]);
+
+    /// Diagnostics for benchmarks: time per op so far, `(op, seconds, calls)`, when the
+    /// backend records it (CUDA with `DISAGG_CUDA_PROFILE`).
+    fn op_profile(&self) -> Vec<(&'static str, f64, u64)> {
+        Vec::new()
+    }
+    /// The device's measured copy bandwidth (read + write, GB/s), where it has one.
+    fn copy_bandwidth_gbps(&self) -> Option<f64> {
+        None
+    }
 }

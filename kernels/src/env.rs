@@ -51,3 +51,12 @@ pub const TEST_CUDA: &str = "DISAGG_TEST_CUDA";
 /// Weight element type on the CUDA backend: `bf16` (default) or `f32` (for exactness
 /// checks against the CPU backend's f32 path; twice the memory and much slower GEMMs).
 pub const CUDA_WEIGHTS: &str = "DISAGG_CUDA_WEIGHTS";
+
+/// Set to time every CUDA backend op (each one synchronized, so steps get slower);
+/// `bench engine` prints the table.
+pub const CUDA_PROFILE: &str = "DISAGG_CUDA_PROFILE";
+
+/// The CUDA attention's split-K (flash-decoding) path: when a step has too few (token,
+/// head) pairs to fill the GPU, each one's keys are split over several blocks of at
+/// least this many keys (default 64; 0: never split).
+pub const CUDA_ATTN_CHUNK: &str = "DISAGG_CUDA_ATTN_CHUNK";

@@ -4,9 +4,9 @@
 //! binary runs nothing, so CI never reports a GPU test as passed.
 //!
 //! Tolerances: with f32 weights both sides compute in f32 (the CPU in its f32 matmul
-//! path), summing in other orders, so logits agree to ~1e-4 and greedy tokens are
-//! equal; with bf16 weights (the default on GPUs) the weights lose their low mantissa
-//! bits, and the test reports the logit error and how far greedy outputs agree.
+//! path), summing in other orders, so last-position logits agree to within 2e-3 of
+//! their range (9.7e-3 in absolute terms on the H200) and greedy tokens are equal;
+//! with bf16 weights (the default on GPUs) the weights lose their low mantissa bits, and the test reports the logit error and how far greedy outputs agree.
 
 use disagg_tests::{engine, reference, test_options};
 use engine::load::{cuda_engine, Device, EngineOptions};
@@ -40,13 +40,17 @@ fn greedy_matches_cpu_with_f32_weights() {
     for case in &r.cases {
         let g = gpu.score(&case.prompt_ids).unwrap();
         let c = cpu.score(&case.prompt_ids).unwrap();
-        worst = worst.max(max_abs_diff(&g, &c));
+        let range = c.iter().copied().fold(f32::MIN, f32::max) - c.iter().copied().fold(f32::MAX, f32::min);
+        worst = worst.max(max_abs_diff(&g, &c) / range);
         let go = run_to_completion(&mut gpu, vec![(case.prompt_ids.clone(), greedy(16))], 1).unwrap().remove(0);
         let co = run_to_completion(&mut cpu, vec![(case.prompt_ids.clone(), greedy(16))], 1).unwrap().remove(0);
         assert_eq!(go.output_ids, co.output_ids, "case {}", case.name);
     }
-    println!("f32 weights: {} cases, 16 greedy tokens equal; last-position logits max |GPU − CPU| = {worst:.3e}", r.cases.len());
-    assert!(worst < 1e-2, "logits differ by {worst}");
+    println!(
+        "f32 weights: {} cases, 16 greedy tokens equal; last-position logits max |GPU − CPU| / logit range = {worst:.3e}",
+        r.cases.len()
+    );
+    assert!(worst < 2e-3, "logits differ by {worst} of their range");
     // All cases in one batch (continuous batching, chunked prefill) on the GPU.
     let reqs: Vec<_> = r.cases.iter().map(|c| (c.prompt_ids.clone(), greedy(16))).collect();
     let together = run_to_completion(&mut gpu, reqs.clone(), 100).unwrap();
@@ -58,6 +62,18 @@ fn greedy_matches_cpu_with_f32_weights() {
     println!("batched on the GPU: {same}/{} cases equal to the CPU", reqs.len());
     assert_eq!(same, reqs.len());
     assert_eq!(gpu.stats().kv_blocks_used, 0);
+    // The split-K attention path (flash-decoding), forced with chunks of 16 keys.
+    std::env::set_var(kernels::env::CUDA_ATTN_CHUNK, "16");
+    let mut split = cuda_engine(&gpu_options(true)).expect("the GPU engine loads");
+    std::env::remove_var(kernels::env::CUDA_ATTN_CHUNK);
+    let mut same = 0;
+    for case in &r.cases {
+        let so = run_to_completion(&mut split, vec![(case.prompt_ids.clone(), greedy(16))], 1).unwrap().remove(0);
+        let co = run_to_completion(&mut cpu, vec![(case.prompt_ids.clone(), greedy(16))], 1).unwrap().remove(0);
+        same += usize::from(so.output_ids == co.output_ids);
+    }
+    println!("split-K attention (16-key chunks): {same}/{} cases equal to the CPU", r.cases.len());
+    assert_eq!(same, r.cases.len());
 }
 
 fn bf16_weights_stay_close_to_cpu() {

@@ -73,6 +73,8 @@ impl CudaKv {
 }
 
 pub struct CudaBackend {
+    /// `DISAGG_CUDA_PROFILE`: seconds and calls per op, each op synchronized.
+    profile: Option<std::collections::BTreeMap<&'static str, (f64, u64)>>,
     dev: CudaDevice,
     blas: CudaBlas,
     bf16_weights: bool,
@@ -87,6 +89,12 @@ pub struct CudaBackend {
     tables: CudaSlice<u32>,
     host_cos: Vec<f32>,
     host_sin: Vec<f32>,
+    /// The longest context among this step's tokens.
+    max_ctx: usize,
+    /// Split-K attention: keys per block (0: off), and the partials' scratch.
+    attn_chunk: usize,
+    attn_part: CudaSlice<f32>,
+    n_sms: usize,
 }
 
 fn launch_cfg(n: usize) -> LaunchConfig {
@@ -110,6 +118,7 @@ impl CudaBackend {
         let blas = CudaBlas::new(stream.clone()).map_err(dev_err)?;
         let z = |n| stream.alloc_zeros::<f32>(n).map_err(dev_err);
         Ok(CudaBackend {
+            profile: std::env::var_os(crate::env::CUDA_PROFILE).map(|_| Default::default()),
             blas,
             bf16_weights,
             x_bf16: stream.alloc_zeros::<u16>(1).map_err(dev_err)?,
@@ -121,12 +130,62 @@ impl CudaBackend {
             tables: stream.alloc_zeros::<u32>(1).map_err(dev_err)?,
             host_cos: Vec::new(),
             host_sin: Vec::new(),
+            max_ctx: 0,
+            attn_chunk: match std::env::var(crate::env::CUDA_ATTN_CHUNK) {
+                Ok(v) => v.parse().map_err(|_| {
+                    KernelError::Device(format!("{}={v}: give a number of keys", crate::env::CUDA_ATTN_CHUNK))
+                })?,
+                Err(_) => 64,
+            },
+            attn_part: z(1)?,
+            n_sms: dev
+                .context()
+                .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+                .map_err(dev_err)? as usize,
             dev,
         })
     }
 
     pub fn device(&self) -> &CudaDevice {
         &self.dev
+    }
+
+    /// Per-op time so far (`DISAGG_CUDA_PROFILE` set): name → (seconds, calls).
+    pub fn profile(&self) -> Option<&std::collections::BTreeMap<&'static str, (f64, u64)>> {
+        self.profile.as_ref()
+    }
+
+    /// Starts timing an op (profiling only): waits for the work before it.
+    fn tic(&self) -> Option<std::time::Instant> {
+        self.profile.as_ref().map(|_| {
+            self.dev.synchronize().expect("CUDA: synchronize");
+            std::time::Instant::now()
+        })
+    }
+
+    fn toc(&mut self, name: &'static str, t: Option<std::time::Instant>) {
+        if let (Some(t), Some(p)) = (t, self.profile.as_mut()) {
+            self.dev.synchronize().expect("CUDA: synchronize");
+            let e = p.entry(name).or_default();
+            e.0 += t.elapsed().as_secs_f64();
+            e.1 += 1;
+        }
+    }
+
+    /// Device-to-device copy bandwidth (read + write), GB/s, over `bytes` buffers.
+    pub fn copy_bandwidth(&self, bytes: usize) -> Result<f64, KernelError> {
+        let st = self.dev.stream();
+        let a = st.alloc_zeros::<u8>(bytes).map_err(dev_err)?;
+        let mut b = st.alloc_zeros::<u8>(bytes).map_err(dev_err)?;
+        st.memcpy_dtod(&a, &mut b).map_err(dev_err)?;
+        self.dev.synchronize()?;
+        let t = std::time::Instant::now();
+        let n = 10;
+        for _ in 0..n {
+            st.memcpy_dtod(&a, &mut b).map_err(dev_err)?;
+        }
+        self.dev.synchronize()?;
+        Ok(2.0 * bytes as f64 * n as f64 / t.elapsed().as_secs_f64() / 1e9)
     }
 
     /// Free and total device memory, in bytes.
@@ -158,7 +217,9 @@ impl CudaBackend {
         let mut pos = vec![0i32; batch.n_tokens];
         let mut table_off = vec![0i32; batch.n_tokens];
         let mut tables: Vec<u32> = Vec::new();
+        self.max_ctx = 0;
         for (s, span) in batch.seqs.iter().enumerate() {
+            self.max_ctx = self.max_ctx.max(span.pos0 + span.rows.len());
             let off = tables.len() as i32;
             tables.extend_from_slice(span.block_table);
             for (i, row) in span.rows.clone().enumerate() {
@@ -209,7 +270,9 @@ impl Backend for CudaBackend {
         if self.bf16_weights {
             let mut host: Vec<u16> = Vec::with_capacity(rows * cols);
             for p in parts {
-                let rb = p.ty.row_bytes(cols).ok_or_else(|| KernelError::Shape(format!("{} rows of {cols}", p.ty.name())))?;
+                let rb =
+                    p.ty.row_bytes(cols)
+                        .ok_or_else(|| KernelError::Shape(format!("{} rows of {cols}", p.ty.name())))?;
                 for r in 0..p.rows {
                     crate::quant::dequantize_row(p.ty, &p.bytes[r * rb..(r + 1) * rb], &mut row);
                     host.extend(row.iter().map(|x| half::bf16::from_f32(*x).to_bits()));
@@ -220,7 +283,9 @@ impl Backend for CudaBackend {
         } else {
             let mut host: Vec<f32> = Vec::with_capacity(rows * cols);
             for p in parts {
-                let rb = p.ty.row_bytes(cols).ok_or_else(|| KernelError::Shape(format!("{} rows of {cols}", p.ty.name())))?;
+                let rb =
+                    p.ty.row_bytes(cols)
+                        .ok_or_else(|| KernelError::Shape(format!("{} rows of {cols}", p.ty.name())))?;
                 for r in 0..p.rows {
                     crate::quant::dequantize_row(p.ty, &p.bytes[r * rb..(r + 1) * rb], &mut row);
                     host.extend_from_slice(&row);
@@ -282,16 +347,33 @@ impl Backend for CudaBackend {
         r.expect("CUDA: embedding");
     }
 
-    fn rms_norm(&mut self, x: &CudaSlice<f32>, w: &CudaSlice<f32>, eps: f32, n_tokens: usize, out: &mut CudaSlice<f32>) {
+    fn rms_norm(
+        &mut self,
+        x: &CudaSlice<f32>,
+        w: &CudaSlice<f32>,
+        eps: f32,
+        n_tokens: usize,
+        out: &mut CudaSlice<f32>,
+    ) {
         if n_tokens > 0 {
+            let t = self.tic();
             self.dev.rms_norm(x, w, eps, n_tokens, w.len(), out).expect("CUDA: RMSNorm");
+            self.toc("rms_norm", t);
         }
     }
 
-    fn matmul(&mut self, w: &CudaLinear, x: &CudaSlice<f32>, n_tokens: usize, out: &mut CudaSlice<f32>, accumulate: bool) {
+    fn matmul(
+        &mut self,
+        w: &CudaLinear,
+        x: &CudaSlice<f32>,
+        n_tokens: usize,
+        out: &mut CudaSlice<f32>,
+        accumulate: bool,
+    ) {
         if n_tokens == 0 {
             return;
         }
+        let t = self.tic();
         let (rows, cols) = (w.rows(), w.cols());
         assert!(x.len() >= n_tokens * cols && out.len() >= n_tokens * rows, "matmul buffers");
         let st = self.dev.stream().clone();
@@ -367,6 +449,7 @@ impl Backend for CudaBackend {
                 .expect("cuBLAS: bf16 GEMM");
             }
         }
+        self.toc("matmul", t);
     }
 
     fn rope_write_kv(
@@ -379,11 +462,14 @@ impl Backend for CudaBackend {
         kv: &mut CudaKv,
     ) {
         if layer == 0 {
+            let t = self.tic();
             self.prepare_step(batch, rope);
+            self.toc("step_metadata_upload", t);
         }
         if batch.n_tokens == 0 {
             return;
         }
+        let t = self.tic();
         let st = self.dev.stream().clone();
         let half = kv.half() as i64;
         let (nh, nkv, hd) = (attn.n_heads as i32, attn.n_kv_heads as i32, attn.head_dim as i32);
@@ -406,6 +492,7 @@ impl Backend for CudaBackend {
             }
         };
         r.expect("CUDA: RoPE + KV write");
+        self.toc("rope_write_kv", t);
     }
 
     fn attention(
@@ -420,38 +507,79 @@ impl Backend for CudaBackend {
         if batch.n_tokens == 0 {
             return;
         }
-        assert!(attn.head_dim <= 256 && attn.n_heads % attn.n_kv_heads == 0);
+        assert!(attn.head_dim <= 256 && attn.n_heads.is_multiple_of(attn.n_kv_heads));
+        let t = self.tic();
         let st = self.dev.stream().clone();
         let half = kv.half() as i64;
         let (nh, nkv, hd) = (attn.n_heads as i32, attn.n_kv_heads as i32, attn.head_dim as i32);
         let (bs, scale) = (batch.block_size as i32, attn.scale);
+        // Split-K when the (token, head) pairs alone leave SMs idle (decode of small
+        // batches): enough key chunks, of at least `attn_chunk` keys, to give every SM
+        // two blocks.
+        let pairs = batch.n_tokens * attn.n_heads;
+        let want = (2 * self.n_sms).div_ceil(pairs);
+        let splits =
+            if self.attn_chunk > 0 && want > 1 { want.min(self.max_ctx.div_ceil(self.attn_chunk)).max(1) } else { 1 };
+        let chunk = self.max_ctx.div_ceil(splits);
         let cfg = LaunchConfig {
-            grid_dim: (batch.n_tokens as u32, attn.n_heads as u32, 1),
-            block_dim: (128, 1, 1),
+            grid_dim: (batch.n_tokens as u32, attn.n_heads as u32, splits as u32),
+            block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
-        let r = match &kv.layers[layer] {
-            KvBuf::F16(c) => {
-                let mut b = st.launch_builder(self.dev.func("attention_f16"));
-                b.arg(qkv).arg(c).arg(&half).arg(&self.pos).arg(&self.table_off).arg(&self.tables);
-                b.arg(&nh).arg(&nkv).arg(&hd).arg(&bs).arg(&scale).arg(out);
-                // SAFETY: argument types match the kernel; tables index the cache.
-                unsafe { b.launch(cfg) }
+        let chunk_i = chunk as i32;
+        if splits == 1 {
+            let name = match &kv.layers[layer] {
+                KvBuf::F16(_) => "attention_f16",
+                KvBuf::F32(_) => "attention_f32",
+            };
+            let mut b = st.launch_builder(self.dev.func(name));
+            b.arg(qkv);
+            match &kv.layers[layer] {
+                KvBuf::F16(c) => b.arg(c),
+                KvBuf::F32(c) => b.arg(c),
+            };
+            b.arg(&half).arg(&self.pos).arg(&self.table_off).arg(&self.tables);
+            b.arg(&nh).arg(&nkv).arg(&hd).arg(&bs).arg(&scale).arg(&chunk_i).arg(out);
+            // SAFETY: argument types match the kernel; tables index the cache.
+            unsafe { b.launch(cfg) }.expect("CUDA: attention");
+        } else {
+            let need = batch.n_tokens * attn.n_heads * splits * (attn.head_dim + 2);
+            if self.attn_part.len() < need {
+                self.attn_part = st.alloc_zeros::<f32>(need.next_power_of_two()).expect("CUDA: attention scratch");
             }
-            KvBuf::F32(c) => {
-                let mut b = st.launch_builder(self.dev.func("attention_f32"));
-                b.arg(qkv).arg(c).arg(&half).arg(&self.pos).arg(&self.table_off).arg(&self.tables);
-                b.arg(&nh).arg(&nkv).arg(&hd).arg(&bs).arg(&scale).arg(out);
-                // SAFETY: as above.
-                unsafe { b.launch(cfg) }
-            }
-        };
-        r.expect("CUDA: attention");
+            let name = match &kv.layers[layer] {
+                KvBuf::F16(_) => "attention_split_f16",
+                KvBuf::F32(_) => "attention_split_f32",
+            };
+            let mut b = st.launch_builder(self.dev.func(name));
+            b.arg(qkv);
+            match &kv.layers[layer] {
+                KvBuf::F16(c) => b.arg(c),
+                KvBuf::F32(c) => b.arg(c),
+            };
+            b.arg(&half).arg(&self.pos).arg(&self.table_off).arg(&self.tables);
+            b.arg(&nh).arg(&nkv).arg(&hd).arg(&bs).arg(&scale).arg(&chunk_i).arg(&mut self.attn_part);
+            // SAFETY: as above; the scratch holds every partial.
+            unsafe { b.launch(cfg) }.expect("CUDA: split attention");
+            let sp = splits as i32;
+            let mcfg = LaunchConfig {
+                grid_dim: (batch.n_tokens as u32, attn.n_heads as u32, 1),
+                block_dim: (attn.head_dim.min(256) as u32, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut b = st.launch_builder(self.dev.func("attention_merge"));
+            b.arg(&self.attn_part).arg(&sp).arg(&nh).arg(&hd).arg(out);
+            // SAFETY: the partials were written just above for these tokens and heads.
+            unsafe { b.launch(mcfg) }.expect("CUDA: attention merge");
+        }
+        self.toc("attention", t);
     }
 
     fn silu_mul(&mut self, gu: &CudaSlice<f32>, n_tokens: usize, ff: usize, out: &mut CudaSlice<f32>) {
         if n_tokens > 0 {
+            let t = self.tic();
             self.dev.silu_mul(gu, n_tokens, ff, out).expect("CUDA: SiLU·gate");
+            self.toc("silu_mul", t);
         }
     }
 
@@ -470,8 +598,18 @@ impl Backend for CudaBackend {
 
     fn to_host(&mut self, x: &CudaSlice<f32>, out: &mut [f32]) {
         if !out.is_empty() {
+            let t = self.tic();
             self.dev.stream().memcpy_dtoh(&x.slice(..out.len()), out).expect("CUDA: copying to the host");
+            self.toc("logits_to_host", t);
         }
+    }
+
+    fn op_profile(&self) -> Vec<(&'static str, f64, u64)> {
+        self.profile.iter().flatten().map(|(k, (s, n))| (*k, *s, *n)).collect()
+    }
+
+    fn copy_bandwidth_gbps(&self) -> Option<f64> {
+        self.copy_bandwidth(2 << 30).ok()
     }
 
     fn kv_shape(&self, kv: &CudaKv) -> KvShape {

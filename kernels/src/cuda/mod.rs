@@ -55,6 +55,9 @@ const KERNELS: &[&str] = &[
     "rope_write_kv_f32",
     "attention_f16",
     "attention_f32",
+    "attention_split_f16",
+    "attention_split_f32",
+    "attention_merge",
 ];
 
 /// Where compiled PTX is cached: `$DISAGG_CACHE/ptx` (default `~/.cache/disagg/ptx`).

@@ -132,18 +132,20 @@ extern "C" __global__ void rope_write_kv_f32(float* qkv, const float* cos_t, con
     rope_write_kv_impl(qkv, cos_t, sin_t, slots, n_heads, n_kv, hd, interleaved, block_size, cache, half);
 }
 
-// Causal attention over the paged cache: one block of 4 warps per (token, query head).
-// Token t sits at position pos[t] of its sequence, whose block table starts at
-// tables[table_off[t]]; it attends to positions 0..=pos[t]. Each warp takes every 4th
-// key with an online softmax (lanes split head_dim), and the warps are merged at the
-// end. head_dim ≤ 256.
-#define ATT_WARPS 4
+// Causal attention over the paged cache: one block of ATT_WARPS warps per (token, query
+// head[, key chunk]). Token t sits at position pos[t] of its sequence, whose block table
+// starts at tables[table_off[t]]; it attends to positions 0..=pos[t]. Each warp takes
+// every ATT_WARPS-th key with an online softmax (lanes split head_dim); the warps are
+// merged at the end. With SPLIT (flash-decoding, for batches of few tokens and long
+// contexts), block z takes keys [z·chunk, (z+1)·chunk) and writes its unnormalised
+// partial (max, sum, acc[head_dim]) for attention_merge. head_dim ≤ 256.
+#define ATT_WARPS 8
 #define NEG_INF __int_as_float(0xff800000)
-template <typename T>
+template <typename T, bool SPLIT>
 __device__ void attention_impl(const float* qkv, const T* cache, long long half, const int* pos, const int* table_off,
                                const unsigned int* tables, int n_heads, int n_kv, int hd, int block_size, float scale,
-                               float* out) {
-    const int t = blockIdx.x, h = blockIdx.y;
+                               int chunk, float* out) {
+    const int t = blockIdx.x, h = blockIdx.y, z = blockIdx.z;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int w = (n_heads + 2 * n_kv) * hd;
     const int kvh = h / (n_heads / n_kv);
@@ -157,8 +159,10 @@ __device__ void attention_impl(const float* qkv, const T* cache, long long half,
     }
     float m = NEG_INF, l = 0.f;
     const int n = pos[t] + 1;
+    const int j0 = SPLIT ? z * chunk : 0;
+    const int j1 = SPLIT ? min(n, j0 + chunk) : n;
     const unsigned int* table = tables + table_off[t];
-    for (int j = warp; j < n; j += ATT_WARPS) {
+    for (int j = j0 + warp; j < j1; j += ATT_WARPS) {
         const long long block = table[j / block_size], off = j % block_size;
         const size_t base = (size_t)(((block * n_kv + kvh) * block_size + off) * hd);
         float sdot = 0.f;
@@ -191,21 +195,58 @@ __device__ void attention_impl(const float* qkv, const T* cache, long long half,
     for (int k = 0; k < ATT_WARPS; k++) M = fmaxf(M, sm[k]);
     float L = 0.f;
     for (int k = 0; k < ATT_WARPS; k++) L += sm[k] == NEG_INF ? 0.f : sl[k] * expf(sm[k] - M);
-    float* o = out + (size_t)t * n_heads * hd + h * hd;
-    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
-        float s = 0.f;
-        for (int k = 0; k < ATT_WARPS; k++) s += sm[k] == NEG_INF ? 0.f : sacc[k][d] * expf(sm[k] - M);
-        o[d] = s / L;
+    if (SPLIT) {
+        // Partial z of (t, h): [M, L, acc[hd]] (acc relative to M, not normalised).
+        float* o = out + ((size_t)(t * n_heads + h) * gridDim.z + z) * (hd + 2);
+        if (threadIdx.x == 0) {
+            o[0] = M;
+            o[1] = L;
+        }
+        for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+            float s = 0.f;
+            for (int k = 0; k < ATT_WARPS; k++) s += sm[k] == NEG_INF ? 0.f : sacc[k][d] * expf(sm[k] - M);
+            o[2 + d] = s;
+        }
+    } else {
+        float* o = out + (size_t)t * n_heads * hd + h * hd;
+        for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+            float s = 0.f;
+            for (int k = 0; k < ATT_WARPS; k++) s += sm[k] == NEG_INF ? 0.f : sacc[k][d] * expf(sm[k] - M);
+            o[d] = s / L;
+        }
     }
 }
 
-extern "C" __global__ void attention_f16(const float* qkv, const unsigned short* cache, long long half, const int* pos,
-                                         const int* table_off, const unsigned int* tables, int n_heads, int n_kv,
-                                         int hd, int block_size, float scale, float* out) {
-    attention_impl(qkv, cache, half, pos, table_off, tables, n_heads, n_kv, hd, block_size, scale, out);
-}
-extern "C" __global__ void attention_f32(const float* qkv, const float* cache, long long half, const int* pos,
-                                         const int* table_off, const unsigned int* tables, int n_heads, int n_kv,
-                                         int hd, int block_size, float scale, float* out) {
-    attention_impl(qkv, cache, half, pos, table_off, tables, n_heads, n_kv, hd, block_size, scale, out);
+#define ATTENTION_ARGS const float* qkv, const T_* cache, long long half, const int* pos, const int* table_off, \
+    const unsigned int* tables, int n_heads, int n_kv, int hd, int block_size, float scale, int chunk, float* out
+#define ATTENTION_CALL qkv, cache, half, pos, table_off, tables, n_heads, n_kv, hd, block_size, scale, chunk, out
+#define T_ unsigned short
+extern "C" __global__ void attention_f16(ATTENTION_ARGS) { attention_impl<T_, false>(ATTENTION_CALL); }
+extern "C" __global__ void attention_split_f16(ATTENTION_ARGS) { attention_impl<T_, true>(ATTENTION_CALL); }
+#undef T_
+#define T_ float
+extern "C" __global__ void attention_f32(ATTENTION_ARGS) { attention_impl<T_, false>(ATTENTION_CALL); }
+extern "C" __global__ void attention_split_f32(ATTENTION_ARGS) { attention_impl<T_, true>(ATTENTION_CALL); }
+#undef T_
+
+// Merges the key-chunk partials of attention_split_*: one block per (token, head).
+extern "C" __global__ void attention_merge(const float* part, int splits, int n_heads, int hd, float* out) {
+    const int t = blockIdx.x, h = blockIdx.y;
+    const float* p = part + (size_t)(t * n_heads + h) * splits * (hd + 2);
+    float M = NEG_INF;
+    for (int z = 0; z < splits; z++) M = fmaxf(M, p[z * (hd + 2)]);
+    float L = 0.f;
+    for (int z = 0; z < splits; z++) {
+        const float mz = p[z * (hd + 2)];
+        if (mz != NEG_INF) L += p[z * (hd + 2) + 1] * expf(mz - M);
+    }
+    float* o = out + (size_t)t * n_heads * hd + h * hd;
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        float s = 0.f;
+        for (int z = 0; z < splits; z++) {
+            const float mz = p[z * (hd + 2)];
+            if (mz != NEG_INF) s += p[z * (hd + 2) + 2 + d] * expf(mz - M);
+        }
+        o[d] = s / L;
+    }
 }
