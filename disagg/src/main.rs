@@ -78,6 +78,10 @@ pub struct EngineArgs {
     /// Context length limit (default: the model's).
     #[arg(long, default_value_t = 0)]
     pub max_model_len: usize,
+    /// CUDA: size the KV cache so the engine uses this fraction of the GPU's memory
+    /// (weights, activations and KV), instead of --kv-cache-mib.
+    #[arg(long)]
+    pub gpu_memory_utilization: Option<f64>,
     /// Do not keep computed KV blocks for reuse by requests with the same prefix.
     #[arg(long)]
     pub no_enable_prefix_caching: bool,
@@ -103,6 +107,9 @@ impl EngineArgs {
         let mut v: Vec<String> = v.into_iter().flat_map(|(k, x)| [k.to_string(), x]).collect();
         if self.no_enable_prefix_caching {
             v.push("--no-enable-prefix-caching".into());
+        }
+        if let Some(f) = self.gpu_memory_utilization {
+            v.extend(["--gpu-memory-utilization".into(), f.to_string()]);
         }
         v
     }
@@ -132,6 +139,7 @@ impl EngineArgs {
             max_batched_tokens: self.max_batched_tokens,
             max_model_len: self.max_model_len,
             prefix_caching: !self.no_enable_prefix_caching,
+            gpu_memory_utilization: self.gpu_memory_utilization,
             host_cache_mib: self.host_cache_mib,
             ..EngineOptions::default()
         };

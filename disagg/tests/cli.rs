@@ -64,6 +64,9 @@ fn bad_flags_say_what_to_change() {
         (&["generate", "--prompt", "x", "--max-batched-tokens", "4", "--max-num-seqs", "8"], "--max-batched-tokens"),
         (&["generate", "--prompt-ids", "1,2,999999", "--max-tokens", "2"], "out of range"),
         (&["generate", "--prompt", "x", "--max-tokens", "100000"], "max_tokens"),
+        (&["generate", "--prompt", "x", "--gpu-memory-utilization", "0.9"], "on the CPU use --kv-cache-mib"),
+        (&["generate", "--prompt", "x", "--model", "random:gpt5"], "random:llama3-8b"),
+        (&["bench", "routing", "--workers", "65"], "--workers"),
     ];
     for (args, needle) in cases {
         let (code, _, err) = disagg(args);

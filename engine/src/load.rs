@@ -29,6 +29,9 @@ pub struct EngineOptions {
     pub device: Device,
     /// CUDA weights in f32 (`Some(true)`) or bf16; `None`: from `DISAGG_CUDA_WEIGHTS`.
     pub cuda_f32_weights: Option<bool>,
+    /// CUDA: size the KV cache so the engine uses this fraction of the device's memory
+    /// (weights, activations and KV); `None`: `kv_cache_mib`.
+    pub gpu_memory_utilization: Option<f64>,
     /// `--model`: a .gguf file, a Hugging Face directory, or the embedded model's name.
     pub model: String,
     /// CPU threads; 0 means all cores (or `DISAGG_THREADS`).
@@ -54,6 +57,7 @@ impl Default for EngineOptions {
         EngineOptions {
             device: Device::Cpu,
             cuda_f32_weights: None,
+            gpu_memory_utilization: None,
             model: fetch::EMBEDDED_NAME.into(),
             threads: 0,
             kv_cache_mib: 512,
@@ -74,6 +78,14 @@ impl EngineOptions {
         let bad = |m: String| Err(EngineError::InvalidRequest(m));
         if self.block_size == 0 || self.block_size > 1024 {
             return bad(format!("--block-size must be between 1 and 1024, got {}", self.block_size));
+        }
+        if let Some(f) = self.gpu_memory_utilization {
+            if !(f > 0.0 && f <= 1.0) {
+                return bad(format!("--gpu-memory-utilization must be in (0, 1], got {f}"));
+            }
+            if self.device == Device::Cpu {
+                return bad("--gpu-memory-utilization applies to --device cuda:N; on the CPU use --kv-cache-mib".into());
+            }
         }
         if self.max_num_seqs == 0 {
             return bad("--max-num-seqs must be at least 1".into());
@@ -215,7 +227,46 @@ pub fn cuda_engine(opts: &EngineOptions) -> Result<EngineCore<kernels::cuda::Cud
     let backend = kernels::cuda::CudaBackend::new(ordinal, bf16).map_err(|e| EngineError::Model(e.to_string()))?;
     let source = resolve(&opts.model)?;
     let (model, tokenizer) = load_model(&backend, &source, |l| l.n_bytes())?;
-    build_engine(backend, model, tokenizer, opts)
+    let Some(frac) = opts.gpu_memory_utilization else {
+        return build_engine(backend, model, tokenizer, opts);
+    };
+    // The memory plan: weights are loaded; activations are estimated from the
+    // workspace's shape; the KV cache takes what the fraction leaves.
+    let mib = |b: f64| b / (1u64 << 20) as f64;
+    let (free, total) = backend.mem_info().map_err(|e| EngineError::Model(e.to_string()))?;
+    let c = &model.cfg;
+    let (t, s) = (opts.max_batched_tokens as f64, opts.max_num_seqs as f64);
+    let qkv = ((c.n_heads + 2 * c.n_kv_heads) * c.head_dim) as f64;
+    let per_token = 2.0 * c.hidden as f64 + qkv + (c.n_heads * c.head_dim) as f64 + 3.0 * c.ffn as f64;
+    let widest = c.ffn.max(c.hidden).max(c.n_heads * c.head_dim) as f64;
+    let activations = 4.0 * (t * per_token + s * (2.0 * c.hidden as f64 + c.vocab as f64)) + 2.0 * t * widest;
+    // cuBLAS workspace, step metadata and attention scratch.
+    let margin = 512.0 * (1u64 << 20) as f64;
+    let used = (total - free) as f64;
+    let kv = frac * total as f64 - used - activations - margin;
+    let block = (c.n_layers * 2 * opts.block_size * c.n_kv_heads * c.head_dim * opts.kv_dtype.bytes()) as f64;
+    if kv < block {
+        return Err(EngineError::Model(format!(
+            "out of GPU memory for the KV cache: --gpu-memory-utilization {frac} of {:.0} MiB leaves {:.0} MiB after \
+             weights and context ({:.0} MiB in use) and activations (~{:.0} MiB for --max-batched-tokens {} / \
+             --max-num-seqs {}); raise --gpu-memory-utilization or lower those flags",
+            mib(total as f64),
+            mib(kv.max(0.0)),
+            mib(used),
+            mib(activations + margin),
+            opts.max_batched_tokens,
+            opts.max_num_seqs
+        )));
+    }
+    tracing::info!(
+        total_mib = mib(total as f64) as u64,
+        weights_and_context_mib = mib(used) as u64,
+        activations_mib = mib(activations + margin) as u64,
+        kv_cache_mib = mib(kv) as u64,
+        "GPU memory plan at --gpu-memory-utilization {frac}"
+    );
+    let sized = EngineOptions { kv_cache_mib: (kv / (1u64 << 20) as f64) as usize, ..opts.clone() };
+    build_engine(backend, model, tokenizer, &sized)
 }
 
 /// Builds the engine on `opts.device` and runs it on its own thread.
