@@ -273,7 +273,9 @@ impl<B: Backend> Model<B> {
     /// their K/V into `kv`, and the logits of the rows in `logit_rows` into `logits`
     /// (`logit_rows.len() × vocab`). `after_layer(backend, kv, l)` runs once layer `l`'s
     /// K/V are in the cache (the KV transfer sends them from there while later layers
-    /// compute).
+    /// compute). With `greedy_ids`, every sampled row is greedy: the backend may take the
+    /// argmax where the logits are and write only the token ids there (returns true);
+    /// otherwise (false) the logits are copied to `logits`.
     #[allow(clippy::too_many_arguments)]
     pub fn forward(
         &self,
@@ -284,8 +286,9 @@ impl<B: Backend> Model<B> {
         batch: &StepBatch,
         logit_rows: &[u32],
         logits: &mut [f32],
+        greedy_ids: Option<&mut [u32]>,
         after_layer: &mut dyn FnMut(&mut B, &B::Kv, usize),
-    ) {
+    ) -> bool {
         let n = tokens.len();
         let m = logit_rows.len();
         assert!(n <= ws.max_tokens && m <= ws.max_logits && n == batch.n_tokens);
@@ -304,11 +307,17 @@ impl<B: Backend> Model<B> {
             after_layer(be, kv, l);
         }
         if m == 0 {
-            return;
+            return false;
         }
         be.gather_rows(&ws.x, logit_rows, c.hidden, &mut ws.sel);
         be.rms_norm(&ws.sel, &self.norm, c.rms_eps, m, &mut ws.seln);
         be.matmul(self.output.as_ref().unwrap_or(&self.embed), &ws.seln, m, &mut ws.logits, false);
+        if let Some(ids) = greedy_ids {
+            if be.argmax_rows(&ws.logits, c.vocab, &mut ids[..m]) {
+                return true;
+            }
+        }
         be.to_host(&ws.logits, &mut logits[..m * c.vocab]);
+        false
     }
 }

@@ -317,17 +317,7 @@ impl Sampler {
 }
 
 /// Index of the largest value; the lowest index among equals. NaN never wins.
-pub fn argmax(v: &[f32]) -> u32 {
-    let mut best = 0;
-    let mut best_v = f32::NEG_INFINITY;
-    for (i, &x) in v.iter().enumerate() {
-        if x > best_v {
-            best_v = x;
-            best = i;
-        }
-    }
-    best as u32
-}
+pub use kernels::backend::argmax;
 
 pub fn log_sum_exp(v: &[f32]) -> f32 {
     let max = v.iter().fold(f32::NEG_INFINITY, |m, x| m.max(*x));

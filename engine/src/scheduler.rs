@@ -227,6 +227,7 @@ pub struct EngineCore<B: Backend> {
     step_tokens: Vec<u32>,
     step_rows: Vec<u32>,
     block_buf: Vec<u8>,
+    greedy_ids: Vec<u32>,
 }
 
 impl<B: Backend> EngineCore<B> {
@@ -243,6 +244,7 @@ impl<B: Backend> EngineCore<B> {
             events: Vec::new(),
             record_events: false,
             block_buf: Vec::new(),
+            greedy_ids: Vec::new(),
             stats: EngineStats { kv_blocks_total: cfg.n_blocks, ..Default::default() },
             model,
             backend,
@@ -512,6 +514,7 @@ impl<B: Backend> EngineCore<B> {
                 &batch,
                 if last { &rows[..] } else { &[] },
                 &mut self.logits,
+                None,
                 &mut |_, _, _| {},
             );
             pos += n;
@@ -789,6 +792,20 @@ impl<B: Backend> EngineCore<B> {
             }
         }
         let batch = StepBatch { n_tokens: self.step_tokens.len(), seqs: &spans, block_size: self.cfg.block_size };
+        // When every sampled row is plain greedy (nothing but the argmax matters), the
+        // backend may sample where the logits are, and only token ids come back.
+        let all_greedy = sampled.iter().all(|id| {
+            let s = &self.seqs[id];
+            let p = &s.params;
+            p.is_greedy()
+                && p.logprobs.is_none()
+                && p.logit_bias.is_empty()
+                && s.n_generated() >= p.min_tokens
+                && p.repetition_penalty == 1.0
+                && p.presence_penalty == 0.0
+                && p.frequency_penalty == 0.0
+        });
+        self.greedy_ids.resize(sampled.len(), 0);
         // Exporting sequences: (export, blocks final after this step, their physical ids).
         let bs = self.cfg.block_size;
         let mut exporting: Vec<(&mut Export, usize, &[u32])> = Vec::new();
@@ -803,7 +820,7 @@ impl<B: Backend> EngineCore<B> {
                 }
             }
         }
-        self.model.forward(
+        let on_device = self.model.forward(
             &mut self.backend,
             &mut self.ws,
             &mut self.kv,
@@ -811,6 +828,7 @@ impl<B: Backend> EngineCore<B> {
             &batch,
             &self.step_rows,
             &mut self.logits,
+            if all_greedy { Some(&mut self.greedy_ids[..]) } else { None },
             &mut |be, kv, layer| {
                 for (ex, upto, table) in exporting.iter_mut() {
                     let mut data = Vec::new();
@@ -839,8 +857,15 @@ impl<B: Backend> EngineCore<B> {
         let vocab = self.model.cfg.vocab;
         let mut outputs = Vec::with_capacity(sampled.len());
         for (row, id) in sampled.into_iter().enumerate() {
-            let logits = &mut self.logits[row * vocab..(row + 1) * vocab];
-            let out = Self::advance(self.seqs.get_mut(&id).expect("exists"), logits, &self.tokenizer);
+            let seq = self.seqs.get_mut(&id).expect("exists");
+            let out = if on_device {
+                let token = self.greedy_ids[row];
+                seq.sampler.accept(&seq.params, token);
+                seq.tokens.push(token);
+                Self::emit(seq, token, None, &self.tokenizer)
+            } else {
+                Self::advance(seq, &mut self.logits[row * vocab..(row + 1) * vocab], &self.tokenizer)
+            };
             if out.finish.is_some() {
                 self.finish(id);
             }

@@ -96,6 +96,20 @@ impl StepBatch<'_> {
     }
 }
 
+/// The first index of the largest value (NaN never wins; all −∞ gives 0): greedy
+/// sampling, the same on every backend.
+pub fn argmax(v: &[f32]) -> u32 {
+    let mut best = 0;
+    let mut best_v = f32::NEG_INFINITY;
+    for (i, &x) in v.iter().enumerate() {
+        if x > best_v {
+            best_v = x;
+            best = i;
+        }
+    }
+    best as u32
+}
+
 /// A compute backend. See the module docs for the boundary it keeps.
 pub trait Backend {
     /// A weight matrix made of one or more parts stacked by rows (e.g. fused Q|K|V).
@@ -157,6 +171,14 @@ pub trait Backend {
     /// Writes `data` (the transfer layout, `blocks.len()` blocks) into layer `layer` of
     /// the physical `blocks`.
     fn kv_import(&mut self, kv: &mut Self::Kv, layer: usize, blocks: &[u32], data: &[u8]);
+
+    /// Greedy sampling where the logits are: `out[r]` = argmax of row `r` of `x` (rows of
+    /// `dim`), with [`argmax`]'s tie rule. Returns false when the backend does not do
+    /// it (the caller then copies the logits to the host).
+    fn argmax_rows(&mut self, x: &Self::Act, dim: usize, out: &mut [u32]) -> bool {
+        let _ = (x, dim, out);
+        false
+    }
 
     /// Diagnostics for benchmarks: time per op so far, `(op, seconds, calls)`, when the
     /// backend records it (CUDA with `DISAGG_CUDA_PROFILE`).

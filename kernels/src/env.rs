@@ -56,6 +56,10 @@ pub const CUDA_WEIGHTS: &str = "DISAGG_CUDA_WEIGHTS";
 /// `bench engine` prints the table.
 pub const CUDA_PROFILE: &str = "DISAGG_CUDA_PROFILE";
 
+/// `0`: copy greedy rows' logits to the host and take the argmax there, instead of on
+/// the device (only token ids come back); for A/B runs.
+pub const DEVICE_ARGMAX: &str = "DISAGG_DEVICE_ARGMAX";
+
 /// The CUDA attention's split-K (flash-decoding) path: when a step has too few (token,
 /// head) pairs to fill the GPU, each one's keys are split over several blocks of at
 /// least this many keys (default 64; 0: never split).

@@ -95,6 +95,9 @@ pub struct CudaBackend {
     attn_chunk: usize,
     attn_part: CudaSlice<f32>,
     n_sms: usize,
+    /// Greedy rows sampled on the device (`DISAGG_DEVICE_ARGMAX=0`: logits to the host).
+    device_argmax: bool,
+    argmax_out: CudaSlice<u32>,
 }
 
 fn launch_cfg(n: usize) -> LaunchConfig {
@@ -138,6 +141,8 @@ impl CudaBackend {
                 Err(_) => 64,
             },
             attn_part: z(1)?,
+            device_argmax: std::env::var(crate::env::DEVICE_ARGMAX).map_or(true, |v| v != "0"),
+            argmax_out: stream.alloc_zeros::<u32>(1).map_err(dev_err)?,
             n_sms: dev
                 .context()
                 .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
@@ -602,6 +607,26 @@ impl Backend for CudaBackend {
             self.dev.stream().memcpy_dtoh(&x.slice(..out.len()), out).expect("CUDA: copying to the host");
             self.toc("logits_to_host", t);
         }
+    }
+
+    fn argmax_rows(&mut self, x: &CudaSlice<f32>, dim: usize, out: &mut [u32]) -> bool {
+        if !self.device_argmax || out.is_empty() {
+            return false;
+        }
+        let t = self.tic();
+        let st = self.dev.stream().clone();
+        if self.argmax_out.len() < out.len() {
+            self.argmax_out = st.alloc_zeros::<u32>(out.len().next_power_of_two()).expect("CUDA: argmax buffer");
+        }
+        let d = dim as i32;
+        let cfg = LaunchConfig { grid_dim: (out.len() as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
+        let mut b = st.launch_builder(self.dev.func("argmax_rows"));
+        b.arg(x).arg(&d).arg(&mut self.argmax_out);
+        // SAFETY: x holds out.len() rows of dim (the engine's logits buffer).
+        unsafe { b.launch(cfg) }.expect("CUDA: argmax");
+        st.memcpy_dtoh(&self.argmax_out.slice(..out.len()), out).expect("CUDA: token ids to the host");
+        self.toc("argmax_to_host", t);
+        true
     }
 
     fn op_profile(&self) -> Vec<(&'static str, f64, u64)> {

@@ -58,6 +58,7 @@ const KERNELS: &[&str] = &[
     "attention_split_f16",
     "attention_split_f32",
     "attention_merge",
+    "argmax_rows",
 ];
 
 /// Where compiled PTX is cached: `$DISAGG_CACHE/ptx` (default `~/.cache/disagg/ptx`).
