@@ -58,6 +58,28 @@ pub fn run(cmd: BenchCmd) -> anyhow::Result<()> {
     }
 }
 
+/// The `p` quantile (nearest rank) of `v`; NaN when empty.
+pub fn pct(mut v: Vec<f64>, p: f64) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[((v.len() - 1) as f64 * p).round() as usize]
+}
+
+/// Distinct pseudo-random token ids for seed `seed` (clear of the special tokens).
+pub fn random_ids(seed: u64, n: usize) -> Vec<u32> {
+    let mut x = 0x2545_F491_4F6C_DD1Du64 ^ seed.wrapping_mul(0x9E37_79B9);
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            200 + (x % 40_000) as u32
+        })
+        .collect()
+}
+
 pub fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
     v[v.len() / 2]

@@ -21,6 +21,7 @@ use clap::Args;
 use futures::StreamExt;
 use serde_json::json;
 
+use crate::bench::{pct, random_ids as ids};
 use crate::cluster::{spawn_role, stop_all, url_in};
 use crate::EngineArgs;
 
@@ -67,27 +68,6 @@ pub struct RoutingBenchArgs {
     /// Print JSON (the only output format).
     #[arg(long)]
     json: bool,
-}
-
-fn pct(mut v: Vec<f64>, p: f64) -> f64 {
-    if v.is_empty() {
-        return f64::NAN;
-    }
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[((v.len() - 1) as f64 * p).round() as usize]
-}
-
-/// Deterministic pseudo-random token ids, clear of the special tokens.
-fn ids(seed: u64, n: usize) -> Vec<u32> {
-    let mut x = 0x2545_F491_4F6C_DD1Du64 ^ seed.wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            200 + (x % 40_000) as u32
-        })
-        .collect()
 }
 
 fn decision_latency(a: &RoutingBenchArgs) -> anyhow::Result<serde_json::Value> {

@@ -21,6 +21,7 @@ use futures::StreamExt;
 use router::{AppState, GatewayConfig};
 use serde_json::json;
 
+use crate::bench::pct;
 use crate::EngineArgs;
 
 #[derive(Args, Debug)]
@@ -53,14 +54,6 @@ pub struct ServeBenchArgs {
     /// Print JSON (the only output format).
     #[arg(long)]
     json: bool,
-}
-
-fn pct(mut v: Vec<f64>, p: f64) -> f64 {
-    if v.is_empty() {
-        return f64::NAN;
-    }
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[((v.len() - 1) as f64 * p).round() as usize]
 }
 
 const TOPICS: &[&str] =

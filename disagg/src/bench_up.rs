@@ -7,29 +7,13 @@ use std::time::Instant;
 use futures::StreamExt;
 use serde_json::json;
 
-use crate::bench::median;
+use crate::bench::{median, pct, random_ids};
 use crate::bench_serve::ServeBenchArgs;
 use crate::cluster::{spawn_role, stop_all, url_in};
 
-fn pct(mut v: Vec<f64>, p: f64) -> f64 {
-    if v.is_empty() {
-        return f64::NAN;
-    }
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[((v.len() - 1) as f64 * p).round() as usize]
-}
-
-/// Distinct pseudo-random prompts of `n` tokens (ids clear of the special tokens).
+/// Distinct pseudo-random prompts of `n` tokens.
 fn prompt_ids(i: usize, n: usize) -> Vec<u32> {
-    let mut x = 0x2545_F491_4F6C_DD1Du64 ^ (i as u64).wrapping_mul(0x9E37_79B9);
-    (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            200 + (x % 40_000) as u32
-        })
-        .collect()
+    random_ids(i as u64, n)
 }
 
 struct Timing {

@@ -357,6 +357,17 @@ fn short_prompts_are_prefilled_on_the_decode_worker() {
     });
 }
 
+/// Starts a router over `d` and `p`, which must fail; returns its error output.
+fn router_refusal(d: &Proc, p: &Proc) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_disagg"))
+        .args(["router", "--port", "0", "--decode", &d.url, "--prefill", &p.url])
+        .stdout(Stdio::null())
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
 #[test]
 fn a_worker_serving_another_model_is_refused() {
     let d = decode();
@@ -366,13 +377,7 @@ fn a_worker_serving_another_model_is_refused() {
         "prefill worker ready",
         &[],
     );
-    let out = Command::new(env!("CARGO_BIN_EXE_disagg"))
-        .args(["router", "--port", "0", "--decode", &d.url, "--prefill", &p.url])
-        .stdout(Stdio::null())
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
+    let err = router_refusal(&d, &p);
     assert!(err.contains("refused") && err.contains("serves model"), "{err}");
 }
 
@@ -382,13 +387,7 @@ fn a_worker_of_another_kv_layout_is_refused() {
     let mut a = vec!["prefill", "--block-size", "32"];
     a.extend(WORKER);
     let p = Proc::start(&a, "prefill worker ready", &[]);
-    let out = Command::new(env!("CARGO_BIN_EXE_disagg"))
-        .args(["router", "--port", "0", "--decode", &d.url, "--prefill", &p.url])
-        .stdout(Stdio::null())
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
+    let err = router_refusal(&d, &p);
     assert!(err.contains("refused") && err.contains("KV layout"), "{err}");
 }
 
@@ -481,13 +480,18 @@ fn with_etcd(role: &str, etcd: &Etcd, extra: &[&str]) -> Proc {
     Proc::start(&a, &format!("{role} worker ready"), &[])
 }
 
-/// How many requests a decode worker has served, from its /metrics.
-async fn served(metrics_url: &str) -> u64 {
+/// A counter from a worker's /metrics (0 when absent).
+async fn counter(metrics_url: &str, name: &str) -> u64 {
     let text = reqwest::get(metrics_url).await.unwrap().text().await.unwrap();
     text.lines()
-        .find_map(|l| l.strip_prefix("disagg:decode_requests_total "))
+        .find_map(|l| l.strip_prefix(name).and_then(|r| r.strip_prefix(' ')))
         .map(|v| v.trim().parse::<f64>().unwrap() as u64)
         .unwrap_or(0)
+}
+
+/// How many requests a decode worker has served, from its /metrics.
+async fn served(metrics_url: &str) -> u64 {
+    counter(metrics_url, "disagg:decode_requests_total").await
 }
 
 fn metrics_url(p: &Proc) -> String {
@@ -829,14 +833,8 @@ fn a_conversation_stays_on_the_decode_worker_that_caches_it() {
             home[conv as usize] = if counts[0] == 5 { 0 } else { 1 };
         }
         // Its later turns were prefilled on that decode worker, from its own cache.
-        let local = |m: String| async move {
-            let text = reqwest::get(m).await.unwrap().text().await.unwrap();
-            text.lines()
-                .find_map(|l| l.strip_prefix("disagg:decode_local_prefills_total "))
-                .map(|v| v.trim().parse::<f64>().unwrap() as u64)
-                .unwrap_or(0)
-        };
-        assert_eq!(local(metrics_url(&d0)).await + local(metrics_url(&d1)).await, 8);
+        let local = "disagg:decode_local_prefills_total";
+        assert_eq!(counter(&metrics_url(&d0), local).await + counter(&metrics_url(&d1), local).await, 8);
     });
     // Both started on a tie, broken round-robin in list order: conversation 0 on d0,
     // conversation 1 on d1.

@@ -218,7 +218,9 @@ impl Drop for InFlight {
 
 /// What the router knows about one request when choosing its workers.
 struct Route {
-    /// Its prompt's blocks (partial last block included) and full-block hashes.
+    /// The cluster's block size, its prompt's blocks (partial last block included) and
+    /// full-block hashes.
+    block_size: usize,
     blocks: usize,
     hashes: Vec<u64>,
     overlaps: Overlaps,
@@ -470,8 +472,7 @@ impl Cluster {
     /// is to prefill it itself (conditional disaggregation on what it lacks).
     fn choose(&self, route: &Route, prompt_len: usize, avoid: &[String]) -> Option<(Arc<Worker>, Option<Arc<Worker>>)> {
         let d = self.pick(Role::Decode, avoid, route)?;
-        let bs = self.compat().map_or(16, |c| c.kv_layout.block_size.max(1) as usize);
-        let uncached = prompt_len.saturating_sub(route.overlap(&d) * bs);
+        let uncached = prompt_len.saturating_sub(route.overlap(&d) * route.block_size);
         let local = uncached < self.local_prefill_below;
         // Without a usable prefill worker the decode worker prefills the prompt itself:
         // slower for long prompts, but the request is served.
@@ -531,7 +532,7 @@ impl Cluster {
             let m = self.sessions.lock().unwrap_or_else(|e| e.into_inner());
             m.get(s).map(|(a, n, _)| (a.clone(), *n))
         });
-        Route { blocks, hashes, overlaps, session }
+        Route { block_size: bs, blocks, hashes, overlaps, session }
     }
 
     /// Notes where a request went: its session's worker, and (events off) the blocks

@@ -532,40 +532,37 @@ impl Backend for CudaBackend {
             shared_mem_bytes: 0,
         };
         let chunk_i = chunk as i32;
-        if splits == 1 {
-            let name = match &kv.layers[layer] {
-                KvBuf::F16(_) => "attention_f16",
-                KvBuf::F32(_) => "attention_f32",
-            };
-            let mut b = st.launch_builder(self.dev.func(name));
-            b.arg(qkv);
-            match &kv.layers[layer] {
-                KvBuf::F16(c) => b.arg(c),
-                KvBuf::F32(c) => b.arg(c),
-            };
-            b.arg(&half).arg(&self.pos).arg(&self.table_off).arg(&self.tables);
-            b.arg(&nh).arg(&nkv).arg(&hd).arg(&bs).arg(&scale).arg(&chunk_i).arg(out);
-            // SAFETY: argument types match the kernel; tables index the cache.
-            unsafe { b.launch(cfg) }.expect("CUDA: attention");
-        } else {
+        let split = splits > 1;
+        if split {
             let need = batch.n_tokens * attn.n_heads * splits * (attn.head_dim + 2);
             if self.attn_part.len() < need {
                 self.attn_part = st.alloc_zeros::<f32>(need.next_power_of_two()).expect("CUDA: attention scratch");
             }
-            let name = match &kv.layers[layer] {
-                KvBuf::F16(_) => "attention_split_f16",
-                KvBuf::F32(_) => "attention_split_f32",
-            };
-            let mut b = st.launch_builder(self.dev.func(name));
-            b.arg(qkv);
-            match &kv.layers[layer] {
-                KvBuf::F16(c) => b.arg(c),
-                KvBuf::F32(c) => b.arg(c),
-            };
-            b.arg(&half).arg(&self.pos).arg(&self.table_off).arg(&self.tables);
-            b.arg(&nh).arg(&nkv).arg(&hd).arg(&bs).arg(&scale).arg(&chunk_i).arg(&mut self.attn_part);
-            // SAFETY: as above; the scratch holds every partial.
-            unsafe { b.launch(cfg) }.expect("CUDA: split attention");
+        }
+        let name = match (&kv.layers[layer], split) {
+            (KvBuf::F16(_), false) => "attention_f16",
+            (KvBuf::F32(_), false) => "attention_f32",
+            (KvBuf::F16(_), true) => "attention_split_f16",
+            (KvBuf::F32(_), true) => "attention_split_f32",
+        };
+        let mut b = st.launch_builder(self.dev.func(name));
+        b.arg(qkv);
+        match &kv.layers[layer] {
+            KvBuf::F16(c) => b.arg(c),
+            KvBuf::F32(c) => b.arg(c),
+        };
+        b.arg(&half).arg(&self.pos).arg(&self.table_off).arg(&self.tables);
+        b.arg(&nh).arg(&nkv).arg(&hd).arg(&bs).arg(&scale).arg(&chunk_i);
+        // Split: each block writes its partial to the scratch, merged below.
+        if split {
+            b.arg(&mut self.attn_part);
+        } else {
+            b.arg(&mut *out);
+        }
+        // SAFETY: argument types match the kernel; tables index the cache; the scratch
+        // holds every partial.
+        unsafe { b.launch(cfg) }.expect("CUDA: attention");
+        if split {
             let sp = splits as i32;
             let mcfg = LaunchConfig {
                 grid_dim: (batch.n_tokens as u32, attn.n_heads as u32, 1),

@@ -251,6 +251,18 @@ extern "C" __global__ void attention_merge(const float* part, int splits, int n_
     }
 }
 
+// The warp's largest (value, index), the lowest index among equal values, in every lane.
+__device__ __forceinline__ void warp_argmax(float& bv, int& bi) {
+    for (int o = 16; o > 0; o >>= 1) {
+        const float v2 = __shfl_xor_sync(0xffffffff, bv, o);
+        const int i2 = __shfl_xor_sync(0xffffffff, bi, o);
+        if (v2 > bv || (v2 == bv && i2 < bi)) {
+            bv = v2;
+            bi = i2;
+        }
+    }
+}
+
 // Greedy sampling on the device: out[r] = the first index of the largest value of row r
 // (NaN never wins; a row of -inf gives 0), as engine::sampling::argmax. One block per row.
 extern "C" __global__ void argmax_rows(const float* x, int dim, unsigned int* out) {
@@ -264,14 +276,7 @@ extern "C" __global__ void argmax_rows(const float* x, int dim, unsigned int* ou
             bi = i;
         }
     }
-    for (int o = 16; o > 0; o >>= 1) {
-        const float v2 = __shfl_xor_sync(0xffffffff, bv, o);
-        const int i2 = __shfl_xor_sync(0xffffffff, bi, o);
-        if (v2 > bv || (v2 == bv && i2 < bi)) {
-            bv = v2;
-            bi = i2;
-        }
-    }
+    warp_argmax(bv, bi);
     __shared__ float sv[32];
     __shared__ int si[32];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -284,14 +289,7 @@ extern "C" __global__ void argmax_rows(const float* x, int dim, unsigned int* ou
         const int nw = blockDim.x >> 5;
         bv = lane < nw ? sv[lane] : NEG_INF;
         bi = lane < nw ? si[lane] : 0x7fffffff;
-        for (int o = 16; o > 0; o >>= 1) {
-            const float v2 = __shfl_xor_sync(0xffffffff, bv, o);
-            const int i2 = __shfl_xor_sync(0xffffffff, bi, o);
-            if (v2 > bv || (v2 == bv && i2 < bi)) {
-                bv = v2;
-                bi = i2;
-            }
-        }
+        warp_argmax(bv, bi);
         if (lane == 0) out[blockIdx.x] = bi == 0x7fffffff ? 0u : (unsigned int)bi;
     }
 }
