@@ -103,7 +103,10 @@ fn engine_bench(a: EngineBenchArgs) -> anyhow::Result<()> {
     let mut opts = a.engine.options()?;
     let max_batch = a.batch.iter().copied().max().unwrap_or(1);
     opts.max_num_seqs = opts.max_num_seqs.max(max_batch);
-    opts.max_batched_tokens = opts.max_batched_tokens.max(a.prompt_tokens).max(opts.max_num_seqs);
+    // Decode is timed over the steps where the whole batch decodes, so every prompt of a
+    // batch must be prefilled before the first ones finish: big enough prefill chunks.
+    let batch_prompts = (max_batch * a.context).min(16384);
+    opts.max_batched_tokens = opts.max_batched_tokens.max(a.prompt_tokens).max(opts.max_num_seqs).max(batch_prompts);
     let t_load = Instant::now();
     match opts.device {
         engine::load::Device::Cpu => bench_core(a, opts.clone(), cpu_engine(&opts)?, t_load),
@@ -132,7 +135,8 @@ fn bench_core<B: Backend>(
         let t = run_batch(&mut core, &mut next_id, vec![(p, greedy(1))])?;
         prefill.push(a.prompt_tokens as f64 / t.first_step_s);
     }
-    // Decode: `b` sequences with a short prompt, `gen_tokens` each; time the decode steps.
+    // Decode: `b` sequences with a `context`-token prompt, `gen_tokens` each; time the
+    // steps in which all `b` decode (none prefilling, none finished yet).
     let mut decode = Vec::new();
     for &b in &a.batch {
         let mut rates = Vec::new();
@@ -142,8 +146,15 @@ fn bench_core<B: Backend>(
                 .map(|i| (prompt(a.context, 1000 + (r * b + i) as u64, vocab), greedy(a.gen_tokens + 1)))
                 .collect();
             let t = run_batch(&mut core, &mut next_id, reqs)?;
-            rates.push((b * a.gen_tokens) as f64 / t.decode_s);
-            step_ms.push(t.decode_s * 1e3 / a.gen_tokens as f64);
+            if t.full_steps == 0 {
+                anyhow::bail!(
+                    "batch {b}: no step had all {b} sequences decoding (the first finished before the last was \
+                     prefilled); raise --gen-tokens or --max-batched-tokens"
+                );
+            }
+            let ms = t.full_steps_s * 1e3 / t.full_steps as f64;
+            rates.push(b as f64 / (ms * 1e-3));
+            step_ms.push(ms);
         }
         decode.push(json!({
             "batch": b,
@@ -200,7 +211,9 @@ fn bench_core<B: Backend>(
 
 struct Timing {
     first_step_s: f64,
-    decode_s: f64,
+    /// Steps in which every sequence of the batch decoded one token, and their time.
+    full_steps: usize,
+    full_steps_s: f64,
 }
 
 /// Runs a batch to completion; times the first step (all prefills) and the rest.
@@ -217,14 +230,19 @@ fn run_batch<B: Backend>(
     let t0 = Instant::now();
     let mut started = 0;
     let mut first_step_s = None;
-    let mut t_decode = t0;
+    let (mut full_steps, mut full_steps_s) = (0, 0.0);
     while core.has_work() {
+        let ts = Instant::now();
         let outs = core.step();
+        let dt = ts.elapsed().as_secs_f64();
+        if first_step_s.is_some() && outs.len() == n && outs.iter().all(|o| o.completion_tokens > 1) {
+            full_steps += 1;
+            full_steps_s += dt;
+        }
         started += outs.iter().filter(|o| o.completion_tokens == 1).count();
         if first_step_s.is_none() && started == n {
             first_step_s = Some(t0.elapsed().as_secs_f64());
-            t_decode = Instant::now();
         }
     }
-    Ok(Timing { first_step_s: first_step_s.unwrap_or(0.0), decode_s: t_decode.elapsed().as_secs_f64() })
+    Ok(Timing { first_step_s: first_step_s.unwrap_or(0.0), full_steps, full_steps_s })
 }
