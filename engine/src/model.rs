@@ -177,6 +177,9 @@ pub struct Workspace<B: Backend> {
     logits: B::Act,
 }
 
+/// Runs after a layer's K/V are in the cache: `(backend, kv, layer)`.
+pub type LayerHook<'a, B> = &'a mut dyn FnMut(&mut B, &<B as Backend>::Kv, usize);
+
 impl<B: Backend> Model<B> {
     pub fn load(
         backend: &B,
@@ -271,11 +274,14 @@ impl<B: Backend> Model<B> {
 
     /// Runs one step: `tokens` (laid out as `batch` says) through all layers, writing
     /// their K/V into `kv`, and the logits of the rows in `logit_rows` into `logits`
-    /// (`logit_rows.len() × vocab`). `after_layer(backend, kv, l)` runs once layer `l`'s
-    /// K/V are in the cache (the KV transfer sends them from there while later layers
-    /// compute). With `greedy_ids`, every sampled row is greedy: the backend may take the
-    /// argmax where the logits are and write only the token ids there (returns true);
-    /// otherwise (false) the logits are copied to `logits`.
+    /// (`logit_rows.len() × vocab`). `after_layer(backend, kv, l)`, when given, runs once
+    /// layer `l`'s K/V are in the cache (the KV transfer sends them from there while later
+    /// layers compute). With `greedy_ids`, every sampled row is greedy: the backend may
+    /// take the argmax where the logits are and write only the token ids there (returns
+    /// true); otherwise (false) the logits are copied to `logits`.
+    ///
+    /// A decode-only step without a layer hook is replayable: the same ops for every step
+    /// of its shape, which a backend may capture once and replay (CUDA graphs).
     #[allow(clippy::too_many_arguments)]
     pub fn forward(
         &self,
@@ -287,31 +293,39 @@ impl<B: Backend> Model<B> {
         logit_rows: &[u32],
         logits: &mut [f32],
         greedy_ids: Option<&mut [u32]>,
-        after_layer: &mut dyn FnMut(&mut B, &B::Kv, usize),
+        mut after_layer: Option<LayerHook<B>>,
     ) -> bool {
         let n = tokens.len();
         let m = logit_rows.len();
         assert!(n <= ws.max_tokens && m <= ws.max_logits && n == batch.n_tokens);
         let c = &self.cfg;
-        be.embed(&self.embed, tokens, &mut ws.x);
-        for (l, layer) in self.layers.iter().enumerate() {
-            be.rms_norm(&ws.x, &layer.attn_norm, c.rms_eps, n, &mut ws.h);
-            be.matmul(&layer.qkv, &ws.h, n, &mut ws.qkv, false);
-            be.rope_write_kv(&mut ws.qkv, l, batch, &self.rope, &self.attn, kv);
-            be.attention(&ws.qkv, l, batch, &self.attn, kv, &mut ws.attn);
-            be.matmul(&layer.attn_out, &ws.attn, n, &mut ws.x, true);
-            be.rms_norm(&ws.x, &layer.ffn_norm, c.rms_eps, n, &mut ws.h);
-            be.matmul(&layer.gate_up, &ws.h, n, &mut ws.gu, false);
-            be.silu_mul(&ws.gu, n, c.ffn, &mut ws.act);
-            be.matmul(&layer.down, &ws.act, n, &mut ws.x, true);
-            after_layer(be, kv, l);
-        }
+        let replayable = after_layer.is_none() && batch.seqs.iter().all(|s| s.rows.len() == 1);
+        be.begin_step(tokens, batch, &self.rope, &self.attn, logit_rows);
+        be.run_step(replayable, &mut |be| {
+            be.embed(&self.embed, tokens, &mut ws.x);
+            for (l, layer) in self.layers.iter().enumerate() {
+                be.rms_norm(&ws.x, &layer.attn_norm, c.rms_eps, n, &mut ws.h);
+                be.matmul(&layer.qkv, &ws.h, n, &mut ws.qkv, false);
+                be.rope_write_kv(&mut ws.qkv, l, batch, &self.rope, &self.attn, kv);
+                be.attention(&ws.qkv, l, batch, &self.attn, kv, &mut ws.attn);
+                be.matmul(&layer.attn_out, &ws.attn, n, &mut ws.x, true);
+                be.rms_norm(&ws.x, &layer.ffn_norm, c.rms_eps, n, &mut ws.h);
+                be.matmul(&layer.gate_up, &ws.h, n, &mut ws.gu, false);
+                be.silu_mul(&ws.gu, n, c.ffn, &mut ws.act);
+                be.matmul(&layer.down, &ws.act, n, &mut ws.x, true);
+                if let Some(hook) = after_layer.as_mut() {
+                    hook(be, kv, l);
+                }
+            }
+            if m > 0 {
+                be.gather_rows(&ws.x, logit_rows, c.hidden, &mut ws.sel);
+                be.rms_norm(&ws.sel, &self.norm, c.rms_eps, m, &mut ws.seln);
+                be.matmul(self.output.as_ref().unwrap_or(&self.embed), &ws.seln, m, &mut ws.logits, false);
+            }
+        });
         if m == 0 {
             return false;
         }
-        be.gather_rows(&ws.x, logit_rows, c.hidden, &mut ws.sel);
-        be.rms_norm(&ws.sel, &self.norm, c.rms_eps, m, &mut ws.seln);
-        be.matmul(self.output.as_ref().unwrap_or(&self.embed), &ws.seln, m, &mut ws.logits, false);
         if let Some(ids) = greedy_ids {
             if be.argmax_rows(&ws.logits, c.vocab, &mut ids[..m]) {
                 return true;

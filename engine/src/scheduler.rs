@@ -266,6 +266,11 @@ impl<B: Backend> EngineCore<B> {
         &self.backend
     }
 
+    /// The backend, for switching its modes between steps (A/B checks).
+    pub fn backend_mut(&mut self) -> &mut B {
+        &mut self.backend
+    }
+
     pub fn stats(&self) -> EngineStats {
         EngineStats {
             kv_blocks_used: self.alloc.n_used(),
@@ -515,7 +520,7 @@ impl<B: Backend> EngineCore<B> {
                 if last { &rows[..] } else { &[] },
                 &mut self.logits,
                 None,
-                &mut |_, _, _| {},
+                None,
             );
             pos += n;
         }
@@ -820,6 +825,20 @@ impl<B: Backend> EngineCore<B> {
                 }
             }
         }
+        let hooked = !exporting.is_empty();
+        let mut export_layer = |be: &mut B, kv: &B::Kv, layer: usize| {
+            for (ex, upto, table) in exporting.iter_mut() {
+                let mut data = Vec::new();
+                be.kv_export(kv, layer, &table[ex.sent_blocks..], &mut data);
+                let chunk = KvChunk {
+                    layer: layer as u32,
+                    first_block: ex.sent_blocks as u32,
+                    n_blocks: (*upto - ex.sent_blocks) as u32,
+                    data,
+                };
+                (ex.sink)(chunk);
+            }
+        };
         let on_device = self.model.forward(
             &mut self.backend,
             &mut self.ws,
@@ -829,19 +848,7 @@ impl<B: Backend> EngineCore<B> {
             &self.step_rows,
             &mut self.logits,
             if all_greedy { Some(&mut self.greedy_ids[..]) } else { None },
-            &mut |be, kv, layer| {
-                for (ex, upto, table) in exporting.iter_mut() {
-                    let mut data = Vec::new();
-                    be.kv_export(kv, layer, &table[ex.sent_blocks..], &mut data);
-                    let chunk = KvChunk {
-                        layer: layer as u32,
-                        first_block: ex.sent_blocks as u32,
-                        n_blocks: (*upto - ex.sent_blocks) as u32,
-                        data,
-                    };
-                    (ex.sink)(chunk);
-                }
-            },
+            if hooked { Some(&mut export_layer) } else { None },
         );
         for (ex, upto, _) in exporting {
             ex.sent_blocks = upto;

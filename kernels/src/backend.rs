@@ -128,6 +128,27 @@ pub trait Backend {
     fn act(&self, len: usize) -> Self::Act;
     fn kv_cache(&self, shape: KvShape) -> Result<Self::Kv, KernelError>;
 
+    /// Takes a step's host metadata before its ops run: the token ids, the batch
+    /// (positions, slots, block tables), the RoPE frequencies, the attention geometry and
+    /// the rows whose logits are wanted. A device backend uploads it here, once per step, so the ops of
+    /// [`Backend::run_step`]'s body read only device memory. The ops' own `ids`, `batch`
+    /// and `rows` arguments are then this step's.
+    fn begin_step(&mut self, tokens: &[u32], batch: &StepBatch, rope: &Rope, attn: &AttnShape, logit_rows: &[u32]) {
+        let _ = (tokens, batch, rope, attn, logit_rows);
+    }
+
+    /// Runs `body`, the ops of the step prepared by [`Backend::begin_step`]. `replayable`
+    /// promises that the body launches the same ops on the same buffers for every step of
+    /// this batch shape (decode only, no per-layer hook): a backend may then capture it
+    /// once and replay it (CUDA graphs) instead of running it.
+    fn run_step(&mut self, replayable: bool, body: &mut dyn FnMut(&mut Self))
+    where
+        Self: Sized,
+    {
+        let _ = replayable;
+        body(self)
+    }
+
     /// `out[t] = table[ids[t]]` (rows of the embedding matrix).
     fn embed(&mut self, table: &Self::Linear, ids: &[u32], out: &mut Self::Act);
     fn rms_norm(&mut self, x: &Self::Act, w: &Self::Vector, eps: f32, n_tokens: usize, out: &mut Self::Act);

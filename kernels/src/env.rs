@@ -64,3 +64,18 @@ pub const DEVICE_ARGMAX: &str = "DISAGG_DEVICE_ARGMAX";
 /// head) pairs to fill the GPU, each one's keys are split over several blocks of at
 /// least this many keys (default 64; 0: never split).
 pub const CUDA_ATTN_CHUNK: &str = "DISAGG_CUDA_ATTN_CHUNK";
+
+/// `0`: run every CUDA decode step's kernels one by one instead of replaying a CUDA
+/// graph captured for its batch shape (decode-only steps; captured on the second step of
+/// each shape); for A/B runs. Graphs are off while `DISAGG_CUDA_PROFILE` times ops.
+pub const CUDA_GRAPHS: &str = "DISAGG_CUDA_GRAPHS";
+
+/// `0`: attention with the per-token f32 kernel instead of the tensor-core flash kernel
+/// (f16 KV cache, head_dim 64 or 128; prefill and decode); for A/B runs. The flash kernel
+/// rounds q and the probabilities to f16, so f32 weights (the exactness mode) never use
+/// it.
+pub const CUDA_FLASH: &str = "DISAGG_CUDA_FLASH";
+
+/// cuBLAS workspace of the CUDA backend in MiB (default 32, fixed at start so captured
+/// GEMMs never allocate); `0`: cuBLAS's own default.
+pub const CUDA_BLAS_WORKSPACE_MIB: &str = "DISAGG_CUDA_BLAS_WORKSPACE_MIB";

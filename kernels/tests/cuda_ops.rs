@@ -18,7 +18,8 @@ fn main() {
         Ok(())
     })];
     if std::env::var_os(kernels::env::TEST_CUDA).is_some() {
-        let gpu_tests: [(&str, fn()); 3] = [
+        let gpu_tests: [(&str, fn()); 4] = [
+            ("attention_kernels_match_cpu_on_a_paged_cache", attention_kernels_match_cpu_on_a_paged_cache),
             ("rms_norm_matches_cpu", rms_norm_matches_cpu),
             ("silu_mul_matches_cpu", silu_mul_matches_cpu),
             ("embedding_gathers_rows_exactly_and_refuses_bad_ids", embedding_gathers_rows_exactly_and_refuses_bad_ids),
@@ -108,4 +109,83 @@ fn embedding_gathers_rows_exactly_and_refuses_bad_ids() {
         assert_eq!(&got[r * dim..(r + 1) * dim], &table[id as usize * dim..(id as usize + 1) * dim]);
     }
     assert!(d.embed(&dt, &[1000], dim, &mut out).is_err(), "an id outside the table is refused");
+}
+
+/// Both CUDA attention kernels, whole and split-K, against the CPU backend's attention,
+/// on the same paged f16 cache (shuffled block tables) for a mixed step: a prefill chunk
+/// over a cached prefix, a fresh prompt whose length is not a multiple of the tile, and
+/// one decode row. Tolerances: the per-token kernel computes in f32 like the CPU (a few
+/// ulp, 1e-4 of the value range here); the flash kernel rounds q·scale and the
+/// probabilities to f16 (2⁻¹¹ relative), measured at ~1e-3 and held to 5e-3 of the
+/// value range.
+fn attention_kernels_match_cpu_on_a_paged_cache() {
+    use kernels::{AttnShape, Backend, KvDtype, KvShape, Rope, SeqSpan, StepBatch};
+    for (n_heads, n_kv, hd) in [(32usize, 8usize, 128usize), (9, 3, 64)] {
+        let attn = AttnShape { n_heads, n_kv_heads: n_kv, head_dim: hd, scale: 1.0 / (hd as f32).sqrt() };
+        let shape =
+            KvShape { n_layers: 1, n_blocks: 96, block_size: 16, n_kv_heads: n_kv, head_dim: hd, dtype: KvDtype::F16 };
+        // Cache contents: random f16 values in [-2, 2), in the transfer layout.
+        let blocks: Vec<u32> = (0..shape.n_blocks as u32).collect();
+        let vals = data(shape.n_blocks * shape.block_bytes_per_layer() / 2, 11);
+        let bytes: Vec<u8> = vals.iter().flat_map(|v| half::f16::from_f32(*v).to_le_bytes()).collect();
+        // Block tables: disjoint, shuffled.
+        let mut perm: Vec<u32> = blocks.clone();
+        let mut x = 12345u64;
+        for i in (1..perm.len()).rev() {
+            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            perm.swap(i, (x >> 33) as usize % (i + 1));
+        }
+        // (cached positions, rows this step)
+        let seqs = [(37usize, 100usize), (0, 70), (500, 1)];
+        let mut tables = Vec::new();
+        let mut at = 0;
+        for &(p0, n) in &seqs {
+            let nb = (p0 + n).div_ceil(16);
+            tables.push(perm[at..at + nb].to_vec());
+            at += nb;
+        }
+        let mut spans = Vec::new();
+        let mut row = 0;
+        for (i, &(p0, n)) in seqs.iter().enumerate() {
+            spans.push(SeqSpan { rows: row..row + n, pos0: p0, block_table: &tables[i] });
+            row += n;
+        }
+        let n_tokens = row;
+        let batch = StepBatch { n_tokens, seqs: &spans, block_size: 16 };
+        let qkv = data(n_tokens * attn.qkv_dim(), 12);
+        let rope = Rope { interleaved: false, inv_freq: vec![1.0; hd / 2] };
+        let tokens = vec![0u32; n_tokens];
+
+        let mut cpu = kernels::cpu::CpuBackend::new(2);
+        let mut ckv = cpu.kv_cache(shape).unwrap();
+        cpu.kv_import(&mut ckv, 0, &blocks, &bytes);
+        let mut want = vec![0f32; n_tokens * attn.q_dim()];
+        cpu.attention(&qkv, 0, &batch, &attn, &ckv, &mut want);
+        let range = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+
+        let mut be = kernels::cuda::CudaBackend::new(0, true).expect("cuda:0 opens");
+        let mut gkv = be.kv_cache(shape).unwrap();
+        be.kv_import(&mut gkv, 0, &blocks, &bytes);
+        let dq = be.device().upload(&qkv).unwrap();
+        // Each kernel whole and split into key chunks (this step's few tiles split).
+        for (flash, chunk) in [(false, 0), (false, 64), (true, 0), (true, 64)] {
+            be.set_flash(flash);
+            be.set_attn_chunk(chunk);
+            be.begin_step(&tokens, &batch, &rope, &attn, &[]);
+            let mut out = be.act(n_tokens * attn.q_dim());
+            be.attention(&dq, 0, &batch, &attn, &gkv, &mut out);
+            let mut got = vec![0f32; n_tokens * attn.q_dim()];
+            be.to_host(&out, &mut got);
+            let err = max_abs(&got, &want) / range;
+            println!(
+                "attention {n_heads}/{n_kv} heads, head_dim {hd}, flash {flash}, split chunk {chunk}: max |GPU − CPU| / range = {err:.2e}"
+            );
+            assert!(err < if flash { 5e-3 } else { 1e-4 }, "flash {flash}, chunk {chunk}: {err}");
+        }
+    }
+}
+
+fn max_abs(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
 }

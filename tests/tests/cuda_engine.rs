@@ -128,11 +128,51 @@ fn kv_moves_between_gpu_and_cpu_unchanged() {
     assert_eq!(ids, expect.output_ids, "prefilled on the GPU, decoded on the CPU");
 }
 
+/// bf16 weights (the fast path). CUDA graphs replay the very kernels the eager steps
+/// launch, so greedy outputs with graphs are identical to those without. The flash
+/// prefill kernel rounds q and the probabilities to f16: its last-position logits stay
+/// within 1e-2 of the logit range of the per-token kernel's (measured and printed).
+fn graphs_replay_exactly_and_flash_prefill_stays_close() {
+    let opts = EngineOptions { prefix_caching: false, ..gpu_options(false) };
+    let mut gpu = cuda_engine(&opts).expect("the GPU engine loads");
+    let r = reference();
+    let reqs: Vec<_> = r.cases.iter().map(|c| (c.prompt_ids.clone(), greedy(16))).collect();
+    let long: Vec<u32> = (0..300).map(|i| 100 + (i * 37) % 5000).collect();
+    gpu.backend_mut().set_graphs(false);
+    let eager = run_to_completion(&mut gpu, reqs.clone(), 1).unwrap();
+    let eager_one = run_to_completion(&mut gpu, vec![(long.clone(), greedy(40))], 50).unwrap();
+    assert_eq!(gpu.backend().n_graphs(), 0);
+    gpu.backend_mut().set_graphs(true);
+    let graphed = run_to_completion(&mut gpu, reqs.clone(), 100).unwrap();
+    let graphed_one = run_to_completion(&mut gpu, vec![(long, greedy(40))], 200).unwrap();
+    println!("decode shapes captured: {}", gpu.backend().n_graphs());
+    assert!(gpu.backend().n_graphs() >= 2, "batch-{} and batch-1 decode steps were captured", reqs.len());
+    for (i, (e, g)) in eager.iter().zip(&graphed).enumerate() {
+        assert_eq!(e.output_ids, g.output_ids, "case {i}: graphs changed the output");
+    }
+    assert_eq!(eager_one[0].output_ids, graphed_one[0].output_ids, "batch 1 over a 300-token context");
+    let mut worst = 0f32;
+    for case in &r.cases {
+        gpu.backend_mut().set_flash(false);
+        let a = gpu.score(&case.prompt_ids).unwrap();
+        gpu.backend_mut().set_flash(true);
+        let b = gpu.score(&case.prompt_ids).unwrap();
+        let range = a.iter().copied().fold(f32::MIN, f32::max) - a.iter().copied().fold(f32::MAX, f32::min);
+        worst = worst.max(max_abs_diff(&a, &b) / range);
+    }
+    println!("flash vs per-token attention: last-position logits max diff / range = {worst:.3e}");
+    assert!(worst < 1e-2, "flash prefill moved logits by {worst} of their range");
+}
+
 fn main() {
     use libtest_mimic::{Arguments, Trial};
     let mut tests = Vec::new();
     if std::env::var_os(kernels::env::TEST_CUDA).is_some() {
-        let gpu_tests: [(&str, fn()); 3] = [
+        let gpu_tests: [(&str, fn()); 4] = [
+            (
+                "graphs_replay_exactly_and_flash_prefill_stays_close",
+                graphs_replay_exactly_and_flash_prefill_stays_close,
+            ),
             ("greedy_matches_cpu_with_f32_weights", greedy_matches_cpu_with_f32_weights),
             ("bf16_weights_stay_close_to_cpu", bf16_weights_stay_close_to_cpu),
             ("kv_moves_between_gpu_and_cpu_unchanged", kv_moves_between_gpu_and_cpu_unchanged),

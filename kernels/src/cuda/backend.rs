@@ -11,11 +11,20 @@
 //! - Per step, only small metadata goes up (RoPE cos/sin per token, computed on the host
 //!   exactly as the CPU backend does; slots, positions, block tables), never tensors.
 //!
-//! Not yet: fused/faster attention (split-K), sampling on the device, CUDA graphs.
+//! - Attention: the tensor-core flash kernel for every step, prefill and decode (one
+//!   block per tile of a sequence's tokens × a KV head's query heads, so each K/V read
+//!   serves the whole group), split-K over the keys when the tiles alone leave SMs idle.
+//!   `DISAGG_CUDA_FLASH=0`, f32 KV, other head sizes, and f32 weights (the exactness
+//!   mode) take the per-token f32 kernel (same split rule over (token, head) pairs).
+//! - CUDA graphs: a decode-only step's ops are captured the second time its shape
+//!   (tokens, logit rows, attention splits) is seen and replayed from then on
+//!   (`DISAGG_CUDA_GRAPHS=0`: never). Everything a step reads from the host is uploaded
+//!   by `begin_step` into buffers whose addresses the graphs keep; when one of them must
+//!   grow, the graphs are dropped and captured again.
 
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
 use cudarc::cublas::{result as blas, CudaBlas};
-use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaGraph, CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 
 use super::{dev_err, CudaDevice};
 use crate::backend::{AttnShape, Backend, KvShape, Rope, StepBatch, WeightPart};
@@ -72,6 +81,16 @@ impl CudaKv {
     }
 }
 
+/// Captured decode steps by shape: (tokens, logit rows, attention splits).
+struct Graphs(std::collections::HashMap<(usize, usize, usize), CudaGraph>);
+
+// SAFETY: a CUDA graph may be used from any thread as long as calls on it are
+// serialized; the backend is used through `&mut self` only.
+unsafe impl Send for Graphs {}
+
+/// At most this many decode shapes are captured; others run op by op.
+const MAX_GRAPHS: usize = 512;
+
 pub struct CudaBackend {
     /// `DISAGG_CUDA_PROFILE`: seconds and calls per op, each op synchronized.
     profile: Option<std::collections::BTreeMap<&'static str, (f64, u64)>>,
@@ -98,6 +117,29 @@ pub struct CudaBackend {
     /// Greedy rows sampled on the device (`DISAGG_DEVICE_ARGMAX=0`: logits to the host).
     device_argmax: bool,
     argmax_out: CudaSlice<u32>,
+    /// This step's token ids and logit rows (from `begin_step`).
+    ids: CudaSlice<u32>,
+    rows: CudaSlice<u32>,
+    n_step: usize,
+    /// This step's longest context, on the device (the split-K chunk is made from it).
+    max_ctx_dev: CudaSlice<i32>,
+    /// The KV cache holds f16 (the flash kernel's element type).
+    kv_f16: std::cell::Cell<bool>,
+    /// The flash kernel (see the module docs); whether this step takes it, its query
+    /// tiles, and the step's key splits (either kernel).
+    flash: bool,
+    step_flash: bool,
+    fa_tiles: CudaSlice<i32>,
+    n_fa_tiles: usize,
+    step_splits: usize,
+    /// CUDA graphs: on/off, the captured ones, the shapes seen once, this step's shape.
+    graphs_on: bool,
+    graphs: Graphs,
+    seen: std::collections::HashSet<(usize, usize, usize)>,
+    step_key: (usize, usize, usize),
+    capturing: bool,
+    /// cuBLAS's workspace, fixed so that captured GEMMs never allocate.
+    _blas_ws: CudaSlice<u8>,
 }
 
 fn launch_cfg(n: usize) -> LaunchConfig {
@@ -119,9 +161,42 @@ impl CudaBackend {
         let dev = CudaDevice::open(ordinal)?;
         let stream = dev.stream().clone();
         let blas = CudaBlas::new(stream.clone()).map_err(dev_err)?;
+        let ws_mib = match std::env::var(crate::env::CUDA_BLAS_WORKSPACE_MIB) {
+            Ok(v) => v.parse::<usize>().map_err(|_| {
+                KernelError::Device(format!("{}={v}: give a number of MiB", crate::env::CUDA_BLAS_WORKSPACE_MIB))
+            })?,
+            Err(_) => 32,
+        };
+        let blas_ws = stream.alloc_zeros::<u8>((ws_mib << 20).max(1)).map_err(dev_err)?;
+        if ws_mib > 0 {
+            let (p, _g) = blas_ws.device_ptr(&stream);
+            // SAFETY: the workspace lives as long as the handle (both owned by the backend).
+            let r = unsafe { cudarc::cublas::sys::cublasSetWorkspace_v2(*blas.handle(), p as *mut _, blas_ws.len()) };
+            if r != cudarc::cublas::sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+                return Err(KernelError::Device(format!("cuBLAS: setting the workspace: {r:?}")));
+            }
+        }
         let z = |n| stream.alloc_zeros::<f32>(n).map_err(dev_err);
+        let profile = std::env::var_os(crate::env::CUDA_PROFILE).map(|_| Default::default());
+        let off = |name| std::env::var(name).is_ok_and(|v| v == "0");
         Ok(CudaBackend {
-            profile: std::env::var_os(crate::env::CUDA_PROFILE).map(|_| Default::default()),
+            graphs_on: !off(crate::env::CUDA_GRAPHS) && profile.is_none(),
+            flash: bf16_weights && !off(crate::env::CUDA_FLASH),
+            graphs: Graphs(Default::default()),
+            seen: Default::default(),
+            step_key: (0, 0, 0),
+            capturing: false,
+            _blas_ws: blas_ws,
+            ids: stream.alloc_zeros::<u32>(1).map_err(dev_err)?,
+            rows: stream.alloc_zeros::<u32>(1).map_err(dev_err)?,
+            n_step: 0,
+            max_ctx_dev: stream.alloc_zeros::<i32>(1).map_err(dev_err)?,
+            kv_f16: Default::default(),
+            step_flash: false,
+            step_splits: 1,
+            fa_tiles: stream.alloc_zeros::<i32>(1).map_err(dev_err)?,
+            n_fa_tiles: 0,
+            profile,
             blas,
             bf16_weights,
             x_bf16: stream.alloc_zeros::<u16>(1).map_err(dev_err)?,
@@ -153,6 +228,29 @@ impl CudaBackend {
 
     pub fn device(&self) -> &CudaDevice {
         &self.dev
+    }
+
+    /// Attention through the flash kernel (default: bf16 weights and not
+    /// `DISAGG_CUDA_FLASH=0`); takes effect at the next `begin_step`.
+    pub fn set_flash(&mut self, on: bool) {
+        self.flash = on;
+    }
+
+    /// Decode steps replayed from CUDA graphs (default: on unless `DISAGG_CUDA_GRAPHS=0`
+    /// or profiling).
+    pub fn set_graphs(&mut self, on: bool) {
+        self.graphs_on = on && self.profile.is_none();
+    }
+
+    /// Split-K attention: chunks of at least `keys` keys (0: never split); takes effect
+    /// at the next `begin_step`.
+    pub fn set_attn_chunk(&mut self, keys: usize) {
+        self.attn_chunk = keys;
+    }
+
+    /// How many decode shapes are captured as graphs now.
+    pub fn n_graphs(&self) -> usize {
+        self.graphs.0.len()
     }
 
     /// Per-op time so far (`DISAGG_CUDA_PROFILE` set): name → (seconds, calls).
@@ -198,23 +296,46 @@ impl CudaBackend {
         self.dev.context().mem_get_info().map_err(dev_err)
     }
 
-    /// Uploads `host` into `dst`, growing it when too small.
+    /// Uploads `host` into `dst`, growing it when too small (true: it moved).
     fn put<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
         stream: &std::sync::Arc<cudarc::driver::CudaStream>,
         dst: &mut CudaSlice<T>,
         host: &[T],
-    ) {
-        if dst.len() < host.len() {
+    ) -> bool {
+        let grow = dst.len() < host.len();
+        if grow {
             *dst = stream.alloc_zeros::<T>(host.len().next_power_of_two()).expect("CUDA: allocating step metadata");
         }
         if !host.is_empty() {
             stream.memcpy_htod(host, &mut dst.slice_mut(..host.len())).expect("CUDA: uploading step metadata");
         }
+        grow
     }
 
-    /// Per-step metadata: RoPE tables (as the CPU backend computes them), each token's
-    /// slot and position, and the block tables.
-    fn prepare_step(&mut self, batch: &StepBatch, rope: &Rope) {
+    /// A buffer that captured graphs use is about to move: they are dropped (and
+    /// captured again when their shapes come back).
+    fn buffers_moving(&mut self) {
+        assert!(!self.capturing, "CUDA: a buffer grew while a graph was being captured");
+        self.graphs.0.clear();
+        self.seen.clear();
+    }
+
+    /// Key splits of the attention: split-K when its `units` (blocks of work) alone leave
+    /// SMs idle (decode of small batches), enough chunks of at least `attn_chunk` keys to
+    /// give every SM two blocks.
+    fn attn_splits(&self, units: usize) -> usize {
+        let want = (2 * self.n_sms).div_ceil(units.max(1));
+        if self.attn_chunk > 0 && want > 1 {
+            want.min(self.max_ctx.div_ceil(self.attn_chunk)).max(1)
+        } else {
+            1
+        }
+    }
+
+    /// Per-step metadata: token ids and logit rows, RoPE tables (as the CPU backend
+    /// computes them), each token's slot and position, the block tables, the longest
+    /// context, the flash kernel's query tiles, and the attention's key splits.
+    fn prepare_step(&mut self, tokens: &[u32], batch: &StepBatch, rope: &Rope, attn: &AttnShape, logit_rows: &[u32]) {
         let half = rope.inv_freq.len();
         self.host_cos.resize(batch.n_tokens * half, 0.0);
         self.host_sin.resize(batch.n_tokens * half, 0.0);
@@ -239,13 +360,44 @@ impl CudaBackend {
                 table_off[row] = off;
             }
         }
+        // Flash tiles: ⌊64 / group⌋ tokens of one sequence each (their rows are the
+        // group's query heads), the latest first so the causal tail does not straggle.
+        let group = attn.n_heads / attn.n_kv_heads.max(1);
+        self.step_flash =
+            self.flash && self.kv_f16.get() && matches!(attn.head_dim, 64 | 128) && (1..=64).contains(&group);
+        let mut tiles: Vec<[i32; 4]> = Vec::new();
+        if self.step_flash {
+            let per = 64 / group;
+            let mut off = 0i32;
+            for span in batch.seqs {
+                for r in span.rows.clone().step_by(per) {
+                    let rows = (span.rows.end - r).min(per);
+                    tiles.push([r as i32, rows as i32, (span.pos0 + r - span.rows.start) as i32, off]);
+                }
+                off += span.block_table.len() as i32;
+            }
+            tiles.sort_by_key(|t| std::cmp::Reverse(t[2] + t[1]));
+        }
+        self.n_fa_tiles = tiles.len();
+        let flat: Vec<i32> = tiles.concat();
+        self.n_step = tokens.len();
         let st = self.dev.stream().clone();
-        Self::put(&st, &mut self.cos, &self.host_cos);
-        Self::put(&st, &mut self.sin, &self.host_sin);
-        Self::put(&st, &mut self.slots, &slots);
-        Self::put(&st, &mut self.pos, &pos);
-        Self::put(&st, &mut self.table_off, &table_off);
-        Self::put(&st, &mut self.tables, &tables);
+        let mut moved = Self::put(&st, &mut self.ids, tokens);
+        moved |= Self::put(&st, &mut self.rows, logit_rows);
+        moved |= Self::put(&st, &mut self.cos, &self.host_cos);
+        moved |= Self::put(&st, &mut self.sin, &self.host_sin);
+        moved |= Self::put(&st, &mut self.slots, &slots);
+        moved |= Self::put(&st, &mut self.pos, &pos);
+        moved |= Self::put(&st, &mut self.table_off, &table_off);
+        moved |= Self::put(&st, &mut self.tables, &tables);
+        moved |= Self::put(&st, &mut self.max_ctx_dev, &[self.max_ctx as i32]);
+        moved |= Self::put(&st, &mut self.fa_tiles, &flat);
+        if moved {
+            self.buffers_moving();
+        }
+        let units = if self.step_flash { tiles.len() * attn.n_kv_heads } else { batch.n_tokens * attn.n_heads };
+        self.step_splits = self.attn_splits(units);
+        self.step_key = (batch.n_tokens, logit_rows.len(), self.step_splits);
     }
 }
 
@@ -310,6 +462,7 @@ impl Backend for CudaBackend {
     }
 
     fn kv_cache(&self, shape: KvShape) -> Result<CudaKv, KernelError> {
+        self.kv_f16.set(shape.dtype == KvDtype::F16);
         let per_layer = 2 * shape.n_blocks * shape.block_size * shape.n_kv_heads * shape.head_dim;
         let st = self.dev.stream();
         let mut layers = Vec::with_capacity(shape.n_layers);
@@ -328,23 +481,64 @@ impl Backend for CudaBackend {
         Ok(CudaKv { shape, layers })
     }
 
+    fn begin_step(&mut self, tokens: &[u32], batch: &StepBatch, rope: &Rope, attn: &AttnShape, logit_rows: &[u32]) {
+        let t = self.tic();
+        self.prepare_step(tokens, batch, rope, attn, logit_rows);
+        self.toc("step_metadata_upload", t);
+    }
+
+    fn run_step(&mut self, replayable: bool, body: &mut dyn FnMut(&mut Self)) {
+        if !(replayable && self.graphs_on) {
+            return body(self);
+        }
+        let key = self.step_key;
+        if let Some(g) = self.graphs.0.get(&key) {
+            g.launch().expect("CUDA: launching a decode graph");
+            return;
+        }
+        // The first step of a shape runs op by op (sizing every scratch buffer); the
+        // second is captured.
+        if self.seen.insert(key) || self.graphs.0.len() >= MAX_GRAPHS {
+            return body(self);
+        }
+        let st = self.dev.stream().clone();
+        st.begin_capture(cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .expect("CUDA: beginning a graph capture");
+        self.capturing = true;
+        body(self);
+        self.capturing = false;
+        match st.end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0)) {
+            Ok(Some(g)) => {
+                g.launch().expect("CUDA: launching a decode graph");
+                self.graphs.0.insert(key, g);
+            }
+            other => {
+                // Nothing ran during the capture: run the step op by op, and stop capturing.
+                tracing::warn!("CUDA graph capture failed ({:?}); decode steps run op by op", other.err());
+                self.graphs_on = false;
+                body(self);
+            }
+        }
+    }
+
     fn embed(&mut self, table: &CudaLinear, ids: &[u32], out: &mut CudaSlice<f32>) {
         let dim = table.cols();
         assert!(ids.iter().all(|&i| (i as usize) < table.rows()) && out.len() >= ids.len() * dim);
+        assert_eq!(ids.len(), self.n_step, "CUDA: embed takes the ids given to begin_step");
         let st = self.dev.stream().clone();
-        let d_ids = st.clone_htod(ids).expect("CUDA: uploading token ids");
+        let d_ids = &self.ids;
         let (d, n) = (dim as i32, ids.len() as i32);
         let cfg = launch_cfg(ids.len() * dim);
         let r = match table {
             CudaLinear::F32 { w, .. } => {
                 let mut b = st.launch_builder(self.dev.func("embed_rows"));
-                b.arg(w).arg(&d_ids).arg(&d).arg(&n).arg(out);
+                b.arg(w).arg(d_ids).arg(&d).arg(&n).arg(out);
                 // SAFETY: argument types match the kernel; ids index rows of the table.
                 unsafe { b.launch(cfg) }
             }
             CudaLinear::Bf16 { w, .. } => {
                 let mut b = st.launch_builder(self.dev.func("embed_rows_bf16"));
-                b.arg(w).arg(&d_ids).arg(&d).arg(&n).arg(out);
+                b.arg(w).arg(d_ids).arg(&d).arg(&n).arg(out);
                 // SAFETY: as above.
                 unsafe { b.launch(cfg) }
             }
@@ -415,6 +609,7 @@ impl Backend for CudaBackend {
             CudaLinear::Bf16 { w, .. } => {
                 let len = n_tokens * cols;
                 if self.x_bf16.len() < len {
+                    self.buffers_moving();
                     self.x_bf16 = st.alloc_zeros::<u16>(len.next_power_of_two()).expect("CUDA: GEMM scratch");
                 }
                 {
@@ -466,11 +661,6 @@ impl Backend for CudaBackend {
         attn: &AttnShape,
         kv: &mut CudaKv,
     ) {
-        if layer == 0 {
-            let t = self.tic();
-            self.prepare_step(batch, rope);
-            self.toc("step_metadata_upload", t);
-        }
         if batch.n_tokens == 0 {
             return;
         }
@@ -518,50 +708,63 @@ impl Backend for CudaBackend {
         let half = kv.half() as i64;
         let (nh, nkv, hd) = (attn.n_heads as i32, attn.n_kv_heads as i32, attn.head_dim as i32);
         let (bs, scale) = (batch.block_size as i32, attn.scale);
-        // Split-K when the (token, head) pairs alone leave SMs idle (decode of small
-        // batches): enough key chunks, of at least `attn_chunk` keys, to give every SM
-        // two blocks.
-        let pairs = batch.n_tokens * attn.n_heads;
-        let want = (2 * self.n_sms).div_ceil(pairs);
-        let splits =
-            if self.attn_chunk > 0 && want > 1 { want.min(self.max_ctx.div_ceil(self.attn_chunk)).max(1) } else { 1 };
-        let chunk = self.max_ctx.div_ceil(splits);
-        let cfg = LaunchConfig {
-            grid_dim: (batch.n_tokens as u32, attn.n_heads as u32, splits as u32),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let chunk_i = chunk as i32;
+        let splits = self.step_splits;
         let split = splits > 1;
         if split {
             let need = batch.n_tokens * attn.n_heads * splits * (attn.head_dim + 2);
             if self.attn_part.len() < need {
+                self.buffers_moving();
                 self.attn_part = st.alloc_zeros::<f32>(need.next_power_of_two()).expect("CUDA: attention scratch");
             }
         }
-        let name = match (&kv.layers[layer], split) {
-            (KvBuf::F16(_), false) => "attention_f16",
-            (KvBuf::F32(_), false) => "attention_f32",
-            (KvBuf::F16(_), true) => "attention_split_f16",
-            (KvBuf::F32(_), true) => "attention_split_f32",
-        };
-        let mut b = st.launch_builder(self.dev.func(name));
-        b.arg(qkv);
         match &kv.layers[layer] {
-            KvBuf::F16(c) => b.arg(c),
-            KvBuf::F32(c) => b.arg(c),
-        };
-        b.arg(&half).arg(&self.pos).arg(&self.table_off).arg(&self.tables);
-        b.arg(&nh).arg(&nkv).arg(&hd).arg(&bs).arg(&scale).arg(&chunk_i);
-        // Split: each block writes its partial to the scratch, merged below.
-        if split {
-            b.arg(&mut self.attn_part);
-        } else {
-            b.arg(&mut *out);
+            KvBuf::F16(c) if self.step_flash => {
+                let name = if attn.head_dim == 64 { "flash_attn_f16_d64" } else { "flash_attn_f16_d128" };
+                let cfg = LaunchConfig {
+                    grid_dim: (self.n_fa_tiles as u32, attn.n_kv_heads as u32, splits as u32),
+                    block_dim: (128, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                let mut b = st.launch_builder(self.dev.func(name));
+                b.arg(qkv).arg(c).arg(&half).arg(&self.fa_tiles).arg(&self.tables);
+                b.arg(&nh).arg(&nkv).arg(&bs).arg(&scale).arg(&self.max_ctx_dev);
+                // Split: each block writes its partials to the scratch, merged below.
+                b.arg(&mut *out).arg(&mut self.attn_part);
+                // SAFETY: argument types match the kernel; the tiles cover this step's
+                // rows and their tables index the cache; the scratch holds every partial.
+                unsafe { b.launch(cfg) }.expect("CUDA: flash attention");
+            }
+            layer_kv => {
+                let name = match (layer_kv, split) {
+                    (KvBuf::F16(_), false) => "attention_f16",
+                    (KvBuf::F32(_), false) => "attention_f32",
+                    (KvBuf::F16(_), true) => "attention_split_f16",
+                    (KvBuf::F32(_), true) => "attention_split_f32",
+                };
+                let cfg = LaunchConfig {
+                    grid_dim: (batch.n_tokens as u32, attn.n_heads as u32, splits as u32),
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                let mut b = st.launch_builder(self.dev.func(name));
+                b.arg(qkv);
+                match layer_kv {
+                    KvBuf::F16(c) => b.arg(c),
+                    KvBuf::F32(c) => b.arg(c),
+                };
+                b.arg(&half).arg(&self.pos).arg(&self.table_off).arg(&self.tables);
+                b.arg(&nh).arg(&nkv).arg(&hd).arg(&bs).arg(&scale).arg(&self.max_ctx_dev);
+                // Split: each block writes its partial to the scratch, merged below.
+                if split {
+                    b.arg(&mut self.attn_part);
+                } else {
+                    b.arg(&mut *out);
+                }
+                // SAFETY: argument types match the kernel; tables index the cache; the
+                // scratch holds every partial.
+                unsafe { b.launch(cfg) }.expect("CUDA: attention");
+            }
         }
-        // SAFETY: argument types match the kernel; tables index the cache; the scratch
-        // holds every partial.
-        unsafe { b.launch(cfg) }.expect("CUDA: attention");
         if split {
             let sp = splits as i32;
             let mcfg = LaunchConfig {
@@ -574,7 +777,7 @@ impl Backend for CudaBackend {
             // SAFETY: the partials were written just above for these tokens and heads.
             unsafe { b.launch(mcfg) }.expect("CUDA: attention merge");
         }
-        self.toc("attention", t);
+        self.toc(if self.step_flash { "attention_flash" } else { "attention" }, t);
     }
 
     fn silu_mul(&mut self, gu: &CudaSlice<f32>, n_tokens: usize, ff: usize, out: &mut CudaSlice<f32>) {
@@ -589,11 +792,11 @@ impl Backend for CudaBackend {
         if rows.is_empty() {
             return;
         }
+        // The rows given to begin_step, already on the device.
         let st = self.dev.stream().clone();
-        let d_rows = st.clone_htod(rows).expect("CUDA: uploading rows");
         let (d, n) = (dim as i32, rows.len() as i32);
         let mut b = st.launch_builder(self.dev.func("gather_rows"));
-        b.arg(x).arg(&d_rows).arg(&d).arg(&n).arg(out);
+        b.arg(x).arg(&self.rows).arg(&d).arg(&n).arg(out);
         // SAFETY: rows index rows of x (the engine's own batch rows).
         unsafe { b.launch(launch_cfg(rows.len() * dim)) }.expect("CUDA: gather rows");
     }

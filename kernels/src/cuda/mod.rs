@@ -59,6 +59,8 @@ const KERNELS: &[&str] = &[
     "attention_split_f32",
     "attention_merge",
     "argmax_rows",
+    "flash_attn_f16_d64",
+    "flash_attn_f16_d128",
 ];
 
 /// Where compiled PTX is cached: `$DISAGG_CACHE/ptx` (default `~/.cache/disagg/ptx`).
@@ -117,6 +119,12 @@ impl CudaDevice {
         let arch = ctx.compute_capability().map_err(dev_err)?;
         let name = ctx.name().map_err(dev_err)?;
         let module = ctx.load_module(ptx_for(OPS_SRC, arch)?).map_err(dev_err)?;
+        // All work goes through one created stream (the legacy default stream cannot be
+        // captured into a graph), so cudarc's cross-stream event tracking has nothing to
+        // order; off, it records no events that a graph capture would trip on.
+        // SAFETY: every buffer of this context is used on this one stream.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.new_stream().map_err(dev_err)?;
         let f = |n: &str| module.load_function(n).map_err(dev_err);
         let mut funcs = HashMap::new();
         for &k in KERNELS {
@@ -127,7 +135,7 @@ impl CudaDevice {
             ordinal,
             name,
             arch,
-            stream: ctx.default_stream(),
+            stream,
             rms_norm: f("rms_norm_rows")?,
             silu_mul: f("silu_mul_rows")?,
             embed: f("embed_rows")?,

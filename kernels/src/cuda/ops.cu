@@ -137,14 +137,14 @@ extern "C" __global__ void rope_write_kv_f32(float* qkv, const float* cos_t, con
 // starts at tables[table_off[t]]; it attends to positions 0..=pos[t]. Each warp takes
 // every ATT_WARPS-th key with an online softmax (lanes split head_dim); the warps are
 // merged at the end. With SPLIT (flash-decoding, for batches of few tokens and long
-// contexts), block z takes keys [z·chunk, (z+1)·chunk) and writes its unnormalised
+// contexts), block z takes keys [z·chunk, (z+1)·chunk), chunk = ⌈max_ctx / splits⌉, and writes its unnormalised
 // partial (max, sum, acc[head_dim]) for attention_merge. head_dim ≤ 256.
 #define ATT_WARPS 8
 #define NEG_INF __int_as_float(0xff800000)
 template <typename T, bool SPLIT>
 __device__ void attention_impl(const float* qkv, const T* cache, long long half, const int* pos, const int* table_off,
                                const unsigned int* tables, int n_heads, int n_kv, int hd, int block_size, float scale,
-                               int chunk, float* out) {
+                               const int* max_ctx, float* out) {
     const int t = blockIdx.x, h = blockIdx.y, z = blockIdx.z;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int w = (n_heads + 2 * n_kv) * hd;
@@ -159,6 +159,9 @@ __device__ void attention_impl(const float* qkv, const T* cache, long long half,
     }
     float m = NEG_INF, l = 0.f;
     const int n = pos[t] + 1;
+    // Keys per split, from the step's longest context (on the device, so a captured
+    // graph replays correctly as contexts grow).
+    const int chunk = SPLIT ? (max_ctx[0] + gridDim.z - 1) / gridDim.z : 0;
     const int j0 = SPLIT ? z * chunk : 0;
     const int j1 = SPLIT ? min(n, j0 + chunk) : n;
     const unsigned int* table = tables + table_off[t];
@@ -218,8 +221,8 @@ __device__ void attention_impl(const float* qkv, const T* cache, long long half,
 }
 
 #define ATTENTION_ARGS const float* qkv, const T_* cache, long long half, const int* pos, const int* table_off, \
-    const unsigned int* tables, int n_heads, int n_kv, int hd, int block_size, float scale, int chunk, float* out
-#define ATTENTION_CALL qkv, cache, half, pos, table_off, tables, n_heads, n_kv, hd, block_size, scale, chunk, out
+    const unsigned int* tables, int n_heads, int n_kv, int hd, int block_size, float scale, const int* max_ctx, float* out
+#define ATTENTION_CALL qkv, cache, half, pos, table_off, tables, n_heads, n_kv, hd, block_size, scale, max_ctx, out
 #define T_ unsigned short
 extern "C" __global__ void attention_f16(ATTENTION_ARGS) { attention_impl<T_, false>(ATTENTION_CALL); }
 extern "C" __global__ void attention_split_f16(ATTENTION_ARGS) { attention_impl<T_, true>(ATTENTION_CALL); }
@@ -293,3 +296,208 @@ extern "C" __global__ void argmax_rows(const float* x, int dim, unsigned int* ou
         if (lane == 0) out[blockIdx.x] = bi == 0x7fffffff ? 0u : (unsigned int)bi;
     }
 }
+
+// ---- Attention on tensor cores (flash-attention 2 style), prefill and decode ----
+// One block of 4 warps per (query tile of one sequence, KV head[, key split]). A tile's
+// 64 rows are (token, query head of the KV head's group) pairs: ⌊64 / group⌋ tokens ×
+// group heads, so the keys and values read for a KV head serve all of its query heads
+// at once (a decode token fills `group` rows). Each warp owns 16 rows. Keys and values
+// stream through shared memory 64 at a time from the paged f16 cache through the
+// sequence's block table; S = Q·Kᵀ and O += P·V run on mma.sync m16n8k16 (f16 inputs,
+// f32 accumulators) with an online softmax in base 2. With splits (gridDim.z > 1; decode
+// of few sequences), split z takes keys [z·chunk, (z+1)·chunk), chunk = ⌈max_ctx /
+// splits⌉ rounded up to 64, and writes attention_merge's partials.
+// Rounding: q·scale and the probabilities P are rounded to f16 for the MMAs (relative
+// 2⁻¹¹); the cache is f16 already. tiles[4·i] = (first token row, tokens, position of
+// the first token, offset of the block table in `tables`).
+__device__ __forceinline__ unsigned pack_f16x2(float lo, float hi) {
+    unsigned r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+__device__ __forceinline__ void mma_f16_16816(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+#define FA_KEYS 64
+#define FA_ROWS 64
+template <int HD>
+__device__ void flash_attn_impl(const float* qkv, const unsigned short* cache, long long half, const int* tiles,
+                                const unsigned int* tables, int n_heads, int n_kv, int block_size, float scale,
+                                const int* max_ctx, float* out, float* part) {
+    constexpr int KS = HD / 16;  // k-steps of S over head_dim
+    constexpr int DT = HD / 8;   // n-tiles of O over head_dim
+    constexpr int ST = HD + 8;   // shared row stride in halves (keeps fragment loads conflict-free)
+    __shared__ __align__(16) unsigned short ks[FA_KEYS * ST];
+    __shared__ __align__(16) unsigned short vs[FA_KEYS * ST];
+    const int* tile = tiles + 4 * blockIdx.x;
+    const int row0 = tile[0], ntok = tile[1], pos0 = tile[2];
+    const unsigned int* table = tables + tile[3];
+    const int kvh = blockIdx.y, grp = n_heads / n_kv, z = blockIdx.z, splits = gridDim.z;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+    const int w = (n_heads + 2 * n_kv) * HD;
+    const int nrows = ntok * grp;
+    // This thread's two rows (g and g+8 of the warp's 16); rows past the tile repeat its
+    // last row and are never written.
+    const int ra = warp * 16 + g, rb = ra + 8;
+    const int ca = min(ra, nrows - 1), cb = min(rb, nrows - 1);
+    const int ta = ca / grp, tb = cb / grp;
+    const int ha = kvh * grp + ca % grp, hb = kvh * grp + cb % grp;
+    const int pa = pos0 + ta, pb = pos0 + tb;
+    const float qs = scale * 1.4426950408889634f;
+    unsigned qf[KS][4];
+    {
+        const float* qa = qkv + (size_t)(row0 + ta) * w + ha * HD;
+        const float* qb = qkv + (size_t)(row0 + tb) * w + hb * HD;
+#pragma unroll
+        for (int k = 0; k < KS; k++) {
+            const int c0 = 16 * k + 2 * t4, c1 = c0 + 8;
+            qf[k][0] = pack_f16x2(qa[c0] * qs, qa[c0 + 1] * qs);
+            qf[k][1] = pack_f16x2(qb[c0] * qs, qb[c0 + 1] * qs);
+            qf[k][2] = pack_f16x2(qa[c1] * qs, qa[c1 + 1] * qs);
+            qf[k][3] = pack_f16x2(qb[c1] * qs, qb[c1 + 1] * qs);
+        }
+    }
+    float o[DT][4];
+#pragma unroll
+    for (int d = 0; d < DT; d++) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.f;
+    float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.f, l1 = 0.f;
+    int k0 = 0, k1 = pos0 + ntok;
+    if (splits > 1) {
+        const int chunk = ((max_ctx[0] + splits - 1) / splits + FA_KEYS - 1) / FA_KEYS * FA_KEYS;
+        k0 = z * chunk;
+        k1 = min(k1, k0 + chunk);
+    }
+    const bool idle = warp * 16 >= nrows;  // no row of this warp is in the tile
+    const int warp_last = pos0 + min(warp * 16 + 15, nrows - 1) / grp;
+    for (int kb = k0; kb < k1; kb += FA_KEYS) {
+        __syncthreads();
+        constexpr int CH = HD / 8;  // 16-byte chunks per key row
+        for (int i = threadIdx.x; i < FA_KEYS * CH; i += blockDim.x) {
+            const int key = i / CH, c = (i % CH) * 8, j = kb + key;
+            uint4 kx = make_uint4(0, 0, 0, 0), vx = kx;
+            if (j < k1) {
+                const long long blk = table[j / block_size];
+                const size_t at = (size_t)(((blk * n_kv + kvh) * block_size + j % block_size) * HD + c);
+                kx = *(const uint4*)(cache + at);
+                vx = *(const uint4*)(cache + half + at);
+            }
+            *(uint4*)(ks + key * ST + c) = kx;
+            *(uint4*)(vs + key * ST + c) = vx;
+        }
+        __syncthreads();
+        if (idle || kb > warp_last) continue;  // every key of the tile comes after this warp's rows
+        float s[FA_KEYS / 8][4];
+#pragma unroll
+        for (int nt = 0; nt < FA_KEYS / 8; nt++) {
+            s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+            const unsigned short* kr = ks + (nt * 8 + g) * ST + 2 * t4;
+#pragma unroll
+            for (int k = 0; k < KS; k++) {
+                const unsigned b0 = *(const unsigned*)(kr + 16 * k);
+                const unsigned b1 = *(const unsigned*)(kr + 16 * k + 8);
+                mma_f16_16816(s[nt], qf[k], b0, b1);
+            }
+        }
+        // Causal mask and the split's end (this also hides the zero keys), row maxima.
+        float mx0 = NEG_INF, mx1 = NEG_INF;
+#pragma unroll
+        for (int nt = 0; nt < FA_KEYS / 8; nt++) {
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                const int j = kb + nt * 8 + 2 * t4 + e;
+                if (j > pa || j >= k1) s[nt][e] = NEG_INF;
+                if (j > pb || j >= k1) s[nt][2 + e] = NEG_INF;
+                mx0 = fmaxf(mx0, s[nt][e]);
+                mx1 = fmaxf(mx1, s[nt][2 + e]);
+            }
+        }
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffff, mx0, 1));
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffff, mx0, 2));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffff, mx1, 1));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffff, mx1, 2));
+        const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
+        // A row may have no key yet (a split before its position): keep it at zero.
+        const float r0 = n0 == NEG_INF ? 0.f : n0, r1 = n1 == NEG_INF ? 0.f : n1;
+        const float a0 = exp2f(m0 - r0), a1 = exp2f(m1 - r1);
+        m0 = n0;
+        m1 = n1;
+        float rs0 = 0.f, rs1 = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < FA_KEYS / 8; nt++) {
+            s[nt][0] = exp2f(s[nt][0] - r0);
+            s[nt][1] = exp2f(s[nt][1] - r0);
+            s[nt][2] = exp2f(s[nt][2] - r1);
+            s[nt][3] = exp2f(s[nt][3] - r1);
+            rs0 += s[nt][0] + s[nt][1];
+            rs1 += s[nt][2] + s[nt][3];
+        }
+        l0 = l0 * a0 + rs0;  // this thread's columns only; summed over the quad at the end
+        l1 = l1 * a1 + rs1;
+#pragma unroll
+        for (int d = 0; d < DT; d++) {
+            o[d][0] *= a0;
+            o[d][1] *= a0;
+            o[d][2] *= a1;
+            o[d][3] *= a1;
+        }
+#pragma unroll
+        for (int kk = 0; kk < FA_KEYS / 16; kk++) {
+            // The accumulator layout of S is the A-operand layout of P.
+            unsigned pf[4];
+            pf[0] = pack_f16x2(s[2 * kk][0], s[2 * kk][1]);
+            pf[1] = pack_f16x2(s[2 * kk][2], s[2 * kk][3]);
+            pf[2] = pack_f16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+            pf[3] = pack_f16x2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+            const unsigned short* v0 = vs + (16 * kk + 2 * t4) * ST + g;
+#pragma unroll
+            for (int d = 0; d < DT; d++) {
+                const unsigned short* vp = v0 + d * 8;
+                const unsigned b0 = (unsigned)vp[0] | ((unsigned)vp[ST] << 16);
+                const unsigned b1 = (unsigned)vp[8 * ST] | ((unsigned)vp[9 * ST] << 16);
+                mma_f16_16816(o[d], pf, b0, b1);
+            }
+        }
+    }
+    l0 += __shfl_xor_sync(0xffffffff, l0, 1);
+    l0 += __shfl_xor_sync(0xffffffff, l0, 2);
+    l1 += __shfl_xor_sync(0xffffffff, l1, 1);
+    l1 += __shfl_xor_sync(0xffffffff, l1, 2);
+#pragma unroll
+    for (int half_row = 0; half_row < 2; half_row++) {
+        const int r = half_row ? rb : ra;
+        if (r >= nrows) continue;
+        const int t = row0 + (half_row ? tb : ta), h = half_row ? hb : ha;
+        const float m = half_row ? m1 : m0, l = half_row ? l1 : l0;
+        if (splits == 1) {
+            // Key 0 is in every row's past, so l > 0.
+            float* op = out + (size_t)t * n_heads * HD + h * HD + 2 * t4;
+#pragma unroll
+            for (int d = 0; d < DT; d++) {
+                op[d * 8] = o[d][2 * half_row] / l;
+                op[d * 8 + 1] = o[d][2 * half_row + 1] / l;
+            }
+        } else {
+            // attention_merge's partial (natural-log max, sum, unnormalised acc).
+            float* pp = part + ((size_t)(t * n_heads + h) * splits + z) * (HD + 2);
+            if (t4 == 0) {
+                pp[0] = m * 0.6931471805599453f;
+                pp[1] = l;
+            }
+#pragma unroll
+            for (int d = 0; d < DT; d++) {
+                pp[2 + d * 8 + 2 * t4] = o[d][2 * half_row];
+                pp[2 + d * 8 + 2 * t4 + 1] = o[d][2 * half_row + 1];
+            }
+        }
+    }
+}
+
+#define FLASH_ARGS const float* qkv, const unsigned short* cache, long long half, const int* tiles, \
+    const unsigned int* tables, int n_heads, int n_kv, int block_size, float scale, const int* max_ctx, float* out, float* part
+#define FLASH_CALL qkv, cache, half, tiles, tables, n_heads, n_kv, block_size, scale, max_ctx, out, part
+extern "C" __global__ void __launch_bounds__(128) flash_attn_f16_d64(FLASH_ARGS) { flash_attn_impl<64>(FLASH_CALL); }
+extern "C" __global__ void __launch_bounds__(128) flash_attn_f16_d128(FLASH_ARGS) { flash_attn_impl<128>(FLASH_CALL); }
