@@ -141,6 +141,8 @@ fn bench_core<B: Backend>(
     for &b in &a.batch {
         let mut rates = Vec::new();
         let mut step_ms = Vec::new();
+        let mut ops: std::collections::BTreeMap<&'static str, (f64, u64)> = Default::default();
+        let mut op_steps = 0;
         for r in 0..a.repeat {
             let reqs = (0..b)
                 .map(|i| (prompt(a.context, 1000 + (r * b + i) as u64, vocab), greedy(a.gen_tokens + 1)))
@@ -155,11 +157,19 @@ fn bench_core<B: Backend>(
             let ms = t.full_steps_s * 1e3 / t.full_steps as f64;
             rates.push(b as f64 / (ms * 1e-3));
             step_ms.push(ms);
+            for (op, secs, calls) in t.full_step_ops {
+                let e = ops.entry(op).or_default();
+                e.0 += secs;
+                e.1 += calls;
+            }
+            op_steps += t.full_steps;
         }
         decode.push(json!({
             "batch": b,
             "tokens_per_s": median(rates),
             "ms_per_step": median(step_ms),
+            // Per-op time of the timed steps (DISAGG_CUDA_PROFILE; every op synchronized).
+            "op_us_per_step": ops.iter().map(|(op, (s, n))| json!({"op": op, "us": s * 1e6 / op_steps.max(1) as f64, "calls_per_step": *n as f64 / op_steps.max(1) as f64})).collect::<Vec<_>>(),
         }));
     }
     let w_bytes = core.model.weight_bytes as f64;
@@ -214,6 +224,8 @@ struct Timing {
     /// Steps in which every sequence of the batch decoded one token, and their time.
     full_steps: usize,
     full_steps_s: f64,
+    /// The backend's per-op time in those steps, when it records it.
+    full_step_ops: Vec<(&'static str, f64, u64)>,
 }
 
 /// Runs a batch to completion; times the first step (all prefills) and the rest.
@@ -231,18 +243,27 @@ fn run_batch<B: Backend>(
     let mut started = 0;
     let mut first_step_s = None;
     let (mut full_steps, mut full_steps_s) = (0, 0.0);
+    let mut ops: std::collections::BTreeMap<&'static str, (f64, u64)> = Default::default();
     while core.has_work() {
+        let before = core.backend().op_profile();
         let ts = Instant::now();
         let outs = core.step();
         let dt = ts.elapsed().as_secs_f64();
         if first_step_s.is_some() && outs.len() == n && outs.iter().all(|o| o.completion_tokens > 1) {
             full_steps += 1;
             full_steps_s += dt;
+            for (op, secs, calls) in core.backend().op_profile() {
+                let (s0, c0) = before.iter().find(|b| b.0 == op).map_or((0.0, 0), |b| (b.1, b.2));
+                let e = ops.entry(op).or_default();
+                e.0 += secs - s0;
+                e.1 += calls - c0;
+            }
         }
         started += outs.iter().filter(|o| o.completion_tokens == 1).count();
         if first_step_s.is_none() && started == n {
             first_step_s = Some(t0.elapsed().as_secs_f64());
         }
     }
-    Ok(Timing { first_step_s: first_step_s.unwrap_or(0.0), full_steps, full_steps_s })
+    let full_step_ops = ops.into_iter().map(|(op, (s, c))| (op, s, c)).collect();
+    Ok(Timing { first_step_s: first_step_s.unwrap_or(0.0), full_steps, full_steps_s, full_step_ops })
 }

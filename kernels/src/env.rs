@@ -79,3 +79,8 @@ pub const CUDA_FLASH: &str = "DISAGG_CUDA_FLASH";
 /// cuBLAS workspace of the CUDA backend in MiB (default 32, fixed at start so captured
 /// GEMMs never allocate); `0`: cuBLAS's own default.
 pub const CUDA_BLAS_WORKSPACE_MIB: &str = "DISAGG_CUDA_BLAS_WORKSPACE_MIB";
+
+/// `0`: decode-only steps take the flash kernel's general form (one warp per 16 rows;
+/// a decode token fills only its group's rows of one warp) instead of the form whose
+/// four warps split each key tile; for A/B runs.
+pub const CUDA_FLASH_DECODE: &str = "DISAGG_CUDA_FLASH_DECODE";

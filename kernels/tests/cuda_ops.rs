@@ -114,7 +114,7 @@ fn embedding_gathers_rows_exactly_and_refuses_bad_ids() {
 /// Both CUDA attention kernels, whole and split-K, against the CPU backend's attention,
 /// on the same paged f16 cache (shuffled block tables) for a mixed step: a prefill chunk
 /// over a cached prefix, a fresh prompt whose length is not a multiple of the tile, and
-/// one decode row. Tolerances: the per-token kernel computes in f32 like the CPU (a few
+/// one decode row; then a decode-only step (the flash kernel's warps split the keys). Tolerances: the per-token kernel computes in f32 like the CPU (a few
 /// ulp, 1e-4 of the value range here); the flash kernel rounds q·scale and the
 /// probabilities to f16 (2⁻¹¹ relative), measured at ~1e-3 and held to 5e-3 of the
 /// value range.
@@ -135,52 +135,55 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
             x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
             perm.swap(i, (x >> 33) as usize % (i + 1));
         }
-        // (cached positions, rows this step)
-        let seqs = [(37usize, 100usize), (0, 70), (500, 1)];
-        let mut tables = Vec::new();
-        let mut at = 0;
-        for &(p0, n) in &seqs {
-            let nb = (p0 + n).div_ceil(16);
-            tables.push(perm[at..at + nb].to_vec());
-            at += nb;
-        }
-        let mut spans = Vec::new();
-        let mut row = 0;
-        for (i, &(p0, n)) in seqs.iter().enumerate() {
-            spans.push(SeqSpan { rows: row..row + n, pos0: p0, block_table: &tables[i] });
-            row += n;
-        }
-        let n_tokens = row;
-        let batch = StepBatch { n_tokens, seqs: &spans, block_size: 16 };
-        let qkv = data(n_tokens * attn.qkv_dim(), 12);
-        let rope = Rope { interleaved: false, inv_freq: vec![1.0; hd / 2] };
-        let tokens = vec![0u32; n_tokens];
+        // Steps of (cached positions, rows): mixed (prefill tiles), then decode only.
+        let steps: [&[(usize, usize)]; 2] = [&[(37, 100), (0, 70), (500, 1)], &[(500, 1), (37, 1), (0, 1), (900, 1)]];
+        for seqs in steps {
+            let mut tables = Vec::new();
+            let mut at = 0;
+            for &(p0, n) in seqs {
+                let nb = (p0 + n).div_ceil(16);
+                tables.push(perm[at..at + nb].to_vec());
+                at += nb;
+            }
+            let mut spans = Vec::new();
+            let mut row = 0;
+            for (i, &(p0, n)) in seqs.iter().enumerate() {
+                spans.push(SeqSpan { rows: row..row + n, pos0: p0, block_table: &tables[i] });
+                row += n;
+            }
+            let n_tokens = row;
+            let batch = StepBatch { n_tokens, seqs: &spans, block_size: 16 };
+            let qkv = data(n_tokens * attn.qkv_dim(), 12);
+            let rope = Rope { interleaved: false, inv_freq: vec![1.0; hd / 2] };
+            let tokens = vec![0u32; n_tokens];
 
-        let mut cpu = kernels::cpu::CpuBackend::new(2);
-        let mut ckv = cpu.kv_cache(shape).unwrap();
-        cpu.kv_import(&mut ckv, 0, &blocks, &bytes);
-        let mut want = vec![0f32; n_tokens * attn.q_dim()];
-        cpu.attention(&qkv, 0, &batch, &attn, &ckv, &mut want);
-        let range = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let mut cpu = kernels::cpu::CpuBackend::new(2);
+            let mut ckv = cpu.kv_cache(shape).unwrap();
+            cpu.kv_import(&mut ckv, 0, &blocks, &bytes);
+            let mut want = vec![0f32; n_tokens * attn.q_dim()];
+            cpu.attention(&qkv, 0, &batch, &attn, &ckv, &mut want);
+            let range = want.iter().fold(0f32, |m, v| m.max(v.abs()));
 
-        let mut be = kernels::cuda::CudaBackend::new(0, true).expect("cuda:0 opens");
-        let mut gkv = be.kv_cache(shape).unwrap();
-        be.kv_import(&mut gkv, 0, &blocks, &bytes);
-        let dq = be.device().upload(&qkv).unwrap();
-        // Each kernel whole and split into key chunks (this step's few tiles split).
-        for (flash, chunk) in [(false, 0), (false, 64), (true, 0), (true, 64)] {
-            be.set_flash(flash);
-            be.set_attn_chunk(chunk);
-            be.begin_step(&tokens, &batch, &rope, &attn, &[]);
-            let mut out = be.act(n_tokens * attn.q_dim());
-            be.attention(&dq, 0, &batch, &attn, &gkv, &mut out);
-            let mut got = vec![0f32; n_tokens * attn.q_dim()];
-            be.to_host(&out, &mut got);
-            let err = max_abs(&got, &want) / range;
-            println!(
-                "attention {n_heads}/{n_kv} heads, head_dim {hd}, flash {flash}, split chunk {chunk}: max |GPU − CPU| / range = {err:.2e}"
-            );
-            assert!(err < if flash { 5e-3 } else { 1e-4 }, "flash {flash}, chunk {chunk}: {err}");
+            let mut be = kernels::cuda::CudaBackend::new(0, true).expect("cuda:0 opens");
+            let mut gkv = be.kv_cache(shape).unwrap();
+            be.kv_import(&mut gkv, 0, &blocks, &bytes);
+            let dq = be.device().upload(&qkv).unwrap();
+            // Each kernel whole and split into key chunks (this step's few tiles split).
+            for (flash, chunk) in [(false, 0), (false, 64), (true, 0), (true, 64)] {
+                be.set_flash(flash);
+                be.set_attn_chunk(chunk);
+                be.begin_step(&tokens, &batch, &rope, &attn, &[]);
+                let mut out = be.act(n_tokens * attn.q_dim());
+                be.attention(&dq, 0, &batch, &attn, &gkv, &mut out);
+                let mut got = vec![0f32; n_tokens * attn.q_dim()];
+                be.to_host(&out, &mut got);
+                let err = max_abs(&got, &want) / range;
+                println!(
+                    "attention {n_heads}/{n_kv} heads, head_dim {hd}, {} rows, flash {flash}, split chunk {chunk}: max |GPU − CPU| / range = {err:.2e}",
+                    n_tokens
+                );
+                assert!(err < if flash { 5e-3 } else { 1e-4 }, "flash {flash}, chunk {chunk}: {err}");
+            }
         }
     }
 }

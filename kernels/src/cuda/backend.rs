@@ -129,6 +129,10 @@ pub struct CudaBackend {
     /// tiles, and the step's key splits (either kernel).
     flash: bool,
     step_flash: bool,
+    /// This step's tiles all have ≤ 16 rows (decode): the warps split the keys instead
+    /// (`flash_decode`: allowed; `DISAGG_CUDA_FLASH_DECODE=0`: never).
+    step_decode: bool,
+    flash_decode: bool,
     fa_tiles: CudaSlice<i32>,
     n_fa_tiles: usize,
     step_splits: usize,
@@ -193,6 +197,8 @@ impl CudaBackend {
             max_ctx_dev: stream.alloc_zeros::<i32>(1).map_err(dev_err)?,
             kv_f16: Default::default(),
             step_flash: false,
+            step_decode: false,
+            flash_decode: !off(crate::env::CUDA_FLASH_DECODE),
             step_splits: 1,
             fa_tiles: stream.alloc_zeros::<i32>(1).map_err(dev_err)?,
             n_fa_tiles: 0,
@@ -378,6 +384,7 @@ impl CudaBackend {
             }
             tiles.sort_by_key(|t| std::cmp::Reverse(t[2] + t[1]));
         }
+        self.step_decode = self.flash_decode && tiles.iter().all(|t| t[1] as usize * group <= 16);
         self.n_fa_tiles = tiles.len();
         let flat: Vec<i32> = tiles.concat();
         self.n_step = tokens.len();
@@ -719,7 +726,12 @@ impl Backend for CudaBackend {
         }
         match &kv.layers[layer] {
             KvBuf::F16(c) if self.step_flash => {
-                let name = if attn.head_dim == 64 { "flash_attn_f16_d64" } else { "flash_attn_f16_d128" };
+                let name = match (attn.head_dim, self.step_decode) {
+                    (64, false) => "flash_attn_f16_d64",
+                    (64, true) => "flash_decode_f16_d64",
+                    (_, false) => "flash_attn_f16_d128",
+                    (_, true) => "flash_decode_f16_d128",
+                };
                 let cfg = LaunchConfig {
                     grid_dim: (self.n_fa_tiles as u32, attn.n_kv_heads as u32, splits as u32),
                     block_dim: (128, 1, 1),

@@ -61,6 +61,8 @@ const KERNELS: &[&str] = &[
     "argmax_rows",
     "flash_attn_f16_d64",
     "flash_attn_f16_d128",
+    "flash_decode_f16_d64",
+    "flash_decode_f16_d128",
 ];
 
 /// Where compiled PTX is cached: `$DISAGG_CACHE/ptx` (default `~/.cache/disagg/ptx`).

@@ -323,16 +323,20 @@ __device__ __forceinline__ void mma_f16_16816(float* c, const unsigned* a, unsig
 }
 
 #define FA_KEYS 64
-#define FA_ROWS 64
-template <int HD>
+// WS (decode: a tile of ≤ 16 rows, one warp's worth): the four warps take the same rows
+// and split each 64-key tile between them (16 keys each), then merge their partial
+// softmaxes through shared memory, so a decode block computes 4× faster.
+template <int HD, bool WS>
 __device__ void flash_attn_impl(const float* qkv, const unsigned short* cache, long long half, const int* tiles,
                                 const unsigned int* tables, int n_heads, int n_kv, int block_size, float scale,
                                 const int* max_ctx, float* out, float* part) {
-    constexpr int KS = HD / 16;  // k-steps of S over head_dim
-    constexpr int DT = HD / 8;   // n-tiles of O over head_dim
-    constexpr int ST = HD + 8;   // shared row stride in halves (keeps fragment loads conflict-free)
-    __shared__ __align__(16) unsigned short ks[FA_KEYS * ST];
-    __shared__ __align__(16) unsigned short vs[FA_KEYS * ST];
+    constexpr int KS = HD / 16;               // k-steps of S over head_dim
+    constexpr int DT = HD / 8;                // n-tiles of O over head_dim
+    constexpr int ST = HD + 8;                // shared row stride in halves (conflict-free fragment loads)
+    constexpr int NT = WS ? 2 : FA_KEYS / 8;  // key n-tiles of S per warp and tile
+    __shared__ __align__(16) unsigned short kvs[2 * FA_KEYS * ST];
+    unsigned short* ks = kvs;
+    unsigned short* vs = kvs + FA_KEYS * ST;
     const int* tile = tiles + 4 * blockIdx.x;
     const int row0 = tile[0], ntok = tile[1], pos0 = tile[2];
     const unsigned int* table = tables + tile[3];
@@ -342,7 +346,7 @@ __device__ void flash_attn_impl(const float* qkv, const unsigned short* cache, l
     const int nrows = ntok * grp;
     // This thread's two rows (g and g+8 of the warp's 16); rows past the tile repeat its
     // last row and are never written.
-    const int ra = warp * 16 + g, rb = ra + 8;
+    const int ra = (WS ? 0 : warp * 16) + g, rb = ra + 8;
     const int ca = min(ra, nrows - 1), cb = min(rb, nrows - 1);
     const int ta = ca / grp, tb = cb / grp;
     const int ha = kvh * grp + ca % grp, hb = kvh * grp + cb % grp;
@@ -371,8 +375,10 @@ __device__ void flash_attn_impl(const float* qkv, const unsigned short* cache, l
         k0 = z * chunk;
         k1 = min(k1, k0 + chunk);
     }
-    const bool idle = warp * 16 >= nrows;  // no row of this warp is in the tile
-    const int warp_last = pos0 + min(warp * 16 + 15, nrows - 1) / grp;
+    const int r_first = WS ? 0 : warp * 16;
+    const bool idle = r_first >= nrows;  // no row of this warp is in the tile
+    const int warp_last = pos0 + min(r_first + 15, nrows - 1) / grp;
+    const int key_off = WS ? 16 * warp : 0;  // this warp's keys within a tile
     for (int kb = k0; kb < k1; kb += FA_KEYS) {
         __syncthreads();
         constexpr int CH = HD / 8;  // 16-byte chunks per key row
@@ -389,12 +395,12 @@ __device__ void flash_attn_impl(const float* qkv, const unsigned short* cache, l
             *(uint4*)(vs + key * ST + c) = vx;
         }
         __syncthreads();
-        if (idle || kb > warp_last) continue;  // every key of the tile comes after this warp's rows
-        float s[FA_KEYS / 8][4];
+        if (idle || kb + key_off > warp_last) continue;  // every key of this warp's part comes after its rows
+        float s[NT][4];
 #pragma unroll
-        for (int nt = 0; nt < FA_KEYS / 8; nt++) {
+        for (int nt = 0; nt < NT; nt++) {
             s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
-            const unsigned short* kr = ks + (nt * 8 + g) * ST + 2 * t4;
+            const unsigned short* kr = ks + (key_off + nt * 8 + g) * ST + 2 * t4;
 #pragma unroll
             for (int k = 0; k < KS; k++) {
                 const unsigned b0 = *(const unsigned*)(kr + 16 * k);
@@ -405,10 +411,10 @@ __device__ void flash_attn_impl(const float* qkv, const unsigned short* cache, l
         // Causal mask and the split's end (this also hides the zero keys), row maxima.
         float mx0 = NEG_INF, mx1 = NEG_INF;
 #pragma unroll
-        for (int nt = 0; nt < FA_KEYS / 8; nt++) {
+        for (int nt = 0; nt < NT; nt++) {
 #pragma unroll
             for (int e = 0; e < 2; e++) {
-                const int j = kb + nt * 8 + 2 * t4 + e;
+                const int j = kb + key_off + nt * 8 + 2 * t4 + e;
                 if (j > pa || j >= k1) s[nt][e] = NEG_INF;
                 if (j > pb || j >= k1) s[nt][2 + e] = NEG_INF;
                 mx0 = fmaxf(mx0, s[nt][e]);
@@ -420,14 +426,14 @@ __device__ void flash_attn_impl(const float* qkv, const unsigned short* cache, l
         mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffff, mx1, 1));
         mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffff, mx1, 2));
         const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
-        // A row may have no key yet (a split before its position): keep it at zero.
+        // A row may have no key yet (a split or a warp's part before its position).
         const float r0 = n0 == NEG_INF ? 0.f : n0, r1 = n1 == NEG_INF ? 0.f : n1;
         const float a0 = exp2f(m0 - r0), a1 = exp2f(m1 - r1);
         m0 = n0;
         m1 = n1;
         float rs0 = 0.f, rs1 = 0.f;
 #pragma unroll
-        for (int nt = 0; nt < FA_KEYS / 8; nt++) {
+        for (int nt = 0; nt < NT; nt++) {
             s[nt][0] = exp2f(s[nt][0] - r0);
             s[nt][1] = exp2f(s[nt][1] - r0);
             s[nt][2] = exp2f(s[nt][2] - r1);
@@ -445,14 +451,14 @@ __device__ void flash_attn_impl(const float* qkv, const unsigned short* cache, l
             o[d][3] *= a1;
         }
 #pragma unroll
-        for (int kk = 0; kk < FA_KEYS / 16; kk++) {
+        for (int kk = 0; kk < NT / 2; kk++) {
             // The accumulator layout of S is the A-operand layout of P.
             unsigned pf[4];
             pf[0] = pack_f16x2(s[2 * kk][0], s[2 * kk][1]);
             pf[1] = pack_f16x2(s[2 * kk][2], s[2 * kk][3]);
             pf[2] = pack_f16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
             pf[3] = pack_f16x2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-            const unsigned short* v0 = vs + (16 * kk + 2 * t4) * ST + g;
+            const unsigned short* v0 = vs + (key_off + 16 * kk + 2 * t4) * ST + g;
 #pragma unroll
             for (int d = 0; d < DT; d++) {
                 const unsigned short* vp = v0 + d * 8;
@@ -466,6 +472,57 @@ __device__ void flash_attn_impl(const float* qkv, const unsigned short* cache, l
     l0 += __shfl_xor_sync(0xffffffff, l0, 2);
     l1 += __shfl_xor_sync(0xffffffff, l1, 1);
     l1 += __shfl_xor_sync(0xffffffff, l1, 2);
+    if (WS) {
+        // Merge the warps' parts: each writes (max, sum, acc) of its 16 rows to shared
+        // memory (the K/V tiles are done with), warp 0 combines them.
+        constexpr int RW = HD + 2;
+        float* mo = (float*)kvs;  // [warp][row][RW]: 4·16·RW floats ≤ the K/V tiles' bytes
+        __syncthreads();
+        float* mine = mo + warp * 16 * RW;
+        if (t4 == 0) {
+            mine[g * RW] = m0;
+            mine[g * RW + 1] = l0;
+            mine[(g + 8) * RW] = m1;
+            mine[(g + 8) * RW + 1] = l1;
+        }
+#pragma unroll
+        for (int d = 0; d < DT; d++) {
+            mine[g * RW + 2 + d * 8 + 2 * t4] = o[d][0];
+            mine[g * RW + 2 + d * 8 + 2 * t4 + 1] = o[d][1];
+            mine[(g + 8) * RW + 2 + d * 8 + 2 * t4] = o[d][2];
+            mine[(g + 8) * RW + 2 + d * 8 + 2 * t4 + 1] = o[d][3];
+        }
+        __syncthreads();
+        if (warp != 0) return;
+#pragma unroll
+        for (int hr = 0; hr < 2; hr++) {
+            const int r = g + 8 * hr;
+            float M = NEG_INF;
+            for (int v = 0; v < 4; v++) M = fmaxf(M, mo[(v * 16 + r) * RW]);
+            float wv[4], L = 0.f;
+            for (int v = 0; v < 4; v++) {
+                const float mv = mo[(v * 16 + r) * RW];
+                wv[v] = mv == NEG_INF ? 0.f : exp2f(mv - M);
+                L += wv[v] * mo[(v * 16 + r) * RW + 1];
+            }
+#pragma unroll
+            for (int d = 0; d < DT; d++) {
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    float acc = 0.f;
+                    for (int v = 0; v < 4; v++) acc += wv[v] * mo[(v * 16 + r) * RW + 2 + d * 8 + 2 * t4 + e];
+                    o[d][2 * hr + e] = acc;
+                }
+            }
+            if (hr == 0) {
+                m0 = M;
+                l0 = L;
+            } else {
+                m1 = M;
+                l1 = L;
+            }
+        }
+    }
 #pragma unroll
     for (int half_row = 0; half_row < 2; half_row++) {
         const int r = half_row ? rb : ra;
@@ -499,5 +556,7 @@ __device__ void flash_attn_impl(const float* qkv, const unsigned short* cache, l
 #define FLASH_ARGS const float* qkv, const unsigned short* cache, long long half, const int* tiles, \
     const unsigned int* tables, int n_heads, int n_kv, int block_size, float scale, const int* max_ctx, float* out, float* part
 #define FLASH_CALL qkv, cache, half, tiles, tables, n_heads, n_kv, block_size, scale, max_ctx, out, part
-extern "C" __global__ void __launch_bounds__(128) flash_attn_f16_d64(FLASH_ARGS) { flash_attn_impl<64>(FLASH_CALL); }
-extern "C" __global__ void __launch_bounds__(128) flash_attn_f16_d128(FLASH_ARGS) { flash_attn_impl<128>(FLASH_CALL); }
+extern "C" __global__ void __launch_bounds__(128) flash_attn_f16_d64(FLASH_ARGS) { flash_attn_impl<64, false>(FLASH_CALL); }
+extern "C" __global__ void __launch_bounds__(128) flash_attn_f16_d128(FLASH_ARGS) { flash_attn_impl<128, false>(FLASH_CALL); }
+extern "C" __global__ void __launch_bounds__(128) flash_decode_f16_d64(FLASH_ARGS) { flash_attn_impl<64, true>(FLASH_CALL); }
+extern "C" __global__ void __launch_bounds__(128) flash_decode_f16_d128(FLASH_ARGS) { flash_attn_impl<128, true>(FLASH_CALL); }
