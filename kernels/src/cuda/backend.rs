@@ -735,7 +735,7 @@ impl Backend for CudaBackend {
                 let cfg = LaunchConfig {
                     grid_dim: (self.n_fa_tiles as u32, attn.n_kv_heads as u32, splits as u32),
                     block_dim: (128, 1, 1),
-                    shared_mem_bytes: 0,
+                    shared_mem_bytes: super::flash_smem_bytes(attn.head_dim) as u32,
                 };
                 let mut b = st.launch_builder(self.dev.func(name));
                 b.arg(qkv).arg(c).arg(&half).arg(&self.fa_tiles).arg(&self.tables);

@@ -65,6 +65,12 @@ const KERNELS: &[&str] = &[
     "flash_decode_f16_d128",
 ];
 
+/// Dynamic shared memory of a flash-attention block (`FA_SMEM_BYTES` in ops.cu): two
+/// stages of a 64-key K and V tile, rows of head_dim + 8 halves.
+pub(crate) fn flash_smem_bytes(head_dim: usize) -> usize {
+    2 * 2 * 64 * (head_dim + 8) * 2
+}
+
 /// Where compiled PTX is cached: `$DISAGG_CACHE/ptx` (default `~/.cache/disagg/ptx`).
 fn ptx_cache_dir() -> PathBuf {
     let base = std::env::var_os(crate::env::CACHE_DIR).map(PathBuf::from).unwrap_or_else(|| {
@@ -131,6 +137,21 @@ impl CudaDevice {
         let mut funcs = HashMap::new();
         for &k in KERNELS {
             funcs.insert(k, f(k)?);
+        }
+        // The flash kernels' double-buffered K/V tiles exceed the default 48 KiB of
+        // dynamic shared memory at head_dim 128.
+        for (k, hd) in [
+            ("flash_attn_f16_d64", 64),
+            ("flash_attn_f16_d128", 128),
+            ("flash_decode_f16_d64", 64),
+            ("flash_decode_f16_d128", 128),
+        ] {
+            funcs[k]
+                .set_attribute(
+                    cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    flash_smem_bytes(hd) as i32,
+                )
+                .map_err(dev_err)?;
         }
         Ok(CudaDevice {
             funcs,

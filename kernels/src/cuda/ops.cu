@@ -303,7 +303,8 @@ extern "C" __global__ void argmax_rows(const float* x, int dim, unsigned int* ou
 // group heads, so the keys and values read for a KV head serve all of its query heads
 // at once (a decode token fills `group` rows). Each warp owns 16 rows. Keys and values
 // stream through shared memory 64 at a time from the paged f16 cache through the
-// sequence's block table; S = Q·Kᵀ and O += P·V run on mma.sync m16n8k16 (f16 inputs,
+// sequence's block table, double-buffered (cp.async: the next tile loads while this one
+// is computed on); S = Q·Kᵀ and O += P·V run on mma.sync m16n8k16 (f16 inputs,
 // f32 accumulators) with an online softmax in base 2. With splits (gridDim.z > 1; decode
 // of few sequences), split z takes keys [z·chunk, (z+1)·chunk), chunk = ⌈max_ctx /
 // splits⌉ rounded up to 64, and writes attention_merge's partials.
@@ -322,7 +323,22 @@ __device__ __forceinline__ void mma_f16_16816(float* c, const unsigned* a, unsig
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// Asynchronous 16-byte global → shared copies (sm_80+): `bytes` 0 fills zeros.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, int bytes) {
+    unsigned d;
+    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(d) : "l"(dst));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
 #define FA_KEYS 64
+// Dynamic shared memory of a flash block: two stages (double buffering) of a K and a V
+// tile, FA_KEYS rows of head_dim + 8 halves each.
+#define FA_SMEM_BYTES(HD) (2 * 2 * FA_KEYS * ((HD) + 8) * 2)
 // WS (decode: a tile of ≤ 16 rows, one warp's worth): the four warps take the same rows
 // and split each 64-key tile between them (16 keys each), then merge their partial
 // softmaxes through shared memory, so a decode block computes 4× faster.
@@ -334,9 +350,8 @@ __device__ void flash_attn_impl(const float* qkv, const unsigned short* cache, l
     constexpr int DT = HD / 8;                // n-tiles of O over head_dim
     constexpr int ST = HD + 8;                // shared row stride in halves (conflict-free fragment loads)
     constexpr int NT = WS ? 2 : FA_KEYS / 8;  // key n-tiles of S per warp and tile
-    __shared__ __align__(16) unsigned short kvs[2 * FA_KEYS * ST];
-    unsigned short* ks = kvs;
-    unsigned short* vs = kvs + FA_KEYS * ST;
+    extern __shared__ __align__(16) unsigned char fa_smem[];
+    unsigned short* kvs = (unsigned short*)fa_smem;  // [stage][K | V][FA_KEYS][ST]
     const int* tile = tiles + 4 * blockIdx.x;
     const int row0 = tile[0], ntok = tile[1], pos0 = tile[2];
     const unsigned int* table = tables + tile[3];
@@ -379,94 +394,113 @@ __device__ void flash_attn_impl(const float* qkv, const unsigned short* cache, l
     const bool idle = r_first >= nrows;  // no row of this warp is in the tile
     const int warp_last = pos0 + min(r_first + 15, nrows - 1) / grp;
     const int key_off = WS ? 16 * warp : 0;  // this warp's keys within a tile
-    for (int kb = k0; kb < k1; kb += FA_KEYS) {
-        __syncthreads();
+    // Keys [kb, kb + 64) into stage `st`, asynchronously (keys past k1 read as zeros).
+    auto load_tile = [&](int kb, int st) {
+        unsigned short* kd = kvs + st * 2 * FA_KEYS * ST;
+        unsigned short* vd = kd + FA_KEYS * ST;
         constexpr int CH = HD / 8;  // 16-byte chunks per key row
         for (int i = threadIdx.x; i < FA_KEYS * CH; i += blockDim.x) {
             const int key = i / CH, c = (i % CH) * 8, j = kb + key;
-            uint4 kx = make_uint4(0, 0, 0, 0), vx = kx;
+            const unsigned short* src = cache;
+            int bytes = 0;
             if (j < k1) {
                 const long long blk = table[j / block_size];
-                const size_t at = (size_t)(((blk * n_kv + kvh) * block_size + j % block_size) * HD + c);
-                kx = *(const uint4*)(cache + at);
-                vx = *(const uint4*)(cache + half + at);
+                src = cache + (size_t)(((blk * n_kv + kvh) * block_size + j % block_size) * HD + c);
+                bytes = 16;
             }
-            *(uint4*)(ks + key * ST + c) = kx;
-            *(uint4*)(vs + key * ST + c) = vx;
+            cp_async16(kd + key * ST + c, src, bytes);
+            cp_async16(vd + key * ST + c, bytes ? src + half : cache, bytes);
+        }
+        cp_async_commit();
+    };
+    if (k0 < k1) load_tile(k0, 0);
+    int stage = 0;
+    for (int kb = k0; kb < k1; kb += FA_KEYS, stage ^= 1) {
+        // The next tile streams in while this one is computed on.
+        if (kb + FA_KEYS < k1) {
+            load_tile(kb + FA_KEYS, stage ^ 1);
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
         }
         __syncthreads();
-        if (idle || kb + key_off > warp_last) continue;  // every key of this warp's part comes after its rows
-        float s[NT][4];
+        const unsigned short* ks = kvs + stage * 2 * FA_KEYS * ST;
+        const unsigned short* vs = ks + FA_KEYS * ST;
+        // Skip when every key of this warp's part comes after its rows.
+        if (!idle && kb + key_off <= warp_last) {
+            float s[NT][4];
 #pragma unroll
-        for (int nt = 0; nt < NT; nt++) {
-            s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
-            const unsigned short* kr = ks + (key_off + nt * 8 + g) * ST + 2 * t4;
+            for (int nt = 0; nt < NT; nt++) {
+                s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+                const unsigned short* kr = ks + (key_off + nt * 8 + g) * ST + 2 * t4;
 #pragma unroll
-            for (int k = 0; k < KS; k++) {
-                const unsigned b0 = *(const unsigned*)(kr + 16 * k);
-                const unsigned b1 = *(const unsigned*)(kr + 16 * k + 8);
-                mma_f16_16816(s[nt], qf[k], b0, b1);
+                for (int k = 0; k < KS; k++) {
+                    const unsigned b0 = *(const unsigned*)(kr + 16 * k);
+                    const unsigned b1 = *(const unsigned*)(kr + 16 * k + 8);
+                    mma_f16_16816(s[nt], qf[k], b0, b1);
+                }
             }
-        }
-        // Causal mask and the split's end (this also hides the zero keys), row maxima.
-        float mx0 = NEG_INF, mx1 = NEG_INF;
+            // Causal mask and the split's end (this also hides the zero keys), row maxima.
+            float mx0 = NEG_INF, mx1 = NEG_INF;
 #pragma unroll
-        for (int nt = 0; nt < NT; nt++) {
+            for (int nt = 0; nt < NT; nt++) {
 #pragma unroll
-            for (int e = 0; e < 2; e++) {
-                const int j = kb + key_off + nt * 8 + 2 * t4 + e;
-                if (j > pa || j >= k1) s[nt][e] = NEG_INF;
-                if (j > pb || j >= k1) s[nt][2 + e] = NEG_INF;
-                mx0 = fmaxf(mx0, s[nt][e]);
-                mx1 = fmaxf(mx1, s[nt][2 + e]);
+                for (int e = 0; e < 2; e++) {
+                    const int j = kb + key_off + nt * 8 + 2 * t4 + e;
+                    if (j > pa || j >= k1) s[nt][e] = NEG_INF;
+                    if (j > pb || j >= k1) s[nt][2 + e] = NEG_INF;
+                    mx0 = fmaxf(mx0, s[nt][e]);
+                    mx1 = fmaxf(mx1, s[nt][2 + e]);
+                }
             }
-        }
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffff, mx0, 1));
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffff, mx0, 2));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffff, mx1, 1));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffff, mx1, 2));
-        const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
-        // A row may have no key yet (a split or a warp's part before its position).
-        const float r0 = n0 == NEG_INF ? 0.f : n0, r1 = n1 == NEG_INF ? 0.f : n1;
-        const float a0 = exp2f(m0 - r0), a1 = exp2f(m1 - r1);
-        m0 = n0;
-        m1 = n1;
-        float rs0 = 0.f, rs1 = 0.f;
+            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffff, mx0, 1));
+            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffff, mx0, 2));
+            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffff, mx1, 1));
+            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffff, mx1, 2));
+            const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
+            // A row may have no key yet (a split or a warp's part before its position).
+            const float r0 = n0 == NEG_INF ? 0.f : n0, r1 = n1 == NEG_INF ? 0.f : n1;
+            const float a0 = exp2f(m0 - r0), a1 = exp2f(m1 - r1);
+            m0 = n0;
+            m1 = n1;
+            float rs0 = 0.f, rs1 = 0.f;
 #pragma unroll
-        for (int nt = 0; nt < NT; nt++) {
-            s[nt][0] = exp2f(s[nt][0] - r0);
-            s[nt][1] = exp2f(s[nt][1] - r0);
-            s[nt][2] = exp2f(s[nt][2] - r1);
-            s[nt][3] = exp2f(s[nt][3] - r1);
-            rs0 += s[nt][0] + s[nt][1];
-            rs1 += s[nt][2] + s[nt][3];
-        }
-        l0 = l0 * a0 + rs0;  // this thread's columns only; summed over the quad at the end
-        l1 = l1 * a1 + rs1;
-#pragma unroll
-        for (int d = 0; d < DT; d++) {
-            o[d][0] *= a0;
-            o[d][1] *= a0;
-            o[d][2] *= a1;
-            o[d][3] *= a1;
-        }
-#pragma unroll
-        for (int kk = 0; kk < NT / 2; kk++) {
-            // The accumulator layout of S is the A-operand layout of P.
-            unsigned pf[4];
-            pf[0] = pack_f16x2(s[2 * kk][0], s[2 * kk][1]);
-            pf[1] = pack_f16x2(s[2 * kk][2], s[2 * kk][3]);
-            pf[2] = pack_f16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-            pf[3] = pack_f16x2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-            const unsigned short* v0 = vs + (key_off + 16 * kk + 2 * t4) * ST + g;
+            for (int nt = 0; nt < NT; nt++) {
+                s[nt][0] = exp2f(s[nt][0] - r0);
+                s[nt][1] = exp2f(s[nt][1] - r0);
+                s[nt][2] = exp2f(s[nt][2] - r1);
+                s[nt][3] = exp2f(s[nt][3] - r1);
+                rs0 += s[nt][0] + s[nt][1];
+                rs1 += s[nt][2] + s[nt][3];
+            }
+            l0 = l0 * a0 + rs0;  // this thread's columns only; summed over the quad at the end
+            l1 = l1 * a1 + rs1;
 #pragma unroll
             for (int d = 0; d < DT; d++) {
-                const unsigned short* vp = v0 + d * 8;
-                const unsigned b0 = (unsigned)vp[0] | ((unsigned)vp[ST] << 16);
-                const unsigned b1 = (unsigned)vp[8 * ST] | ((unsigned)vp[9 * ST] << 16);
-                mma_f16_16816(o[d], pf, b0, b1);
+                o[d][0] *= a0;
+                o[d][1] *= a0;
+                o[d][2] *= a1;
+                o[d][3] *= a1;
+            }
+#pragma unroll
+            for (int kk = 0; kk < NT / 2; kk++) {
+                // The accumulator layout of S is the A-operand layout of P.
+                unsigned pf[4];
+                pf[0] = pack_f16x2(s[2 * kk][0], s[2 * kk][1]);
+                pf[1] = pack_f16x2(s[2 * kk][2], s[2 * kk][3]);
+                pf[2] = pack_f16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+                pf[3] = pack_f16x2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+                const unsigned short* v0 = vs + (key_off + 16 * kk + 2 * t4) * ST + g;
+#pragma unroll
+                for (int d = 0; d < DT; d++) {
+                    const unsigned short* vp = v0 + d * 8;
+                    const unsigned b0 = (unsigned)vp[0] | ((unsigned)vp[ST] << 16);
+                    const unsigned b1 = (unsigned)vp[8 * ST] | ((unsigned)vp[9 * ST] << 16);
+                    mma_f16_16816(o[d], pf, b0, b1);
+                }
             }
         }
+        __syncthreads();  // this stage is loaded again two tiles on
     }
     l0 += __shfl_xor_sync(0xffffffff, l0, 1);
     l0 += __shfl_xor_sync(0xffffffff, l0, 2);
@@ -477,7 +511,6 @@ __device__ void flash_attn_impl(const float* qkv, const unsigned short* cache, l
         // memory (the K/V tiles are done with), warp 0 combines them.
         constexpr int RW = HD + 2;
         float* mo = (float*)kvs;  // [warp][row][RW]: 4·16·RW floats ≤ the K/V tiles' bytes
-        __syncthreads();
         float* mine = mo + warp * 16 * RW;
         if (t4 == 0) {
             mine[g * RW] = m0;
