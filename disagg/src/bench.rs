@@ -246,10 +246,14 @@ fn run_batch<B: Backend>(
     let mut ops: std::collections::BTreeMap<&'static str, (f64, u64)> = Default::default();
     while core.has_work() {
         let before = core.backend().op_profile();
+        let tokens_before = core.stats().forward_tokens;
         let ts = Instant::now();
         let outs = core.step();
         let dt = ts.elapsed().as_secs_f64();
-        if first_step_s.is_some() && outs.len() == n && outs.iter().all(|o| o.completion_tokens > 1) {
+        // Whole-batch decode: every sequence output a later token, and the step computed
+        // one token per sequence (not a preempted sequence's recompute).
+        let one_each = core.stats().forward_tokens - tokens_before == n as u64;
+        if first_step_s.is_some() && one_each && outs.len() == n && outs.iter().all(|o| o.completion_tokens > 1) {
             full_steps += 1;
             full_steps_s += dt;
             for (op, secs, calls) in core.backend().op_profile() {

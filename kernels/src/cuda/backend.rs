@@ -81,8 +81,12 @@ impl CudaKv {
     }
 }
 
-/// Captured decode steps by shape: (tokens, logit rows, attention splits).
-struct Graphs(std::collections::HashMap<(usize, usize, usize), CudaGraph>);
+/// The shape of a decode step a graph is captured for: tokens, logit rows, attention
+/// splits, and which attention kernel (per-token, flash, flash decode form).
+type GraphKey = (usize, usize, usize, u8);
+
+/// Captured decode steps by shape.
+struct Graphs(std::collections::HashMap<GraphKey, CudaGraph>);
 
 // SAFETY: a CUDA graph may be used from any thread as long as calls on it are
 // serialized; the backend is used through `&mut self` only.
@@ -139,8 +143,8 @@ pub struct CudaBackend {
     /// CUDA graphs: on/off, the captured ones, the shapes seen once, this step's shape.
     graphs_on: bool,
     graphs: Graphs,
-    seen: std::collections::HashSet<(usize, usize, usize)>,
-    step_key: (usize, usize, usize),
+    seen: std::collections::HashSet<GraphKey>,
+    step_key: GraphKey,
     capturing: bool,
     /// cuBLAS's workspace, fixed so that captured GEMMs never allocate.
     _blas_ws: CudaSlice<u8>,
@@ -185,10 +189,11 @@ impl CudaBackend {
         let off = |name| std::env::var(name).is_ok_and(|v| v == "0");
         Ok(CudaBackend {
             graphs_on: !off(crate::env::CUDA_GRAPHS) && profile.is_none(),
-            flash: bf16_weights && !off(crate::env::CUDA_FLASH),
+            // mma.sync m16n8k16 and cp.async need sm_80 or newer.
+            flash: bf16_weights && !off(crate::env::CUDA_FLASH) && dev.arch.0 >= 8,
             graphs: Graphs(Default::default()),
             seen: Default::default(),
-            step_key: (0, 0, 0),
+            step_key: (0, 0, 0, 0),
             capturing: false,
             _blas_ws: blas_ws,
             ids: stream.alloc_zeros::<u32>(1).map_err(dev_err)?,
@@ -404,7 +409,8 @@ impl CudaBackend {
         }
         let units = if self.step_flash { tiles.len() * attn.n_kv_heads } else { batch.n_tokens * attn.n_heads };
         self.step_splits = self.attn_splits(units);
-        self.step_key = (batch.n_tokens, logit_rows.len(), self.step_splits);
+        let kernel = u8::from(self.step_flash) | (u8::from(self.step_decode && self.step_flash) << 1);
+        self.step_key = (batch.n_tokens, logit_rows.len(), self.step_splits, kernel);
     }
 }
 

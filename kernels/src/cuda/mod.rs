@@ -65,6 +65,14 @@ const KERNELS: &[&str] = &[
     "flash_decode_f16_d128",
 ];
 
+/// The flash-attention kernels and their head_dim.
+const FLASH_KERNELS: [(&str, usize); 4] = [
+    ("flash_attn_f16_d64", 64),
+    ("flash_attn_f16_d128", 128),
+    ("flash_decode_f16_d64", 64),
+    ("flash_decode_f16_d128", 128),
+];
+
 /// Dynamic shared memory of a flash-attention block (`FA_SMEM_BYTES` in ops.cu): two
 /// stages of a 64-key K and V tile, rows of head_dim + 8 halves.
 pub(crate) fn flash_smem_bytes(head_dim: usize) -> usize {
@@ -139,13 +147,10 @@ impl CudaDevice {
             funcs.insert(k, f(k)?);
         }
         // The flash kernels' double-buffered K/V tiles exceed the default 48 KiB of
-        // dynamic shared memory at head_dim 128.
-        for (k, hd) in [
-            ("flash_attn_f16_d64", 64),
-            ("flash_attn_f16_d128", 128),
-            ("flash_decode_f16_d64", 64),
-            ("flash_decode_f16_d128", 128),
-        ] {
+        // dynamic shared memory at head_dim 128 (sm_80+ only: the backend never launches
+        // them on older GPUs).
+        let flash_kernels = if arch.0 >= 8 { &FLASH_KERNELS[..] } else { &[] };
+        for &(k, hd) in flash_kernels {
             funcs[k]
                 .set_attribute(
                     cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,

@@ -311,28 +311,48 @@ extern "C" __global__ void argmax_rows(const float* x, int dim, unsigned int* ou
 // Rounding: q·scale and the probabilities P are rounded to f16 for the MMAs (relative
 // 2⁻¹¹); the cache is f16 already. tiles[4·i] = (first token row, tokens, position of
 // the first token, offset of the block table in `tables`).
+// These instructions need sm_80+; on older GPUs the module still loads (the backend
+// never launches the flash kernels there) and they trap if reached.
 __device__ __forceinline__ unsigned pack_f16x2(float lo, float hi) {
-    unsigned r;
+    unsigned r = 0;
+#if __CUDA_ARCH__ >= 800
     asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+#else
+    __trap();
+#endif
     return r;
 }
 __device__ __forceinline__ void mma_f16_16816(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+#if __CUDA_ARCH__ >= 800
     asm volatile(
         "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+    __trap();
+#endif
 }
 
 // Asynchronous 16-byte global → shared copies (sm_80+): `bytes` 0 fills zeros.
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, int bytes) {
+#if __CUDA_ARCH__ >= 800
     unsigned d;
     asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(d) : "l"(dst));
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(bytes));
+#else
+    __trap();
+#endif
 }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_commit() {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
+#if __CUDA_ARCH__ >= 800
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+#endif
 }
 
 #define FA_KEYS 64
