@@ -61,6 +61,11 @@ pub struct GenerateArgs {
     /// Print one JSON object.
     #[arg(long)]
     json: bool,
+    /// Also write the logits at the prompt's last position to this file (vocab × f32,
+    /// little-endian), for comparison with a reference implementation
+    /// (`tools/random_reference.py`).
+    #[arg(long)]
+    logits_out: Option<std::path::PathBuf>,
 }
 
 pub fn run(a: GenerateArgs) -> anyhow::Result<()> {
@@ -110,6 +115,11 @@ fn generate_on<B: kernels::Backend>(
         (Some(text), None) => tok.encode_prompt(text)?,
         (None, None) => anyhow::bail!("give --prompt TEXT or --prompt-ids 1,2,3"),
     };
+    if let Some(path) = &a.logits_out {
+        let logits = core.score(&prompt_ids)?;
+        let bytes: Vec<u8> = logits.iter().flat_map(|x| x.to_le_bytes()).collect();
+        std::fs::write(path, bytes).map_err(|e| anyhow::anyhow!("--logits-out {}: {e}", path.display()))?;
+    }
     let done = run_to_completion(&mut core, vec![(prompt_ids.clone(), params)], 0)?.remove(0);
     if a.json {
         let mut out = json!({

@@ -43,6 +43,37 @@ fn generate_json_has_the_contract_fields() {
 }
 
 #[test]
+fn logits_out_writes_the_last_prompt_position() {
+    // The file a reference implementation compares against (tools/random_reference.py):
+    // vocab × f32 at the prompt's last position, whose argmax is the greedy first token.
+    let path = std::env::temp_dir().join(format!("disagg-logits-{}.f32", std::process::id()));
+    let p = path.to_str().unwrap();
+    let (code, out, err) = disagg(&[
+        "generate",
+        "--model",
+        "random:smollm2-135m",
+        "--prompt-ids",
+        "1,2,3,500,7000",
+        "--max-tokens",
+        "1",
+        "--json",
+        "--logits-out",
+        p,
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    let bytes = std::fs::read(&path).unwrap();
+    let _ = std::fs::remove_file(&path);
+    let logits: Vec<f32> = bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+    assert_eq!(logits.len(), 49152, "one logit per vocabulary entry");
+    assert!(logits.iter().all(|x| x.is_finite()));
+    assert_eq!(serde_json::json!(kernels::backend::argmax(&logits)), v["output_ids"][0]);
+    let (code, _, err) = disagg(&["generate", "--prompt-ids", "1", "--logits-out", "/nonexistent-dir/x.f32"]);
+    assert_ne!(code, 0);
+    assert!(err.contains("--logits-out"), "{err}");
+}
+
+#[test]
 fn chat_prompts_use_the_template() {
     let (code, out, err) = disagg(&["generate", "--chat", "--prompt", "What is 2+2?", "--max-tokens", "32", "--json"]);
     assert_eq!(code, 0, "{err}");
