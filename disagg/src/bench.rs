@@ -141,7 +141,7 @@ fn bench_core<B: Backend>(
     for &b in &a.batch {
         let mut rates = Vec::new();
         let mut step_ms = Vec::new();
-        let mut ops: std::collections::BTreeMap<&'static str, (f64, u64)> = Default::default();
+        let mut ops = OpTimes::new();
         let mut op_steps = 0;
         for r in 0..a.repeat {
             let reqs = (0..b)
@@ -157,10 +157,8 @@ fn bench_core<B: Backend>(
             let ms = t.full_steps_s * 1e3 / t.full_steps as f64;
             rates.push(b as f64 / (ms * 1e-3));
             step_ms.push(ms);
-            for (op, secs, calls) in t.full_step_ops {
-                let e = ops.entry(op).or_default();
-                e.0 += secs;
-                e.1 += calls;
+            for (op, (secs, calls)) in t.full_step_ops {
+                add_op(&mut ops, op, secs, calls);
             }
             op_steps += t.full_steps;
         }
@@ -219,13 +217,22 @@ fn bench_core<B: Backend>(
     Ok(())
 }
 
+/// Per-op time and calls (`Backend::op_profile`), summed over steps.
+type OpTimes = std::collections::BTreeMap<&'static str, (f64, u64)>;
+
+fn add_op(ops: &mut OpTimes, op: &'static str, secs: f64, calls: u64) {
+    let e = ops.entry(op).or_default();
+    e.0 += secs;
+    e.1 += calls;
+}
+
 struct Timing {
     first_step_s: f64,
     /// Steps in which every sequence of the batch decoded one token, and their time.
     full_steps: usize,
     full_steps_s: f64,
     /// The backend's per-op time in those steps, when it records it.
-    full_step_ops: Vec<(&'static str, f64, u64)>,
+    full_step_ops: OpTimes,
 }
 
 /// Runs a batch to completion; times the first step (all prefills) and the rest.
@@ -243,7 +250,7 @@ fn run_batch<B: Backend>(
     let mut started = 0;
     let mut first_step_s = None;
     let (mut full_steps, mut full_steps_s) = (0, 0.0);
-    let mut ops: std::collections::BTreeMap<&'static str, (f64, u64)> = Default::default();
+    let mut ops = OpTimes::new();
     while core.has_work() {
         let before = core.backend().op_profile();
         let tokens_before = core.stats().forward_tokens;
@@ -258,9 +265,7 @@ fn run_batch<B: Backend>(
             full_steps_s += dt;
             for (op, secs, calls) in core.backend().op_profile() {
                 let (s0, c0) = before.iter().find(|b| b.0 == op).map_or((0.0, 0), |b| (b.1, b.2));
-                let e = ops.entry(op).or_default();
-                e.0 += secs - s0;
-                e.1 += calls - c0;
+                add_op(&mut ops, op, secs - s0, calls - c0);
             }
         }
         started += outs.iter().filter(|o| o.completion_tokens == 1).count();
@@ -268,6 +273,5 @@ fn run_batch<B: Backend>(
             first_step_s = Some(t0.elapsed().as_secs_f64());
         }
     }
-    let full_step_ops = ops.into_iter().map(|(op, (s, c))| (op, s, c)).collect();
-    Ok(Timing { first_step_s: first_step_s.unwrap_or(0.0), full_steps, full_steps_s, full_step_ops })
+    Ok(Timing { first_step_s: first_step_s.unwrap_or(0.0), full_steps, full_steps_s, full_step_ops: ops })
 }

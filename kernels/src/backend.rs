@@ -130,9 +130,9 @@ pub trait Backend {
 
     /// Takes a step's host metadata before its ops run: the token ids, the batch
     /// (positions, slots, block tables), the RoPE frequencies, the attention geometry and
-    /// the rows whose logits are wanted. A device backend uploads it here, once per step, so the ops of
-    /// [`Backend::run_step`]'s body read only device memory. The ops' own `ids`, `batch`
-    /// and `rows` arguments are then this step's.
+    /// the rows whose logits are wanted. A device backend uploads it here, once per step,
+    /// so the ops of [`Backend::run_step`]'s body read only device memory. The ops' own
+    /// `ids`, `batch` and `rows` arguments are then this step's.
     fn begin_step(&mut self, tokens: &[u32], batch: &StepBatch, rope: &Rope, attn: &AttnShape, logit_rows: &[u32]) {
         let _ = (tokens, batch, rope, attn, logit_rows);
     }

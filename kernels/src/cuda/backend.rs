@@ -414,6 +414,20 @@ impl CudaBackend {
     }
 }
 
+/// Hands every row of the stacked `parts` (each `cols` wide), dequantized to f32, to
+/// `each`, in order.
+fn dequantized_rows(parts: &[WeightPart], cols: usize, mut each: impl FnMut(&[f32])) -> Result<(), KernelError> {
+    let mut row = vec![0f32; cols];
+    for p in parts {
+        let rb = p.ty.row_bytes(cols).ok_or_else(|| KernelError::Shape(format!("{} rows of {cols}", p.ty.name())))?;
+        for r in 0..p.rows {
+            crate::quant::dequantize_row(p.ty, &p.bytes[r * rb..(r + 1) * rb], &mut row);
+            each(&row);
+        }
+    }
+    Ok(())
+}
+
 impl Backend for CudaBackend {
     type Linear = CudaLinear;
     type Vector = CudaSlice<f32>;
@@ -430,7 +444,6 @@ impl Backend for CudaBackend {
             return Err(KernelError::Shape("stacked matrices must have the same number of columns".into()));
         }
         let rows: usize = parts.iter().map(|p| p.rows).sum();
-        let mut row = vec![0f32; cols];
         let st = self.dev.stream();
         let oom = |e: cudarc::driver::DriverError| {
             KernelError::OutOfMemory(format!(
@@ -439,28 +452,12 @@ impl Backend for CudaBackend {
         };
         if self.bf16_weights {
             let mut host: Vec<u16> = Vec::with_capacity(rows * cols);
-            for p in parts {
-                let rb =
-                    p.ty.row_bytes(cols)
-                        .ok_or_else(|| KernelError::Shape(format!("{} rows of {cols}", p.ty.name())))?;
-                for r in 0..p.rows {
-                    crate::quant::dequantize_row(p.ty, &p.bytes[r * rb..(r + 1) * rb], &mut row);
-                    host.extend(row.iter().map(|x| half::bf16::from_f32(*x).to_bits()));
-                }
-            }
+            dequantized_rows(parts, cols, |row| host.extend(row.iter().map(|x| half::bf16::from_f32(*x).to_bits())))?;
             let w = st.clone_htod(&host).map_err(oom)?;
             Ok(CudaLinear::Bf16 { w, rows, cols })
         } else {
             let mut host: Vec<f32> = Vec::with_capacity(rows * cols);
-            for p in parts {
-                let rb =
-                    p.ty.row_bytes(cols)
-                        .ok_or_else(|| KernelError::Shape(format!("{} rows of {cols}", p.ty.name())))?;
-                for r in 0..p.rows {
-                    crate::quant::dequantize_row(p.ty, &p.bytes[r * rb..(r + 1) * rb], &mut row);
-                    host.extend_from_slice(&row);
-                }
-            }
+            dequantized_rows(parts, cols, |row| host.extend_from_slice(row))?;
             let w = st.clone_htod(&host).map_err(oom)?;
             Ok(CudaLinear::F32 { w, rows, cols })
         }
