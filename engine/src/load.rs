@@ -289,7 +289,7 @@ pub fn cpu_engine(opts: &EngineOptions) -> Result<EngineCore<CpuBackend>, Engine
 
 /// Sizes the KV cache from the options and assembles the engine.
 pub fn build_engine<B: Backend>(
-    backend: B,
+    mut backend: B,
     model: Model<B>,
     tokenizer: Tokenizer,
     opts: &EngineOptions,
@@ -312,6 +312,11 @@ pub fn build_engine<B: Backend>(
         )));
     }
     let max_model_len = if opts.max_model_len == 0 { c.max_context } else { opts.max_model_len.min(c.max_context) };
+    // Scratch and activations first, so that the KV cache is the last, sized allocation
+    // and no step allocates later.
+    let limits = model.step_limits(opts.max_batched_tokens, opts.max_num_seqs, max_model_len, opts.block_size);
+    backend.reserve(&limits).map_err(|e| EngineError::Model(e.to_string()))?;
+    let ws = model.workspace(&backend, opts.max_batched_tokens, opts.max_num_seqs)?;
     let kv = backend.kv_cache(shape).map_err(|e| EngineError::Model(e.to_string()))?;
     let cfg = EngineConfig {
         max_num_seqs: opts.max_num_seqs,
@@ -322,5 +327,5 @@ pub fn build_engine<B: Backend>(
         prefix_caching: opts.prefix_caching,
         host_cache_blocks: (opts.host_cache_mib << 20) / (shape.n_layers * shape.block_bytes_per_layer()),
     };
-    Ok(EngineCore::new(backend, model, Arc::new(tokenizer), cfg, kv))
+    Ok(EngineCore::new(backend, model, Arc::new(tokenizer), cfg, ws, kv))
 }

@@ -9,7 +9,7 @@ use std::collections::HashMap;
 use std::path::Path;
 
 use kernels::quant::GgmlType;
-use kernels::{AttnShape, Backend, Rope, StepBatch, WeightPart};
+use kernels::{AttnShape, Backend, Rope, StepBatch, StepLimits, WeightPart};
 
 use crate::config::ModelConfig;
 use crate::gguf::Gguf;
@@ -255,21 +255,41 @@ impl<B: Backend> Model<B> {
         Ok(Model { norm: vector("output_norm.weight", d)?, cfg, embed, layers, output, rope, attn, weight_bytes })
     }
 
-    pub fn workspace(&self, backend: &B, max_tokens: usize, max_logits: usize) -> Workspace<B> {
+    /// The step limits that size a backend's scratch ([`Backend::reserve`]) for steps of
+    /// at most `max_tokens` tokens and `max_seqs` sequences of `max_model_len` tokens.
+    pub fn step_limits(
+        &self,
+        max_tokens: usize,
+        max_seqs: usize,
+        max_model_len: usize,
+        block_size: usize,
+    ) -> StepLimits {
         let c = &self.cfg;
-        Workspace {
+        StepLimits {
+            max_tokens,
+            max_seqs,
+            max_table_entries: max_seqs * max_model_len.div_ceil(block_size.max(1)),
+            widest_input: c.hidden.max(c.ffn).max(self.attn.q_dim()),
+            attn: self.attn,
+        }
+    }
+
+    pub fn workspace(&self, backend: &B, max_tokens: usize, max_logits: usize) -> Result<Workspace<B>, EngineError> {
+        let c = &self.cfg;
+        let act = |len| backend.act(len).map_err(|e| EngineError::Model(e.to_string()));
+        Ok(Workspace {
             max_tokens,
             max_logits,
-            x: backend.act(max_tokens * c.hidden),
-            h: backend.act(max_tokens * c.hidden),
-            qkv: backend.act(max_tokens * self.attn.qkv_dim()),
-            attn: backend.act(max_tokens * self.attn.q_dim()),
-            gu: backend.act(max_tokens * 2 * c.ffn),
-            act: backend.act(max_tokens * c.ffn),
-            sel: backend.act(max_logits * c.hidden),
-            seln: backend.act(max_logits * c.hidden),
-            logits: backend.act(max_logits * c.vocab),
-        }
+            x: act(max_tokens * c.hidden)?,
+            h: act(max_tokens * c.hidden)?,
+            qkv: act(max_tokens * self.attn.qkv_dim())?,
+            attn: act(max_tokens * self.attn.q_dim())?,
+            gu: act(max_tokens * 2 * c.ffn)?,
+            act: act(max_tokens * c.ffn)?,
+            sel: act(max_logits * c.hidden)?,
+            seln: act(max_logits * c.hidden)?,
+            logits: act(max_logits * c.vocab)?,
+        })
     }
 
     /// Runs one step: `tokens` (laid out as `batch` says) through all layers, writing
@@ -304,14 +324,21 @@ impl<B: Backend> Model<B> {
         be.run_step(replayable, &mut |be| {
             be.embed(&self.embed, tokens, &mut ws.x);
             for (l, layer) in self.layers.iter().enumerate() {
-                be.rms_norm(&ws.x, &layer.attn_norm, c.rms_eps, n, &mut ws.h);
-                be.matmul(&layer.qkv, &ws.h, n, &mut ws.qkv, false);
+                be.norm_matmul(&ws.x, &layer.attn_norm, c.rms_eps, n, &mut ws.h, &layer.qkv, &mut ws.qkv);
                 be.rope_write_kv(&mut ws.qkv, l, batch, &self.rope, &self.attn, kv);
                 be.attention(&ws.qkv, l, batch, &self.attn, kv, &mut ws.attn);
                 be.matmul(&layer.attn_out, &ws.attn, n, &mut ws.x, true);
-                be.rms_norm(&ws.x, &layer.ffn_norm, c.rms_eps, n, &mut ws.h);
-                be.matmul(&layer.gate_up, &ws.h, n, &mut ws.gu, false);
-                be.silu_mul(&ws.gu, n, c.ffn, &mut ws.act);
+                be.norm_matmul_silu(
+                    &ws.x,
+                    &layer.ffn_norm,
+                    c.rms_eps,
+                    n,
+                    &mut ws.h,
+                    &layer.gate_up,
+                    &mut ws.gu,
+                    c.ffn,
+                    &mut ws.act,
+                );
                 be.matmul(&layer.down, &ws.act, n, &mut ws.x, true);
                 if let Some(hook) = after_layer.as_mut() {
                     hook(be, kv, l);

@@ -231,8 +231,17 @@ pub struct EngineCore<B: Backend> {
 }
 
 impl<B: Backend> EngineCore<B> {
-    pub fn new(backend: B, model: Model<B>, tokenizer: Arc<Tokenizer>, cfg: EngineConfig, kv: B::Kv) -> Self {
-        let ws = model.workspace(&backend, cfg.max_batched_tokens, cfg.max_num_seqs);
+    /// The engine over a model, its workspace (from [`Model::workspace`] for
+    /// `cfg.max_batched_tokens` tokens and `cfg.max_num_seqs` logit rows) and its KV cache.
+    pub fn new(
+        backend: B,
+        model: Model<B>,
+        tokenizer: Arc<Tokenizer>,
+        cfg: EngineConfig,
+        ws: Workspace<B>,
+        kv: B::Kv,
+    ) -> Self {
+        assert!(ws.max_tokens >= cfg.max_batched_tokens && ws.max_logits >= cfg.max_num_seqs, "workspace too small");
         let logits = vec![0f32; cfg.max_num_seqs * model.cfg.vocab];
         let shape = backend.kv_shape(&kv);
         let host = (cfg.prefix_caching && cfg.host_cache_blocks > 0)

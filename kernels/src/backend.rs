@@ -40,6 +40,21 @@ impl KvShape {
     }
 }
 
+/// The largest step an engine will run, for a device backend to size its scratch once
+/// at start (so that no step allocates, and running out of memory is a load-time error).
+#[derive(Clone, Copy, Debug)]
+pub struct StepLimits {
+    /// Tokens in one step (`--max-batched-tokens`).
+    pub max_tokens: usize,
+    /// Sequences in one step, and rows whose logits are taken (`--max-num-seqs`).
+    pub max_seqs: usize,
+    /// Block-table entries of one step, summed over its sequences.
+    pub max_table_entries: usize,
+    /// The widest input of any weight matrix (its column count).
+    pub widest_input: usize,
+    pub attn: AttnShape,
+}
+
 /// Attention geometry (grouped-query: `n_heads / n_kv_heads` query heads share a KV head).
 #[derive(Clone, Copy, Debug)]
 pub struct AttnShape {
@@ -125,8 +140,14 @@ pub trait Backend {
     fn describe(&self) -> String;
     fn linear(&self, parts: &[WeightPart]) -> Result<Self::Linear, KernelError>;
     fn vector(&self, v: &[f32]) -> Self::Vector;
-    fn act(&self, len: usize) -> Self::Act;
+    fn act(&self, len: usize) -> Result<Self::Act, KernelError>;
     fn kv_cache(&self, shape: KvShape) -> Result<Self::Kv, KernelError>;
+    /// Allocates the scratch that steps up to `limits` need (a device backend: at start,
+    /// before the KV cache takes the rest of the memory).
+    fn reserve(&mut self, limits: &StepLimits) -> Result<(), KernelError> {
+        let _ = limits;
+        Ok(())
+    }
 
     /// Takes a step's host metadata before its ops run: the token ids, the batch
     /// (positions, slots, block tables), the RoPE frequencies, the attention geometry and
@@ -177,6 +198,42 @@ pub trait Backend {
     );
     /// `out = silu(g) ⊙ u` for rows `[g | u]` of width `2 * ff`.
     fn silu_mul(&mut self, gu: &Self::Act, n_tokens: usize, ff: usize, out: &mut Self::Act);
+    /// `out[t] = W · rms_norm(x[t], norm)` (the normalised rows go through `h`): the
+    /// decode step's norm and the matmul after it, which a backend may fuse.
+    #[allow(clippy::too_many_arguments)]
+    fn norm_matmul(
+        &mut self,
+        x: &Self::Act,
+        norm: &Self::Vector,
+        eps: f32,
+        n_tokens: usize,
+        h: &mut Self::Act,
+        w: &Self::Linear,
+        out: &mut Self::Act,
+    ) {
+        self.rms_norm(x, norm, eps, n_tokens, h);
+        self.matmul(w, h, n_tokens, out, false);
+    }
+    /// `out[t] = silu(g) ⊙ u` where `[g | u] = W · rms_norm(x[t], norm)` (through `h` and
+    /// `gu`, each `ff` wide): the norm, the gate/up matmul and SiLU·gate, which a backend
+    /// may fuse.
+    #[allow(clippy::too_many_arguments)]
+    fn norm_matmul_silu(
+        &mut self,
+        x: &Self::Act,
+        norm: &Self::Vector,
+        eps: f32,
+        n_tokens: usize,
+        h: &mut Self::Act,
+        w: &Self::Linear,
+        gu: &mut Self::Act,
+        ff: usize,
+        out: &mut Self::Act,
+    ) {
+        self.rms_norm(x, norm, eps, n_tokens, h);
+        self.matmul(w, h, n_tokens, gu, false);
+        self.silu_mul(gu, n_tokens, ff, out);
+    }
     /// `out[i] = x[rows[i]]`, rows of width `dim`.
     fn gather_rows(&mut self, x: &Self::Act, rows: &[u32], dim: usize, out: &mut Self::Act);
     /// Copies the first `out.len()` elements of `x` to host memory.

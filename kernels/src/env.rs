@@ -52,8 +52,8 @@ pub const TEST_CUDA: &str = "DISAGG_TEST_CUDA";
 /// checks against the CPU backend's f32 path; twice the memory and much slower GEMMs).
 pub const CUDA_WEIGHTS: &str = "DISAGG_CUDA_WEIGHTS";
 
-/// Set to time every CUDA backend op (each one synchronized, so steps get slower);
-/// `bench engine` prints the table.
+/// Set to time every CUDA backend op on the GPU (CUDA events around each op; ops are
+/// not synchronized, but CUDA graphs are off); `bench engine` prints the table.
 pub const CUDA_PROFILE: &str = "DISAGG_CUDA_PROFILE";
 
 /// `0`: copy greedy rows' logits to the host and take the argmax there, instead of on
@@ -84,3 +84,12 @@ pub const CUDA_BLAS_WORKSPACE_MIB: &str = "DISAGG_CUDA_BLAS_WORKSPACE_MIB";
 /// a decode token fills only its group's rows of one warp) instead of the form whose
 /// four warps split each key tile; for A/B runs.
 pub const CUDA_FLASH_DECODE: &str = "DISAGG_CUDA_FLASH_DECODE";
+
+/// Largest token count whose bf16 GEMMs take the CUDA backend's own GEMV kernel (f32
+/// activations read directly, weights streamed at memory bandwidth) instead of a bf16
+/// cast plus cuBLAS (default 8, the most it handles; `0`: always cuBLAS); for A/B runs.
+pub const CUDA_GEMV_MAX_TOKENS: &str = "DISAGG_CUDA_GEMV_MAX_TOKENS";
+
+/// Loads in flight per weight row and lane in the CUDA GEMV kernels: `2` (default) or
+/// `4`; for A/B runs.
+pub const CUDA_GEMV_UNROLL: &str = "DISAGG_CUDA_GEMV_UNROLL";

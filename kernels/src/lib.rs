@@ -12,7 +12,7 @@ pub mod cuda;
 pub mod env;
 pub mod quant;
 
-pub use backend::{AttnShape, Backend, KvShape, Rope, SeqSpan, StepBatch, WeightPart};
+pub use backend::{AttnShape, Backend, KvShape, Rope, SeqSpan, StepBatch, StepLimits, WeightPart};
 pub use cpu::ops::KvDtype;
 
 #[derive(Debug, thiserror::Error)]

@@ -18,7 +18,9 @@ fn main() {
         Ok(())
     })];
     if std::env::var_os(kernels::env::TEST_CUDA).is_some() {
-        let gpu_tests: [(&str, fn()); 4] = [
+        let gpu_tests: [(&str, fn()); 6] = [
+            ("fused_gemv_matches_cpu_norm_matmul_silu", fused_gemv_matches_cpu_norm_matmul_silu),
+            ("bf16_matmul_matches_cpu_with_and_without_gemv", bf16_matmul_matches_cpu_with_and_without_gemv),
             ("attention_kernels_match_cpu_on_a_paged_cache", attention_kernels_match_cpu_on_a_paged_cache),
             ("rms_norm_matches_cpu", rms_norm_matches_cpu),
             ("silu_mul_matches_cpu", silu_mul_matches_cpu),
@@ -173,7 +175,7 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
                 be.set_flash(flash);
                 be.set_attn_chunk(chunk);
                 be.begin_step(&tokens, &batch, &rope, &attn, &[]);
-                let mut out = be.act(n_tokens * attn.q_dim());
+                let mut out = be.act(n_tokens * attn.q_dim()).unwrap();
                 be.attention(&dq, 0, &batch, &attn, &gkv, &mut out);
                 let mut got = vec![0f32; n_tokens * attn.q_dim()];
                 be.to_host(&out, &mut got);
@@ -191,4 +193,139 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
 fn max_abs(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
     a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+}
+
+/// bf16 weights times f32 activations, against an f64 sum over the same bf16-rounded
+/// weights: the GEMV kernel (≤ 8 tokens) reads f32 activations, so only its f32 sums
+/// differ (held to 1e-5 of the row scale); cuBLAS (the cast path: more tokens, a width
+/// not a multiple of 8, or the GEMV off) rounds the activations to bf16 (2⁻⁹ relative
+/// each, held to 1e-2). With `accumulate` the product is added to what `out` held.
+fn bf16_matmul_matches_cpu_with_and_without_gemv() {
+    use kernels::quant::GgmlType;
+    use kernels::{Backend, WeightPart};
+    let mut be = kernels::cuda::CudaBackend::new(0, true).expect("cuda:0 opens");
+    for (rows, cols) in [(1000usize, 4096usize), (37, 264), (40, 12)] {
+        let w = data(rows * cols, 5);
+        let w_bf16: Vec<f32> = w.iter().map(|v| half::bf16::from_f32(*v).to_f32()).collect();
+        let bytes: Vec<u8> = w.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let lin = be.linear(&[WeightPart { ty: GgmlType::F32, rows, cols, bytes: &bytes }]).unwrap();
+        for n in [1usize, 2, 3, 5, 8, 9, 17] {
+            let x = data(n * cols, 6 + n as u32);
+            let prior = data(n * rows, 99);
+            let mut want = vec![0f32; n * rows];
+            let mut scale = vec![0f32; n * rows];
+            for t in 0..n {
+                for r in 0..rows {
+                    let (mut s, mut a) = (0f64, 0f64);
+                    for c in 0..cols {
+                        let p = w_bf16[r * cols + c] as f64 * x[t * cols + c] as f64;
+                        s += p;
+                        a += p.abs();
+                    }
+                    want[t * rows + r] = s as f32;
+                    scale[t * rows + r] = a as f32;
+                }
+            }
+            let dx = be.device().upload(&x).unwrap();
+            for (gemv, unroll) in [(8usize, 2usize), (8, 4), (0, 2)] {
+                be.set_gemv_max_tokens(gemv);
+                be.set_gemv_unroll(unroll);
+                for accumulate in [false, true] {
+                    let mut out = be.device().upload(&prior).unwrap();
+                    be.matmul(&lin, &dx, n, &mut out, accumulate);
+                    let mut got = vec![0f32; n * rows];
+                    be.to_host(&out, &mut got);
+                    let err = (0..n * rows)
+                        .map(|i| {
+                            let base = if accumulate { prior[i] } else { 0.0 };
+                            ((got[i] - base - want[i]).abs() / scale[i].max(1e-3)) as f64
+                        })
+                        .fold(0f64, f64::max);
+                    let by_gemv = gemv >= n && cols % 8 == 0;
+                    println!(
+                        "matmul {rows}×{cols}, {n} tokens, gemv {by_gemv} (unroll {unroll}), accumulate {accumulate}: max |err| / Σ|w·x| = {err:.2e}"
+                    );
+                    assert!(
+                        err < if by_gemv { 1e-5 } else { 1e-2 },
+                        "{rows}×{cols}, {n} tokens, gemv {by_gemv}: {err}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// The decode step's fused GEMVs against the CPU ops they replace: RMSNorm then the
+/// matmul (`norm_matmul`), and RMSNorm, the gate/up matmul, then SiLU·gate
+/// (`norm_matmul_silu`), with f64 sums over the same bf16-rounded weights. Tolerance: the
+/// f32 sums and the norm's own f32 reduction (1e-5 of Σ|w·h|; SiLU·gate scales the error
+/// of g by at most ~1.1 and multiplies by u, so 1e-4 of |silu(g)|·Σ|w·h| + |u|-scaled
+/// terms is held as 1e-4 of the product of the two row scales). More tokens than the GEMV
+/// takes fall back to the unfused ops (also checked).
+fn fused_gemv_matches_cpu_norm_matmul_silu() {
+    use kernels::quant::GgmlType;
+    use kernels::{Backend, WeightPart};
+    let mut be = kernels::cuda::CudaBackend::new(0, true).expect("cuda:0 opens");
+    let (hidden, ff, eps) = (576usize, 1536usize, 1e-5f32);
+    let bf = |v: &[f32]| v.iter().map(|x| half::bf16::from_f32(*x).to_f32()).collect::<Vec<f32>>();
+    let bytes = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+    let (wq, wgu) = (data(hidden * hidden, 21), data(2 * ff * hidden, 22));
+    let (wq_b, wgu_b) = (bf(&wq), bf(&wgu));
+    let (bq, bgu) = (bytes(&wq), bytes(&wgu));
+    let q = be.linear(&[WeightPart { ty: GgmlType::F32, rows: hidden, cols: hidden, bytes: &bq }]).unwrap();
+    let gu = be.linear(&[WeightPart { ty: GgmlType::F32, rows: 2 * ff, cols: hidden, bytes: &bgu }]).unwrap();
+    let nw = data(hidden, 23);
+    let dnw = be.vector(&nw);
+    for (n, unroll) in [(1usize, 2usize), (1, 4), (4, 2), (8, 4), (12, 2)] {
+        be.set_gemv_unroll(unroll);
+        let x = data(n * hidden, 30 + n as u32);
+        let mut h = vec![0f32; n * hidden];
+        for r in 0..n {
+            rms_norm_rows(&x[r * hidden..(r + 1) * hidden], &nw, eps, &mut h[r * hidden..(r + 1) * hidden]);
+        }
+        // Row r of W times token t of h, and Σ|w·h| (the error scale).
+        let dot = |w: &[f32], r: usize, t: usize| {
+            let (mut s, mut a) = (0f64, 0f64);
+            for c in 0..hidden {
+                let p = w[r * hidden + c] as f64 * h[t * hidden + c] as f64;
+                s += p;
+                a += p.abs();
+            }
+            (s, a)
+        };
+        let dx = be.device().upload(&x).unwrap();
+        let mut dh = be.act(n * hidden).unwrap();
+        let mut dgu = be.act(n * 2 * ff).unwrap();
+        // norm_matmul
+        let mut out = be.act(n * hidden).unwrap();
+        be.norm_matmul(&dx, &dnw, eps, n, &mut dh, &q, &mut out);
+        let mut got = vec![0f32; n * hidden];
+        be.to_host(&out, &mut got);
+        let mut err = 0f64;
+        for t in 0..n {
+            for r in 0..hidden {
+                let (s, a) = dot(&wq_b, r, t);
+                err = err.max((got[t * hidden + r] as f64 - s).abs() / a);
+            }
+        }
+        let fused = n <= 8;
+        println!("norm_matmul {n} tokens (fused {fused}): max |err| / Σ|w·h| = {err:.2e}");
+        assert!(err < if fused { 1e-5 } else { 1e-2 }, "norm_matmul, {n} tokens: {err}");
+        // norm_matmul_silu
+        let mut act = be.act(n * ff).unwrap();
+        be.norm_matmul_silu(&dx, &dnw, eps, n, &mut dh, &gu, &mut dgu, ff, &mut act);
+        let mut got = vec![0f32; n * ff];
+        be.to_host(&act, &mut got);
+        let mut err = 0f64;
+        for t in 0..n {
+            for r in 0..ff {
+                let ((g, ga), (u, ua)) = (dot(&wgu_b, r, t), dot(&wgu_b, ff + r, t));
+                let want = g / (1.0 + (-g).exp()) * u;
+                let scale = (ga * (u.abs() + ua)).max(1e-6);
+                err = err.max((got[t * ff + r] as f64 - want).abs() / scale);
+            }
+        }
+        println!("norm_matmul_silu {n} tokens (fused {fused}): max |err| / scale = {err:.2e}");
+        assert!(err < if fused { 1e-4 } else { 1e-2 }, "norm_matmul_silu, {n} tokens: {err}");
+    }
 }

@@ -271,8 +271,8 @@ impl Backend for CpuBackend {
         v.to_vec()
     }
 
-    fn act(&self, len: usize) -> Vec<f32> {
-        vec![0.0; len]
+    fn act(&self, len: usize) -> Result<Vec<f32>, KernelError> {
+        Ok(vec![0.0; len])
     }
 
     fn kv_shape(&self, kv: &CpuKv) -> KvShape {

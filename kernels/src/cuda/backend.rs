@@ -3,13 +3,19 @@
 //! - Weights: every matrix dequantized at load (GGUF quantized types included) and kept
 //!   as bf16 (default; `DISAGG_CUDA_WEIGHTS=f32` keeps f32, for exactness checks against
 //!   the CPU backend's f32 path). GEMMs go through cuBLAS: bf16 × bf16 with f32
-//!   accumulation and f32 output (`cublasGemmEx`), or f32 `cublasSgemm` (no TF32).
+//!   accumulation and f32 output (`cublasGemmEx`), or f32 `cublasSgemm` (no TF32). For
+//!   ≤ 8 tokens (decode) bf16 GEMMs take the GEMV kernels instead, which read the f32
+//!   activations directly and fuse the RMSNorm before QKV and gate/up and the SiLU·gate
+//!   after gate/up (`DISAGG_CUDA_GEMV_MAX_TOKENS=0`: cuBLAS and separate ops).
+//! - Memory: weights at load; then `reserve` sizes every per-step scratch buffer for the
+//!   engine's largest step, and the KV cache comes last, so steps never allocate.
 //! - Activations: f32 device buffers, allocated once by the engine's workspace.
 //! - KV cache: one device buffer per layer in the CPU backend's layout (keys
 //!   `[block][kv_head][slot][head_dim]` for all blocks, then values), f16 or f32, so
 //!   `kv_export`/`kv_import` move the same transfer layout as every backend.
-//! - Per step, only small metadata goes up (RoPE cos/sin per token, computed on the host
-//!   exactly as the CPU backend does; slots, positions, block tables), never tensors.
+//! - Per step, only small metadata goes up (token ids, slots, positions, block tables),
+//!   never tensors; RoPE angles are made on the device from the positions, as the CPU
+//!   backend makes them.
 //!
 //! - Attention: the tensor-core flash kernel for every step, prefill and decode (one
 //!   block per tile of a sequence's tokens × a KV head's query heads, so each K/V read
@@ -24,10 +30,10 @@
 
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
 use cudarc::cublas::{result as blas, CudaBlas};
-use cudarc::driver::{CudaGraph, CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaEvent, CudaGraph, CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 
 use super::{dev_err, CudaDevice};
-use crate::backend::{AttnShape, Backend, KvShape, Rope, StepBatch, WeightPart};
+use crate::backend::{AttnShape, Backend, KvShape, Rope, StepBatch, StepLimits, WeightPart};
 use crate::cpu::ops::KvDtype;
 use crate::KernelError;
 
@@ -92,26 +98,42 @@ struct Graphs(std::collections::HashMap<GraphKey, CudaGraph>);
 // serialized; the backend is used through `&mut self` only.
 unsafe impl Send for Graphs {}
 
+/// The GEMV kernels' fusions (ops.cu).
+#[derive(Clone, Copy)]
+enum Gemv {
+    Plain,
+    Norm,
+    NormSilu,
+}
+
+/// Per-op GPU time from CUDA events (`DISAGG_CUDA_PROFILE`): ops are not synchronized,
+/// so the step runs as it would (minus CUDA graphs), and each op's time is the GPU's.
+#[derive(Default)]
+struct Profile {
+    totals: std::collections::BTreeMap<&'static str, (f64, u64)>,
+    /// Ops timed but not read yet: name, start and end events.
+    pending: Vec<(&'static str, CudaEvent, CudaEvent)>,
+}
+
 /// At most this many decode shapes are captured; others run op by op.
 const MAX_GRAPHS: usize = 512;
 
 pub struct CudaBackend {
-    /// `DISAGG_CUDA_PROFILE`: seconds and calls per op, each op synchronized.
-    profile: Option<std::collections::BTreeMap<&'static str, (f64, u64)>>,
+    /// `DISAGG_CUDA_PROFILE`: GPU time and calls per op, from CUDA events.
+    profile: Option<Profile>,
     dev: CudaDevice,
     blas: CudaBlas,
     bf16_weights: bool,
     /// Activations cast to bf16 for a GEMM.
     x_bf16: CudaSlice<u16>,
     // Per-step metadata, uploaded at layer 0 and reused by every layer.
-    cos: CudaSlice<f32>,
-    sin: CudaSlice<f32>,
+    /// The model's RoPE frequencies (uploaded when they change: once per model).
+    inv_freq: CudaSlice<f32>,
+    host_inv_freq: Vec<f32>,
     slots: CudaSlice<i64>,
     pos: CudaSlice<i32>,
     table_off: CudaSlice<i32>,
     tables: CudaSlice<u32>,
-    host_cos: Vec<f32>,
-    host_sin: Vec<f32>,
     /// The longest context among this step's tokens.
     max_ctx: usize,
     /// Split-K attention: keys per block (0: off), and the partials' scratch.
@@ -146,6 +168,10 @@ pub struct CudaBackend {
     seen: std::collections::HashSet<GraphKey>,
     step_key: GraphKey,
     capturing: bool,
+    /// bf16 GEMMs of at most this many tokens take the GEMV kernel (0: never), with
+    /// this many loads in flight per row and lane (2 or 4).
+    gemv_max_tokens: usize,
+    gemv_unroll: usize,
     /// cuBLAS's workspace, fixed so that captured GEMMs never allocate.
     _blas_ws: CudaSlice<u8>,
 }
@@ -207,18 +233,28 @@ impl CudaBackend {
             step_splits: 1,
             fa_tiles: stream.alloc_zeros::<i32>(1).map_err(dev_err)?,
             n_fa_tiles: 0,
+            gemv_max_tokens: match std::env::var(crate::env::CUDA_GEMV_MAX_TOKENS) {
+                Ok(v) => v.parse::<usize>().map_err(|_| {
+                    KernelError::Device(format!("{}={v}: give a number of tokens", crate::env::CUDA_GEMV_MAX_TOKENS))
+                })?,
+                Err(_) => super::GEMV_MAX_TOKENS,
+            }
+            .min(super::GEMV_MAX_TOKENS),
+            gemv_unroll: match std::env::var(crate::env::CUDA_GEMV_UNROLL).as_deref() {
+                Ok("2") | Err(_) => 2,
+                Ok("4") => 4,
+                Ok(v) => return Err(KernelError::Device(format!("{}={v}: use 2 or 4", crate::env::CUDA_GEMV_UNROLL))),
+            },
             profile,
             blas,
             bf16_weights,
             x_bf16: stream.alloc_zeros::<u16>(1).map_err(dev_err)?,
-            cos: z(1)?,
-            sin: z(1)?,
+            inv_freq: z(1)?,
+            host_inv_freq: Vec::new(),
             slots: stream.alloc_zeros::<i64>(1).map_err(dev_err)?,
             pos: stream.alloc_zeros::<i32>(1).map_err(dev_err)?,
             table_off: stream.alloc_zeros::<i32>(1).map_err(dev_err)?,
             tables: stream.alloc_zeros::<u32>(1).map_err(dev_err)?,
-            host_cos: Vec::new(),
-            host_sin: Vec::new(),
             max_ctx: 0,
             attn_chunk: match std::env::var(crate::env::CUDA_ATTN_CHUNK) {
                 Ok(v) => v.parse().map_err(|_| {
@@ -260,29 +296,56 @@ impl CudaBackend {
     }
 
     /// How many decode shapes are captured as graphs now.
+    /// bf16 GEMMs of at most `n` tokens take the GEMV kernel (at most 8; 0: never).
+    pub fn set_gemv_max_tokens(&mut self, n: usize) {
+        self.gemv_max_tokens = n.min(super::GEMV_MAX_TOKENS);
+    }
+
+    /// Loads in flight per row and lane in the GEMV kernels (2 or 4).
+    pub fn set_gemv_unroll(&mut self, u: usize) {
+        assert!(matches!(u, 2 | 4), "GEMV unroll is 2 or 4");
+        self.gemv_unroll = u;
+    }
+
     pub fn n_graphs(&self) -> usize {
         self.graphs.0.len()
     }
 
-    /// Per-op time so far (`DISAGG_CUDA_PROFILE` set): name → (seconds, calls).
+    /// Per-op GPU time so far (`DISAGG_CUDA_PROFILE` set): name → (seconds, calls), as
+    /// of the last copy to the host.
     pub fn profile(&self) -> Option<&std::collections::BTreeMap<&'static str, (f64, u64)>> {
-        self.profile.as_ref()
+        self.profile.as_ref().map(|p| &p.totals)
     }
 
-    /// Starts timing an op (profiling only): waits for the work before it.
-    fn tic(&self) -> Option<std::time::Instant> {
-        self.profile.as_ref().map(|_| {
-            self.dev.synchronize().expect("CUDA: synchronize");
-            std::time::Instant::now()
-        })
+    /// Starts timing an op (profiling only): an event on the stream, without waiting.
+    fn tic(&self) -> Option<CudaEvent> {
+        self.profile.as_ref().map(|_| self.event())
     }
 
-    fn toc(&mut self, name: &'static str, t: Option<std::time::Instant>) {
-        if let (Some(t), Some(p)) = (t, self.profile.as_mut()) {
-            self.dev.synchronize().expect("CUDA: synchronize");
-            let e = p.entry(name).or_default();
-            e.0 += t.elapsed().as_secs_f64();
-            e.1 += 1;
+    fn event(&self) -> CudaEvent {
+        let timed = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+        self.dev.stream().record_event(timed).expect("CUDA: recording a profiling event")
+    }
+
+    /// Ends timing an op: its time is read once the stream has reached it ([`Self::settle`]).
+    fn toc(&mut self, name: &'static str, t: Option<CudaEvent>) {
+        if let Some(start) = t {
+            let end = self.event();
+            if let Some(p) = self.profile.as_mut() {
+                p.pending.push((name, start, end));
+            }
+        }
+    }
+
+    /// Adds the time of every op timed so far (the stream is idle: after a copy to the host).
+    fn settle(&mut self) {
+        if let Some(p) = self.profile.as_mut() {
+            for (name, start, end) in p.pending.drain(..) {
+                let ms = start.elapsed_ms(&end).expect("CUDA: reading a profiling event");
+                let e = p.totals.entry(name).or_default();
+                e.0 += ms as f64 * 1e-3;
+                e.1 += 1;
+            }
         }
     }
 
@@ -305,6 +368,31 @@ impl CudaBackend {
     /// Free and total device memory, in bytes.
     pub fn mem_info(&self) -> Result<(usize, usize), KernelError> {
         self.dev.context().mem_get_info().map_err(dev_err)
+    }
+
+    /// An out-of-memory error naming what did not fit, the bytes it needed (when known)
+    /// and what the device has free.
+    fn oom(&self, what: String, bytes: usize, e: cudarc::driver::DriverError) -> KernelError {
+        let mib = |b: usize| b as f64 / (1u64 << 20) as f64;
+        let need = if bytes > 0 { format!("{:.1} MiB for ", mib(bytes)) } else { String::new() };
+        let free = match self.mem_info() {
+            Ok((free, total)) => format!("{:.0} MiB free of {:.0} MiB", mib(free), mib(total)),
+            Err(_) => "free memory unknown".into(),
+        };
+        KernelError::OutOfMemory(format!(
+            "{need}{what} does not fit on {} ({e}; {free}); lower --max-batched-tokens or --max-num-seqs, or leave \
+             more room with a smaller --kv-cache-mib / --gpu-memory-utilization",
+            self.dev.describe()
+        ))
+    }
+
+    /// `len` zeros on the device, or an out-of-memory error naming `what`.
+    fn zeros<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+        &self,
+        len: usize,
+        what: &str,
+    ) -> Result<CudaSlice<T>, KernelError> {
+        self.dev.stream().alloc_zeros::<T>(len).map_err(|e| self.oom(what.into(), len * std::mem::size_of::<T>(), e))
     }
 
     /// Uploads `host` into `dst`, growing it when too small (true: it moved).
@@ -343,13 +431,56 @@ impl CudaBackend {
         }
     }
 
-    /// Per-step metadata: token ids and logit rows, RoPE tables (as the CPU backend
-    /// computes them), each token's slot and position, the block tables, the longest
+    /// Whether a GEMM of `w` over `n_tokens` takes the GEMV kernels.
+    fn takes_gemv(&self, w: &CudaLinear, n_tokens: usize) -> bool {
+        matches!(w, CudaLinear::Bf16 { .. }) && n_tokens <= self.gemv_max_tokens && w.cols().is_multiple_of(8)
+    }
+
+    /// Launches a GEMV kernel (see ops.cu): `n_out` outputs per token (`Gemv::NormSilu`:
+    /// W has 2 × `n_out` rows), `norm` the RMSNorm weight for the fused kinds.
+    #[allow(clippy::too_many_arguments)]
+    fn gemv(
+        &mut self,
+        kind: Gemv,
+        w: &CudaLinear,
+        x: &CudaSlice<f32>,
+        norm: &CudaSlice<f32>,
+        eps: f32,
+        n_tokens: usize,
+        n_out: usize,
+        out: &mut CudaSlice<f32>,
+        accumulate: bool,
+    ) {
+        let CudaLinear::Bf16 { w, rows, cols } = w else { unreachable!("GEMV takes bf16 weights") };
+        let u = usize::from(self.gemv_unroll == 4);
+        let (rows_out, names) = match kind {
+            Gemv::Plain => (n_out, &super::GEMV_BF16[u]),
+            Gemv::Norm => (n_out, &super::GEMV_NORM_BF16[u]),
+            Gemv::NormSilu => (2 * n_out, &super::GEMV_NORM_SILU_BF16[u]),
+        };
+        assert!(*rows == rows_out && (1..=super::GEMV_MAX_TOKENS).contains(&n_tokens) && cols % 8 == 0);
+        assert!(x.len() >= n_tokens * cols && out.len() >= n_tokens * n_out, "GEMV buffers");
+        assert!(matches!(kind, Gemv::Plain) || norm.len() == *cols, "GEMV: RMSNorm weight of the input width");
+        // Plain: a warp per two outputs; NormSilu: a warp per output (its gate and up rows).
+        let warps = if matches!(kind, Gemv::NormSilu) { n_out } else { n_out.div_ceil(2) };
+        let cfg = LaunchConfig {
+            grid_dim: (warps.div_ceil(super::GEMV_WARPS) as u32, 1, 1),
+            block_dim: (32 * super::GEMV_WARPS as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (n, k, acc) = (n_out as i32, *cols as i32, i32::from(accumulate));
+        let st = self.dev.stream().clone();
+        let mut b = st.launch_builder(self.dev.func(names[n_tokens - 1]));
+        b.arg(w).arg(x).arg(norm).arg(&eps).arg(&n).arg(&k).arg(&mut *out).arg(&acc);
+        // SAFETY: argument types match the kernel; x holds n_tokens rows of `cols` (a
+        // multiple of 8, so its float4 reads stay aligned), out as many of n_out, W `rows`.
+        unsafe { b.launch(cfg) }.expect("CUDA: GEMV");
+    }
+
+    /// Per-step metadata: token ids and logit rows, the RoPE frequencies when they
+    /// change, each token's slot and position, the block tables, the longest
     /// context, the flash kernel's query tiles, and the attention's key splits.
     fn prepare_step(&mut self, tokens: &[u32], batch: &StepBatch, rope: &Rope, attn: &AttnShape, logit_rows: &[u32]) {
-        let half = rope.inv_freq.len();
-        self.host_cos.resize(batch.n_tokens * half, 0.0);
-        self.host_sin.resize(batch.n_tokens * half, 0.0);
         let mut slots = vec![0i64; batch.n_tokens];
         let mut pos = vec![0i32; batch.n_tokens];
         let mut table_off = vec![0i32; batch.n_tokens];
@@ -361,11 +492,6 @@ impl CudaBackend {
             tables.extend_from_slice(span.block_table);
             for (i, row) in span.rows.clone().enumerate() {
                 let p = span.pos0 + i;
-                for (j, f) in rope.inv_freq.iter().enumerate() {
-                    let angle = (p as f32 * f) as f64;
-                    self.host_cos[row * half + j] = angle.cos() as f32;
-                    self.host_sin[row * half + j] = angle.sin() as f32;
-                }
                 slots[row] = batch.slot(s, p) as i64;
                 pos[row] = p as i32;
                 table_off[row] = off;
@@ -396,8 +522,10 @@ impl CudaBackend {
         let st = self.dev.stream().clone();
         let mut moved = Self::put(&st, &mut self.ids, tokens);
         moved |= Self::put(&st, &mut self.rows, logit_rows);
-        moved |= Self::put(&st, &mut self.cos, &self.host_cos);
-        moved |= Self::put(&st, &mut self.sin, &self.host_sin);
+        if self.host_inv_freq != rope.inv_freq {
+            self.host_inv_freq.clone_from(&rope.inv_freq);
+            moved |= Self::put(&st, &mut self.inv_freq, &rope.inv_freq);
+        }
         moved |= Self::put(&st, &mut self.slots, &slots);
         moved |= Self::put(&st, &mut self.pos, &pos);
         moved |= Self::put(&st, &mut self.table_off, &table_off);
@@ -467,8 +595,33 @@ impl Backend for CudaBackend {
         self.dev.stream().clone_htod(v).expect("CUDA: uploading a weight vector")
     }
 
-    fn act(&self, len: usize) -> CudaSlice<f32> {
-        self.dev.stream().alloc_zeros::<f32>(len.max(1)).expect("CUDA: allocating an activation buffer")
+    fn act(&self, len: usize) -> Result<CudaSlice<f32>, KernelError> {
+        self.zeros(len.max(1), "an activation buffer")
+    }
+
+    fn reserve(&mut self, lim: &StepLimits) -> Result<(), KernelError> {
+        let n = lim.max_tokens.max(1);
+        // The bf16 copy of a GEMM's input (only for steps too big for the GEMV kernel).
+        if n > self.gemv_max_tokens {
+            let len = n * lim.widest_input;
+            self.x_bf16 = self.zeros(len, "the bf16 GEMM input")?;
+        }
+        // Split-K partials: a step splits only while its units of work (flash tiles of ≤ 64
+        // rows × KV heads, or tokens × heads) are fewer than 2 × SMs, into at most
+        // ⌈2 × SMs / units⌉ splits, so rows × splits < 64 × 4 × SMs.
+        let len = 256 * self.n_sms * (lim.attn.head_dim + 2);
+        self.attn_part = self.zeros(len, "the attention partials")?;
+        // Step metadata.
+        self.ids = self.zeros(n, "step metadata (ids)")?;
+        self.slots = self.zeros(n, "step metadata (slots)")?;
+        self.pos = self.zeros(n, "step metadata (positions)")?;
+        self.table_off = self.zeros(n, "step metadata (table offsets)")?;
+        self.fa_tiles = self.zeros(4 * n, "step metadata (tiles)")?;
+        self.tables = self.zeros(lim.max_table_entries.max(1), "step metadata (block tables)")?;
+        self.rows = self.zeros(lim.max_seqs.max(1), "step metadata (logit rows)")?;
+        self.argmax_out = self.zeros(lim.max_seqs.max(1), "the sampled ids")?;
+        self.buffers_moving();
+        Ok(())
     }
 
     fn kv_cache(&self, shape: KvShape) -> Result<CudaKv, KernelError> {
@@ -616,6 +769,9 @@ impl Backend for CudaBackend {
                 }
                 .expect("cuBLAS: sgemm");
             }
+            CudaLinear::Bf16 { .. } if self.takes_gemv(w, n_tokens) => {
+                self.gemv(Gemv::Plain, w, x, x, 0.0, n_tokens, rows, out, accumulate);
+            }
             CudaLinear::Bf16 { w, .. } => {
                 let len = n_tokens * cols;
                 if self.x_bf16.len() < len {
@@ -659,7 +815,7 @@ impl Backend for CudaBackend {
                 .expect("cuBLAS: bf16 GEMM");
             }
         }
-        self.toc("matmul", t);
+        self.toc(if self.takes_gemv(w, n_tokens) { "gemv" } else { "matmul" }, t);
     }
 
     fn rope_write_kv(
@@ -674,6 +830,7 @@ impl Backend for CudaBackend {
         if batch.n_tokens == 0 {
             return;
         }
+        assert!(attn.head_dim <= 256, "CUDA: RoPE takes head_dim ≤ 256");
         let t = self.tic();
         let st = self.dev.stream().clone();
         let half = kv.half() as i64;
@@ -683,14 +840,14 @@ impl Backend for CudaBackend {
         let r = match &mut kv.layers[layer] {
             KvBuf::F16(c) => {
                 let mut b = st.launch_builder(self.dev.func("rope_write_kv_f16"));
-                b.arg(qkv).arg(&self.cos).arg(&self.sin).arg(&self.slots);
+                b.arg(qkv).arg(&self.pos).arg(&self.inv_freq).arg(&self.slots);
                 b.arg(&nh).arg(&nkv).arg(&hd).arg(&il).arg(&bs).arg(c).arg(&half);
                 // SAFETY: argument types match the kernel; slots lie in the cache.
                 unsafe { b.launch(cfg) }
             }
             KvBuf::F32(c) => {
                 let mut b = st.launch_builder(self.dev.func("rope_write_kv_f32"));
-                b.arg(qkv).arg(&self.cos).arg(&self.sin).arg(&self.slots);
+                b.arg(qkv).arg(&self.pos).arg(&self.inv_freq).arg(&self.slots);
                 b.arg(&nh).arg(&nkv).arg(&hd).arg(&il).arg(&bs).arg(c).arg(&half);
                 // SAFETY: as above.
                 unsafe { b.launch(cfg) }
@@ -803,6 +960,49 @@ impl Backend for CudaBackend {
         }
     }
 
+    fn norm_matmul(
+        &mut self,
+        x: &CudaSlice<f32>,
+        norm: &CudaSlice<f32>,
+        eps: f32,
+        n_tokens: usize,
+        h: &mut CudaSlice<f32>,
+        w: &CudaLinear,
+        out: &mut CudaSlice<f32>,
+    ) {
+        if n_tokens > 0 && self.takes_gemv(w, n_tokens) {
+            let t = self.tic();
+            self.gemv(Gemv::Norm, w, x, norm, eps, n_tokens, w.rows(), out, false);
+            self.toc("gemv_norm", t);
+        } else {
+            self.rms_norm(x, norm, eps, n_tokens, h);
+            self.matmul(w, h, n_tokens, out, false);
+        }
+    }
+
+    fn norm_matmul_silu(
+        &mut self,
+        x: &CudaSlice<f32>,
+        norm: &CudaSlice<f32>,
+        eps: f32,
+        n_tokens: usize,
+        h: &mut CudaSlice<f32>,
+        w: &CudaLinear,
+        gu: &mut CudaSlice<f32>,
+        ff: usize,
+        out: &mut CudaSlice<f32>,
+    ) {
+        if n_tokens > 0 && self.takes_gemv(w, n_tokens) && w.rows() == 2 * ff {
+            let t = self.tic();
+            self.gemv(Gemv::NormSilu, w, x, norm, eps, n_tokens, ff, out, false);
+            self.toc("gemv_norm_silu", t);
+        } else {
+            self.rms_norm(x, norm, eps, n_tokens, h);
+            self.matmul(w, h, n_tokens, gu, false);
+            self.silu_mul(gu, n_tokens, ff, out);
+        }
+    }
+
     fn gather_rows(&mut self, x: &CudaSlice<f32>, rows: &[u32], dim: usize, out: &mut CudaSlice<f32>) {
         if rows.is_empty() {
             return;
@@ -821,6 +1021,8 @@ impl Backend for CudaBackend {
             let t = self.tic();
             self.dev.stream().memcpy_dtoh(&x.slice(..out.len()), out).expect("CUDA: copying to the host");
             self.toc("logits_to_host", t);
+            self.dev.synchronize().expect("CUDA: synchronize");
+            self.settle();
         }
     }
 
@@ -841,11 +1043,13 @@ impl Backend for CudaBackend {
         unsafe { b.launch(cfg) }.expect("CUDA: argmax");
         st.memcpy_dtoh(&self.argmax_out.slice(..out.len()), out).expect("CUDA: token ids to the host");
         self.toc("argmax_to_host", t);
+        self.dev.synchronize().expect("CUDA: synchronize");
+        self.settle();
         true
     }
 
     fn op_profile(&self) -> Vec<(&'static str, f64, u64)> {
-        self.profile.iter().flatten().map(|(k, (s, n))| (*k, *s, *n)).collect()
+        self.profile.iter().flat_map(|p| &p.totals).map(|(k, (s, n))| (*k, *s, *n)).collect()
     }
 
     fn copy_bandwidth_gbps(&self) -> Option<f64> {

@@ -65,6 +65,79 @@ const KERNELS: &[&str] = &[
     "flash_decode_f16_d128",
 ];
 
+/// Most tokens the GEMV kernels take (`…_m1` to `…_m8`: one kernel per token count), and
+/// the warps of their blocks (each warp reads two rows of W).
+pub(crate) const GEMV_MAX_TOKENS: usize = 8;
+pub(crate) const GEMV_WARPS: usize = 8;
+/// The GEMV kernels by kind (plain, RMSNorm first, RMSNorm first and SiLU·gate after),
+/// loads in flight per row and lane (2 or 4) and token count.
+pub(crate) const GEMV_BF16: [[&str; GEMV_MAX_TOKENS]; 2] = [
+    [
+        "gemv_bf16_m1_u2",
+        "gemv_bf16_m2_u2",
+        "gemv_bf16_m3_u2",
+        "gemv_bf16_m4_u2",
+        "gemv_bf16_m5_u2",
+        "gemv_bf16_m6_u2",
+        "gemv_bf16_m7_u2",
+        "gemv_bf16_m8_u2",
+    ],
+    [
+        "gemv_bf16_m1_u4",
+        "gemv_bf16_m2_u4",
+        "gemv_bf16_m3_u4",
+        "gemv_bf16_m4_u4",
+        "gemv_bf16_m5_u4",
+        "gemv_bf16_m6_u4",
+        "gemv_bf16_m7_u4",
+        "gemv_bf16_m8_u4",
+    ],
+];
+pub(crate) const GEMV_NORM_BF16: [[&str; GEMV_MAX_TOKENS]; 2] = [
+    [
+        "gemv_norm_bf16_m1_u2",
+        "gemv_norm_bf16_m2_u2",
+        "gemv_norm_bf16_m3_u2",
+        "gemv_norm_bf16_m4_u2",
+        "gemv_norm_bf16_m5_u2",
+        "gemv_norm_bf16_m6_u2",
+        "gemv_norm_bf16_m7_u2",
+        "gemv_norm_bf16_m8_u2",
+    ],
+    [
+        "gemv_norm_bf16_m1_u4",
+        "gemv_norm_bf16_m2_u4",
+        "gemv_norm_bf16_m3_u4",
+        "gemv_norm_bf16_m4_u4",
+        "gemv_norm_bf16_m5_u4",
+        "gemv_norm_bf16_m6_u4",
+        "gemv_norm_bf16_m7_u4",
+        "gemv_norm_bf16_m8_u4",
+    ],
+];
+pub(crate) const GEMV_NORM_SILU_BF16: [[&str; GEMV_MAX_TOKENS]; 2] = [
+    [
+        "gemv_norm_silu_bf16_m1_u2",
+        "gemv_norm_silu_bf16_m2_u2",
+        "gemv_norm_silu_bf16_m3_u2",
+        "gemv_norm_silu_bf16_m4_u2",
+        "gemv_norm_silu_bf16_m5_u2",
+        "gemv_norm_silu_bf16_m6_u2",
+        "gemv_norm_silu_bf16_m7_u2",
+        "gemv_norm_silu_bf16_m8_u2",
+    ],
+    [
+        "gemv_norm_silu_bf16_m1_u4",
+        "gemv_norm_silu_bf16_m2_u4",
+        "gemv_norm_silu_bf16_m3_u4",
+        "gemv_norm_silu_bf16_m4_u4",
+        "gemv_norm_silu_bf16_m5_u4",
+        "gemv_norm_silu_bf16_m6_u4",
+        "gemv_norm_silu_bf16_m7_u4",
+        "gemv_norm_silu_bf16_m8_u4",
+    ],
+];
+
 /// The flash-attention kernels and their head_dim.
 const FLASH_KERNELS: [(&str, usize); 4] = [
     ("flash_attn_f16_d64", 64),
@@ -143,7 +216,8 @@ impl CudaDevice {
         let stream = ctx.new_stream().map_err(dev_err)?;
         let f = |n: &str| module.load_function(n).map_err(dev_err);
         let mut funcs = HashMap::new();
-        for &k in KERNELS {
+        let gemv = [GEMV_BF16, GEMV_NORM_BF16, GEMV_NORM_SILU_BF16];
+        for &k in KERNELS.iter().chain(gemv.iter().flatten().flatten()) {
             funcs.insert(k, f(k)?);
         }
         // The flash kernels' double-buffered K/V tiles exceed the default 48 KiB of

@@ -86,20 +86,27 @@ extern "C" __global__ void gather_rows(const float* x, const unsigned int* rows,
 }
 
 // RoPE on q and k of each token's fused [q|k|v] row (in place), then k and v into the
-// cache at the token's slot. One block per token. cos/sin: [token][head_dim/2], made on
-// the host exactly as the CPU backend makes them. Layer cache: keys
-// [block][kv_head][slot][head_dim] for all blocks, then values the same (`half` elements
-// further).
+// cache at the token's slot. One block per token. The angles are made here as the CPU
+// backend makes them: position × inv_freq rounded to f32, cos/sin in f64, rounded to
+// f32. Layer cache: keys [block][kv_head][slot][head_dim] for all blocks, then values
+// the same (`half` elements further).
 template <typename T>
-__device__ void rope_write_kv_impl(float* qkv, const float* cos_t, const float* sin_t, const long long* slots,
+__device__ void rope_write_kv_impl(float* qkv, const int* pos, const float* inv_freq, const long long* slots,
                                    int n_heads, int n_kv, int hd, int interleaved, int block_size, T* cache,
                                    long long half) {
     const int t = blockIdx.x;
     const int w = (n_heads + 2 * n_kv) * hd;
     float* row = qkv + (size_t)t * w;
     const int hh = hd / 2;
-    const float* c = cos_t + (size_t)t * hh;
-    const float* s = sin_t + (size_t)t * hh;
+    __shared__ float c[128], s[128];  // hd ≤ 256
+    const float p = (float)pos[t];
+    for (int j = threadIdx.x; j < hh; j += blockDim.x) {
+        double sn, cs;
+        sincos((double)(p * inv_freq[j]), &sn, &cs);
+        c[j] = (float)cs;
+        s[j] = (float)sn;
+    }
+    __syncthreads();
     for (int i = threadIdx.x; i < (n_heads + n_kv) * hh; i += blockDim.x) {
         const int h = i / hh, j = i % hh;
         const int a = interleaved ? 2 * j : j, b = interleaved ? 2 * j + 1 : j + hh;
@@ -121,15 +128,15 @@ __device__ void rope_write_kv_impl(float* qkv, const float* cos_t, const float* 
     }
 }
 
-extern "C" __global__ void rope_write_kv_f16(float* qkv, const float* cos_t, const float* sin_t, const long long* slots,
+extern "C" __global__ void rope_write_kv_f16(float* qkv, const int* pos, const float* inv_freq, const long long* slots,
                                              int n_heads, int n_kv, int hd, int interleaved, int block_size,
                                              unsigned short* cache, long long half) {
-    rope_write_kv_impl(qkv, cos_t, sin_t, slots, n_heads, n_kv, hd, interleaved, block_size, cache, half);
+    rope_write_kv_impl(qkv, pos, inv_freq, slots, n_heads, n_kv, hd, interleaved, block_size, cache, half);
 }
-extern "C" __global__ void rope_write_kv_f32(float* qkv, const float* cos_t, const float* sin_t, const long long* slots,
+extern "C" __global__ void rope_write_kv_f32(float* qkv, const int* pos, const float* inv_freq, const long long* slots,
                                              int n_heads, int n_kv, int hd, int interleaved, int block_size,
                                              float* cache, long long half) {
-    rope_write_kv_impl(qkv, cos_t, sin_t, slots, n_heads, n_kv, hd, interleaved, block_size, cache, half);
+    rope_write_kv_impl(qkv, pos, inv_freq, slots, n_heads, n_kv, hd, interleaved, block_size, cache, half);
 }
 
 // Causal attention over the paged cache: one block of ATT_WARPS warps per (token, query
@@ -613,3 +620,169 @@ extern "C" __global__ void __launch_bounds__(128) flash_attn_f16_d64(FLASH_ARGS)
 extern "C" __global__ void __launch_bounds__(128) flash_attn_f16_d128(FLASH_ARGS) { flash_attn_impl<128, false>(FLASH_CALL); }
 extern "C" __global__ void __launch_bounds__(128) flash_decode_f16_d64(FLASH_ARGS) { flash_attn_impl<64, true>(FLASH_CALL); }
 extern "C" __global__ void __launch_bounds__(128) flash_decode_f16_d128(FLASH_ARGS) { flash_attn_impl<128, true>(FLASH_CALL); }
+
+// ---- Small-batch GEMM (decode): out[m][n] (+)= Σ_k x[m][k] · W[n][k] ----
+// W: bf16 [rows][k] row-major (k a multiple of 8), x: f32 [M][k], out: f32 [M][n_out].
+// At a few tokens a GEMM is a read of W at memory bandwidth. Each warp takes two rows of
+// W; each lane loads 8 weights (16 bytes) per row per step, GEMV_UNROLL steps at a time
+// so that enough bytes are in flight, and reads x (f32, L1-resident since every warp of
+// the SM reads it) directly: no bf16 copy of the activations is made. U (2 or 4) is how
+// many 16-byte loads per row a lane has in flight. Sums are f32,
+// reduced across the warp in a fixed order. Two fusions (the decode step's neighbours):
+//   NORM: x is the residual stream; the block first computes each token's RMSNorm scale
+//         (as rms_norm_rows does) and multiplies x by scale · nw[k] as it reads it;
+//   SILU: W is [gate; up] (2·n_out rows): a warp takes gate row n and up row n + n_out
+//         and writes silu(g) · u (as silu_mul_rows does), so n_out = ff.
+#define GEMV_WARPS 8
+
+__device__ __forceinline__ uint4 ld_stream_u4(const unsigned short* p) {
+    uint4 v;
+#if __CUDA_ARCH__ >= 800
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+#else
+    asm volatile("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+#endif
+    return v;
+}
+
+__device__ __forceinline__ float dot8_bf16(uint4 w, const float (&v)[8]) {
+    float s = __uint_as_float(w.x << 16) * v[0];
+    s = fmaf(__uint_as_float(w.x & 0xffff0000u), v[1], s);
+    s = fmaf(__uint_as_float(w.y << 16), v[2], s);
+    s = fmaf(__uint_as_float(w.y & 0xffff0000u), v[3], s);
+    s = fmaf(__uint_as_float(w.z << 16), v[4], s);
+    s = fmaf(__uint_as_float(w.z & 0xffff0000u), v[5], s);
+    s = fmaf(__uint_as_float(w.w << 16), v[6], s);
+    s = fmaf(__uint_as_float(w.w & 0xffff0000u), v[7], s);
+    return s;
+}
+
+// x[kk .. kk+8) of one token, normalised when NORM (scale: the token's RMSNorm scale).
+template <bool NORM>
+__device__ __forceinline__ void load_x8(const float* __restrict__ xr, const float* __restrict__ nw, float scale, int kk,
+                                        float (&v)[8]) {
+    const float4 a = *reinterpret_cast<const float4*>(xr + kk);
+    const float4 b = *reinterpret_cast<const float4*>(xr + kk + 4);
+    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+    if (NORM) {
+        const float4 c = *reinterpret_cast<const float4*>(nw + kk);
+        const float4 d = *reinterpret_cast<const float4*>(nw + kk + 4);
+        const float g[8] = {c.x, c.y, c.z, c.w, d.x, d.y, d.z, d.w};
+#pragma unroll
+        for (int i = 0; i < 8; i++) v[i] = v[i] * scale * g[i];
+    }
+}
+
+template <int M, bool NORM, bool SILU, int U>
+__device__ void gemv_bf16_impl(const unsigned short* __restrict__ w, const float* __restrict__ x,
+                               const float* __restrict__ nw, float eps, int n_out, int k, float* __restrict__ out,
+                               int accumulate) {
+    __shared__ float scale[M > 0 ? M : 1];
+    if (NORM) {
+        __shared__ float part[GEMV_WARPS];
+        for (int m = 0; m < M; m++) {
+            const float* xr = x + (size_t)m * k;
+            float s = 0.f;
+            for (int i = threadIdx.x; i < k; i += blockDim.x) s += xr[i] * xr[i];
+            for (int o = 16; o > 0; o >>= 1) s += __shfl_down_sync(0xffffffff, s, o);
+            if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = s;
+            __syncthreads();
+            if (threadIdx.x == 0) {
+                float t = 0.f;
+                for (int i = 0; i < GEMV_WARPS; i++) t += part[i];
+                scale[m] = rsqrtf(t / k + eps);
+            }
+            __syncthreads();
+        }
+    }
+    const int lane = threadIdx.x & 31;
+    const int warp = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
+    // The two rows of W this warp reads.
+    int r0, r1;
+    if (SILU) {
+        if (warp >= n_out) return;
+        r0 = warp, r1 = warp + n_out;
+    } else {
+        r0 = 2 * warp;
+        if (r0 >= n_out) return;
+        r1 = min(r0 + 1, n_out - 1);
+    }
+    const unsigned short* w0 = w + (size_t)r0 * k;
+    const unsigned short* w1 = w + (size_t)r1 * k;
+    float acc[2][M];
+#pragma unroll
+    for (int m = 0; m < M; m++) acc[0][m] = acc[1][m] = 0.f;
+    const int step = 32 * 8;
+    int k0 = lane * 8;
+    // Whole groups of U steps: every load is issued before the first use.
+    for (; k0 + (U - 1) * step < k; k0 += U * step) {
+        uint4 a[U], b[U];
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            a[u] = ld_stream_u4(w0 + k0 + u * step);
+            b[u] = ld_stream_u4(w1 + k0 + u * step);
+        }
+#pragma unroll
+        for (int u = 0; u < U; u++)
+#pragma unroll
+            for (int m = 0; m < M; m++) {
+                float v[8];
+                load_x8<NORM>(x + (size_t)m * k, nw, NORM ? scale[m] : 1.f, k0 + u * step, v);
+                acc[0][m] += dot8_bf16(a[u], v);
+                acc[1][m] += dot8_bf16(b[u], v);
+            }
+    }
+    for (; k0 < k; k0 += step) {
+        const uint4 a = ld_stream_u4(w0 + k0), b = ld_stream_u4(w1 + k0);
+#pragma unroll
+        for (int m = 0; m < M; m++) {
+            float v[8];
+            load_x8<NORM>(x + (size_t)m * k, nw, NORM ? scale[m] : 1.f, k0, v);
+            acc[0][m] += dot8_bf16(a, v);
+            acc[1][m] += dot8_bf16(b, v);
+        }
+    }
+#pragma unroll
+    for (int m = 0; m < M; m++)
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            float s = acc[r][m];
+            for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffff, s, o);
+            acc[r][m] = s;
+        }
+    if (lane != 0) return;
+#pragma unroll
+    for (int m = 0; m < M; m++) {
+        if (SILU) {
+            const float g = acc[0][m], u = acc[1][m];
+            out[(size_t)m * n_out + warp] = g / (1.f + expf(-g)) * u;
+        } else {
+            float* o = out + (size_t)m * n_out + r0;
+            o[0] = accumulate ? o[0] + acc[0][m] : acc[0][m];
+            if (r0 + 1 < n_out) o[1] = accumulate ? o[1] + acc[1][m] : acc[1][m];
+        }
+    }
+}
+
+#define GEMV_ARGS \
+    const unsigned short *w, const float *x, const float *nw, float eps, int n_out, int k, float *out, int accumulate
+#define GEMV_KERNELS_U(M, U) \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv_bf16_m##M##_u##U(GEMV_ARGS) { \
+        gemv_bf16_impl<M, false, false, U>(w, x, nw, eps, n_out, k, out, accumulate); \
+    } \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv_norm_bf16_m##M##_u##U(GEMV_ARGS) { \
+        gemv_bf16_impl<M, true, false, U>(w, x, nw, eps, n_out, k, out, accumulate); \
+    } \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv_norm_silu_bf16_m##M##_u##U(GEMV_ARGS) { \
+        gemv_bf16_impl<M, true, true, U>(w, x, nw, eps, n_out, k, out, accumulate); \
+    }
+#define GEMV_KERNELS(M) GEMV_KERNELS_U(M, 2) GEMV_KERNELS_U(M, 4)
+GEMV_KERNELS(1)
+GEMV_KERNELS(2)
+GEMV_KERNELS(3)
+GEMV_KERNELS(4)
+GEMV_KERNELS(5)
+GEMV_KERNELS(6)
+GEMV_KERNELS(7)
+GEMV_KERNELS(8)
