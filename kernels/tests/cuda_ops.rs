@@ -227,9 +227,8 @@ fn bf16_matmul_matches_cpu_with_and_without_gemv() {
                 }
             }
             let dx = be.device().upload(&x).unwrap();
-            for (gemv, unroll) in [(8usize, 2usize), (8, 4), (0, 2)] {
+            for gemv in [8usize, 0] {
                 be.set_gemv_max_tokens(gemv);
-                be.set_gemv_unroll(unroll);
                 for accumulate in [false, true] {
                     let mut out = be.device().upload(&prior).unwrap();
                     be.matmul(&lin, &dx, n, &mut out, accumulate);
@@ -243,7 +242,7 @@ fn bf16_matmul_matches_cpu_with_and_without_gemv() {
                         .fold(0f64, f64::max);
                     let by_gemv = gemv >= n && cols % 8 == 0;
                     println!(
-                        "matmul {rows}×{cols}, {n} tokens, gemv {by_gemv} (unroll {unroll}), accumulate {accumulate}: max |err| / Σ|w·x| = {err:.2e}"
+                        "matmul {rows}×{cols}, {n} tokens, gemv {by_gemv}, accumulate {accumulate}: max |err| / Σ|w·x| = {err:.2e}"
                     );
                     assert!(
                         err < if by_gemv { 1e-5 } else { 1e-2 },
@@ -276,8 +275,8 @@ fn fused_gemv_matches_cpu_norm_matmul_silu() {
     let gu = be.linear(&[WeightPart { ty: GgmlType::F32, rows: 2 * ff, cols: hidden, bytes: &bgu }]).unwrap();
     let nw = data(hidden, 23);
     let dnw = be.vector(&nw);
-    for (n, unroll) in [(1usize, 2usize), (1, 4), (4, 2), (8, 4), (12, 2)] {
-        be.set_gemv_unroll(unroll);
+    be.set_gemv_max_tokens(8);
+    for n in [1usize, 4, 8, 12] {
         let x = data(n * hidden, 30 + n as u32);
         let mut h = vec![0f32; n * hidden];
         for r in 0..n {

@@ -3,10 +3,11 @@
 //! - Weights: every matrix dequantized at load (GGUF quantized types included) and kept
 //!   as bf16 (default; `DISAGG_CUDA_WEIGHTS=f32` keeps f32, for exactness checks against
 //!   the CPU backend's f32 path). GEMMs go through cuBLAS: bf16 × bf16 with f32
-//!   accumulation and f32 output (`cublasGemmEx`), or f32 `cublasSgemm` (no TF32). For
-//!   ≤ 8 tokens (decode) bf16 GEMMs take the GEMV kernels instead, which read the f32
+//!   accumulation and f32 output (`cublasGemmEx`), or f32 `cublasSgemm` (no TF32). A
+//!   one-token step (batch-1 decode) takes the GEMV kernels instead, which read the f32
 //!   activations directly and fuse the RMSNorm before QKV and gate/up and the SiLU·gate
-//!   after gate/up (`DISAGG_CUDA_GEMV_MAX_TOKENS=0`: cuBLAS and separate ops).
+//!   after gate/up (`DISAGG_CUDA_GEMV_MAX_TOKENS`: 0 = cuBLAS and separate ops; up to 8,
+//!   though from 2 tokens on cuBLAS was measured faster).
 //! - Memory: weights at load; then `reserve` sizes every per-step scratch buffer for the
 //!   engine's largest step, and the KV cache comes last, so steps never allocate.
 //! - Activations: f32 device buffers, allocated once by the engine's workspace.
@@ -168,10 +169,8 @@ pub struct CudaBackend {
     seen: std::collections::HashSet<GraphKey>,
     step_key: GraphKey,
     capturing: bool,
-    /// bf16 GEMMs of at most this many tokens take the GEMV kernel (0: never), with
-    /// this many loads in flight per row and lane (2 or 4).
+    /// bf16 GEMMs of at most this many tokens take the GEMV kernel (0: never).
     gemv_max_tokens: usize,
-    gemv_unroll: usize,
     /// cuBLAS's workspace, fixed so that captured GEMMs never allocate.
     _blas_ws: CudaSlice<u8>,
 }
@@ -237,14 +236,9 @@ impl CudaBackend {
                 Ok(v) => v.parse::<usize>().map_err(|_| {
                     KernelError::Device(format!("{}={v}: give a number of tokens", crate::env::CUDA_GEMV_MAX_TOKENS))
                 })?,
-                Err(_) => super::GEMV_MAX_TOKENS,
+                Err(_) => super::GEMV_DEFAULT_MAX_TOKENS,
             }
             .min(super::GEMV_MAX_TOKENS),
-            gemv_unroll: match std::env::var(crate::env::CUDA_GEMV_UNROLL).as_deref() {
-                Ok("2") | Err(_) => 2,
-                Ok("4") => 4,
-                Ok(v) => return Err(KernelError::Device(format!("{}={v}: use 2 or 4", crate::env::CUDA_GEMV_UNROLL))),
-            },
             profile,
             blas,
             bf16_weights,
@@ -299,12 +293,6 @@ impl CudaBackend {
     /// bf16 GEMMs of at most `n` tokens take the GEMV kernel (at most 8; 0: never).
     pub fn set_gemv_max_tokens(&mut self, n: usize) {
         self.gemv_max_tokens = n.min(super::GEMV_MAX_TOKENS);
-    }
-
-    /// Loads in flight per row and lane in the GEMV kernels (2 or 4).
-    pub fn set_gemv_unroll(&mut self, u: usize) {
-        assert!(matches!(u, 2 | 4), "GEMV unroll is 2 or 4");
-        self.gemv_unroll = u;
     }
 
     pub fn n_graphs(&self) -> usize {
@@ -452,11 +440,10 @@ impl CudaBackend {
         accumulate: bool,
     ) {
         let CudaLinear::Bf16 { w, rows, cols } = w else { unreachable!("GEMV takes bf16 weights") };
-        let u = usize::from(self.gemv_unroll == 4);
         let (rows_out, names) = match kind {
-            Gemv::Plain => (n_out, &super::GEMV_BF16[u]),
-            Gemv::Norm => (n_out, &super::GEMV_NORM_BF16[u]),
-            Gemv::NormSilu => (2 * n_out, &super::GEMV_NORM_SILU_BF16[u]),
+            Gemv::Plain => (n_out, &super::GEMV_BF16),
+            Gemv::Norm => (n_out, &super::GEMV_NORM_BF16),
+            Gemv::NormSilu => (2 * n_out, &super::GEMV_NORM_SILU_BF16),
         };
         assert!(*rows == rows_out && (1..=super::GEMV_MAX_TOKENS).contains(&n_tokens) && cols % 8 == 0);
         assert!(x.len() >= n_tokens * cols && out.len() >= n_tokens * n_out, "GEMV buffers");

@@ -65,77 +65,43 @@ const KERNELS: &[&str] = &[
     "flash_decode_f16_d128",
 ];
 
-/// Most tokens the GEMV kernels take (`…_m1` to `…_m8`: one kernel per token count), and
-/// the warps of their blocks (each warp reads two rows of W).
+/// Most tokens the GEMV kernels take (`…_m1` to `…_m8`: one kernel per token count;
+/// by default only 1 uses them, see `DISAGG_CUDA_GEMV_MAX_TOKENS`), and the warps of
+/// their blocks (each warp reads two rows of W).
 pub(crate) const GEMV_MAX_TOKENS: usize = 8;
+pub(crate) const GEMV_DEFAULT_MAX_TOKENS: usize = 1;
 pub(crate) const GEMV_WARPS: usize = 8;
-/// The GEMV kernels by kind (plain, RMSNorm first, RMSNorm first and SiLU·gate after),
-/// loads in flight per row and lane (2 or 4) and token count.
-pub(crate) const GEMV_BF16: [[&str; GEMV_MAX_TOKENS]; 2] = [
-    [
-        "gemv_bf16_m1_u2",
-        "gemv_bf16_m2_u2",
-        "gemv_bf16_m3_u2",
-        "gemv_bf16_m4_u2",
-        "gemv_bf16_m5_u2",
-        "gemv_bf16_m6_u2",
-        "gemv_bf16_m7_u2",
-        "gemv_bf16_m8_u2",
-    ],
-    [
-        "gemv_bf16_m1_u4",
-        "gemv_bf16_m2_u4",
-        "gemv_bf16_m3_u4",
-        "gemv_bf16_m4_u4",
-        "gemv_bf16_m5_u4",
-        "gemv_bf16_m6_u4",
-        "gemv_bf16_m7_u4",
-        "gemv_bf16_m8_u4",
-    ],
+/// The GEMV kernels by kind (plain, RMSNorm first, RMSNorm first and SiLU·gate after)
+/// and token count.
+pub(crate) const GEMV_BF16: [&str; GEMV_MAX_TOKENS] = [
+    "gemv_bf16_m1",
+    "gemv_bf16_m2",
+    "gemv_bf16_m3",
+    "gemv_bf16_m4",
+    "gemv_bf16_m5",
+    "gemv_bf16_m6",
+    "gemv_bf16_m7",
+    "gemv_bf16_m8",
 ];
-pub(crate) const GEMV_NORM_BF16: [[&str; GEMV_MAX_TOKENS]; 2] = [
-    [
-        "gemv_norm_bf16_m1_u2",
-        "gemv_norm_bf16_m2_u2",
-        "gemv_norm_bf16_m3_u2",
-        "gemv_norm_bf16_m4_u2",
-        "gemv_norm_bf16_m5_u2",
-        "gemv_norm_bf16_m6_u2",
-        "gemv_norm_bf16_m7_u2",
-        "gemv_norm_bf16_m8_u2",
-    ],
-    [
-        "gemv_norm_bf16_m1_u4",
-        "gemv_norm_bf16_m2_u4",
-        "gemv_norm_bf16_m3_u4",
-        "gemv_norm_bf16_m4_u4",
-        "gemv_norm_bf16_m5_u4",
-        "gemv_norm_bf16_m6_u4",
-        "gemv_norm_bf16_m7_u4",
-        "gemv_norm_bf16_m8_u4",
-    ],
+pub(crate) const GEMV_NORM_BF16: [&str; GEMV_MAX_TOKENS] = [
+    "gemv_norm_bf16_m1",
+    "gemv_norm_bf16_m2",
+    "gemv_norm_bf16_m3",
+    "gemv_norm_bf16_m4",
+    "gemv_norm_bf16_m5",
+    "gemv_norm_bf16_m6",
+    "gemv_norm_bf16_m7",
+    "gemv_norm_bf16_m8",
 ];
-pub(crate) const GEMV_NORM_SILU_BF16: [[&str; GEMV_MAX_TOKENS]; 2] = [
-    [
-        "gemv_norm_silu_bf16_m1_u2",
-        "gemv_norm_silu_bf16_m2_u2",
-        "gemv_norm_silu_bf16_m3_u2",
-        "gemv_norm_silu_bf16_m4_u2",
-        "gemv_norm_silu_bf16_m5_u2",
-        "gemv_norm_silu_bf16_m6_u2",
-        "gemv_norm_silu_bf16_m7_u2",
-        "gemv_norm_silu_bf16_m8_u2",
-    ],
-    [
-        "gemv_norm_silu_bf16_m1_u4",
-        "gemv_norm_silu_bf16_m2_u4",
-        "gemv_norm_silu_bf16_m3_u4",
-        "gemv_norm_silu_bf16_m4_u4",
-        "gemv_norm_silu_bf16_m5_u4",
-        "gemv_norm_silu_bf16_m6_u4",
-        "gemv_norm_silu_bf16_m7_u4",
-        "gemv_norm_silu_bf16_m8_u4",
-    ],
+pub(crate) const GEMV_NORM_SILU_BF16: [&str; GEMV_MAX_TOKENS] = [
+    "gemv_norm_silu_bf16_m1",
+    "gemv_norm_silu_bf16_m2",
+    "gemv_norm_silu_bf16_m3",
+    "gemv_norm_silu_bf16_m4",
+    "gemv_norm_silu_bf16_m5",
+    "gemv_norm_silu_bf16_m6",
+    "gemv_norm_silu_bf16_m7",
+    "gemv_norm_silu_bf16_m8",
 ];
 
 /// The flash-attention kernels and their head_dim.
@@ -217,7 +183,7 @@ impl CudaDevice {
         let f = |n: &str| module.load_function(n).map_err(dev_err);
         let mut funcs = HashMap::new();
         let gemv = [GEMV_BF16, GEMV_NORM_BF16, GEMV_NORM_SILU_BF16];
-        for &k in KERNELS.iter().chain(gemv.iter().flatten().flatten()) {
+        for &k in KERNELS.iter().chain(gemv.iter().flatten()) {
             funcs.insert(k, f(k)?);
         }
         // The flash kernels' double-buffered K/V tiles exceed the default 48 KiB of
