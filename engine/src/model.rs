@@ -9,7 +9,7 @@ use std::collections::HashMap;
 use std::path::Path;
 
 use kernels::quant::GgmlType;
-use kernels::{AttnShape, Backend, Rope, StepBatch, StepLimits, WeightPart};
+use kernels::{AttnShape, Backend, Rope, SampleSpec, SampledRow, StepBatch, StepLimits, WeightPart};
 
 use crate::config::ModelConfig;
 use crate::gguf::Gguf;
@@ -274,6 +274,12 @@ impl<B: Backend> Model<B> {
         }
     }
 
+    /// Copies the first `out.len()` logits of the last step (its logit rows in order)
+    /// to the host.
+    pub fn logits_to_host(&self, be: &mut B, ws: &Workspace<B>, out: &mut [f32]) {
+        be.to_host(&ws.logits, out);
+    }
+
     pub fn workspace(&self, backend: &B, max_tokens: usize, max_logits: usize) -> Result<Workspace<B>, EngineError> {
         let c = &self.cfg;
         let act = |len| backend.act(len).map_err(|e| EngineError::Model(e.to_string()));
@@ -296,9 +302,9 @@ impl<B: Backend> Model<B> {
     /// their K/V into `kv`, and the logits of the rows in `logit_rows` into `logits`
     /// (`logit_rows.len() × vocab`). `after_layer(backend, kv, l)`, when given, runs once
     /// layer `l`'s K/V are in the cache (the KV transfer sends them from there while later
-    /// layers compute). With `greedy_ids`, every sampled row is greedy: the backend may
-    /// take the argmax where the logits are and write only the token ids there (returns
-    /// true); otherwise (false) the logits are copied to `logits`.
+    /// layers compute). With `sampling` (a spec per logit row), the backend may sample
+    /// where the logits are and write its results there (returns true); otherwise (false)
+    /// the logits are copied to `logits`.
     ///
     /// A decode-only step without a layer hook is replayable: the same ops for every step
     /// of its shape, which a backend may capture once and replay (CUDA graphs).
@@ -312,7 +318,7 @@ impl<B: Backend> Model<B> {
         batch: &StepBatch,
         logit_rows: &[u32],
         logits: &mut [f32],
-        greedy_ids: Option<&mut [u32]>,
+        sampling: Option<(&[SampleSpec], &mut Vec<SampledRow>)>,
         mut after_layer: Option<LayerHook<B>>,
     ) -> bool {
         let n = tokens.len();
@@ -346,15 +352,16 @@ impl<B: Backend> Model<B> {
             }
             if m > 0 {
                 be.gather_rows(&ws.x, logit_rows, c.hidden, &mut ws.sel);
-                be.rms_norm(&ws.sel, &self.norm, c.rms_eps, m, &mut ws.seln);
-                be.matmul(self.output.as_ref().unwrap_or(&self.embed), &ws.seln, m, &mut ws.logits, false);
+                let output = self.output.as_ref().unwrap_or(&self.embed);
+                be.norm_matmul(&ws.sel, &self.norm, c.rms_eps, m, &mut ws.seln, output, &mut ws.logits);
             }
         });
         if m == 0 {
             return false;
         }
-        if let Some(ids) = greedy_ids {
-            if be.argmax_rows(&ws.logits, c.vocab, &mut ids[..m]) {
+        if let Some((specs, out)) = sampling {
+            assert_eq!(specs.len(), m, "one sampling spec per logit row");
+            if be.sample_rows(&mut ws.logits, c.vocab, specs, out) {
                 return true;
             }
         }

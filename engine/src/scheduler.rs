@@ -40,7 +40,7 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::Instant;
 
-use kernels::{Backend, KvShape, SeqSpan, StepBatch};
+use kernels::{Backend, KvShape, LogitEdit, SampleSpec, SampledRow, SeqSpan, StepBatch};
 use serde::Serialize;
 
 use crate::kv::{blocks_for, BlockAllocator, HostTier};
@@ -227,7 +227,9 @@ pub struct EngineCore<B: Backend> {
     step_tokens: Vec<u32>,
     step_rows: Vec<u32>,
     block_buf: Vec<u8>,
-    greedy_ids: Vec<u32>,
+    /// Device sampling: each sampled row's edits and draw, and what the backend returned.
+    dev_specs: Vec<(Vec<LogitEdit>, f64)>,
+    sampled_rows: Vec<SampledRow>,
 }
 
 impl<B: Backend> EngineCore<B> {
@@ -253,7 +255,8 @@ impl<B: Backend> EngineCore<B> {
             events: Vec::new(),
             record_events: false,
             block_buf: Vec::new(),
-            greedy_ids: Vec::new(),
+            dev_specs: Vec::new(),
+            sampled_rows: Vec::new(),
             stats: EngineStats { kv_blocks_total: cfg.n_blocks, ..Default::default() },
             model,
             backend,
@@ -793,6 +796,19 @@ impl<B: Backend> EngineCore<B> {
         }
         self.step_tokens.clear();
         self.step_rows.clear();
+        // Sampling where the logits are, when the backend does it: each sampled row's
+        // edits and draw (taken from its stream now), in the order of the rows.
+        let on_device = self.backend.samples_on_device();
+        self.dev_specs.clear();
+        if on_device {
+            for &(id, n) in &plan {
+                let seq = self.seqs.get_mut(&id).expect("exists");
+                if seq.n_computed + n == seq.tokens.len() {
+                    let n_gen = seq.n_generated();
+                    self.dev_specs.push(seq.sampler.device_spec(&seq.params, n_gen, &self.tokenizer.eos_ids));
+                }
+            }
+        }
         let mut spans = Vec::with_capacity(plan.len());
         let mut sampled = Vec::new();
         for &(id, n) in &plan {
@@ -806,20 +822,22 @@ impl<B: Backend> EngineCore<B> {
             }
         }
         let batch = StepBatch { n_tokens: self.step_tokens.len(), seqs: &spans, block_size: self.cfg.block_size };
-        // When every sampled row is plain greedy (nothing but the argmax matters), the
-        // backend may sample where the logits are, and only token ids come back.
-        let all_greedy = sampled.iter().all(|id| {
-            let s = &self.seqs[id];
-            let p = &s.params;
-            p.is_greedy()
-                && p.logprobs.is_none()
-                && p.logit_bias.is_empty()
-                && s.n_generated() >= p.min_tokens
-                && p.repetition_penalty == 1.0
-                && p.presence_penalty == 0.0
-                && p.frequency_penalty == 0.0
-        });
-        self.greedy_ids.resize(sampled.len(), 0);
+        let specs: Vec<SampleSpec> = sampled
+            .iter()
+            .zip(&self.dev_specs)
+            .map(|(id, (edits, u))| {
+                let p = &self.seqs[id].params;
+                SampleSpec {
+                    temperature: if p.is_greedy() { 0.0 } else { p.temperature },
+                    top_k: p.top_k.max(0) as usize,
+                    top_p: p.top_p,
+                    min_p: p.min_p,
+                    u: *u,
+                    edits,
+                    logprobs: p.logprobs,
+                }
+            })
+            .collect();
         // Exporting sequences: (export, blocks final after this step, their physical ids).
         let bs = self.cfg.block_size;
         let mut exporting: Vec<(&mut Export, usize, &[u32])> = Vec::new();
@@ -848,7 +866,7 @@ impl<B: Backend> EngineCore<B> {
                 (ex.sink)(chunk);
             }
         };
-        let on_device = self.model.forward(
+        let sampled_on_device = self.model.forward(
             &mut self.backend,
             &mut self.ws,
             &mut self.kv,
@@ -856,13 +874,18 @@ impl<B: Backend> EngineCore<B> {
             &batch,
             &self.step_rows,
             &mut self.logits,
-            if all_greedy { Some(&mut self.greedy_ids[..]) } else { None },
+            if on_device { Some((&specs[..], &mut self.sampled_rows)) } else { None },
             if hooked { Some(&mut export_layer) } else { None },
         );
         for (ex, upto, _) in exporting {
             ex.sent_blocks = upto;
         }
+        drop(specs);
         drop(spans);
+        assert!(
+            sampled.is_empty() || sampled_on_device == on_device,
+            "a backend that samples on the device sampled nothing"
+        );
         self.stats.steps += 1;
         self.stats.forward_tokens += self.step_tokens.len() as u64;
         for &(id, n) in &plan {
@@ -872,13 +895,27 @@ impl<B: Backend> EngineCore<B> {
         }
         let vocab = self.model.cfg.vocab;
         let mut outputs = Vec::with_capacity(sampled.len());
+        let m = sampled.len();
+        let mut full_logits = false;
         for (row, id) in sampled.into_iter().enumerate() {
             let seq = self.seqs.get_mut(&id).expect("exists");
             let out = if on_device {
-                let token = self.greedy_ids[row];
-                seq.sampler.accept(&seq.params, token);
+                let (edits, u) = &self.dev_specs[row];
+                let res = &self.sampled_rows[row];
+                let (token, lp) = match seq.sampler.finish_device(&seq.params, res, edits, *u, None) {
+                    Some(done) => done,
+                    None => {
+                        // The candidates did not settle the draw: the row's edited logits.
+                        if !full_logits {
+                            self.model.logits_to_host(&mut self.backend, &self.ws, &mut self.logits[..m * vocab]);
+                            full_logits = true;
+                        }
+                        let row_logits = &self.logits[row * vocab..(row + 1) * vocab];
+                        seq.sampler.finish_device(&seq.params, res, edits, *u, Some(row_logits)).expect("a full row")
+                    }
+                };
                 seq.tokens.push(token);
-                Self::emit(seq, token, None, &self.tokenizer)
+                Self::emit(seq, token, lp, &self.tokenizer)
             } else {
                 Self::advance(seq, &mut self.logits[row * vocab..(row + 1) * vocab], &self.tokenizer)
             };

@@ -40,6 +40,86 @@ impl KvShape {
     }
 }
 
+/// A logit change made before sampling, one per token id: `l ← rep(l + add) − sub`, with
+/// rep(v) = v / rep for v > 0 and v · rep otherwise (the repetition penalty; 1: none).
+/// `add` carries the logit bias, or −∞ for an end token masked by `min_tokens`; `sub`
+/// the presence and frequency penalties.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LogitEdit {
+    pub id: u32,
+    pub add: f32,
+    pub rep: f32,
+    pub sub: f32,
+}
+
+impl LogitEdit {
+    pub fn apply(&self, v: f32) -> f32 {
+        let v = v + self.add;
+        let v = if self.rep != 1.0 {
+            if v > 0.0 {
+                v / self.rep
+            } else {
+                v * self.rep
+            }
+        } else {
+            v
+        };
+        v - self.sub
+    }
+}
+
+/// Most candidates a backend hands back for the host to finish top-k / top-p with.
+pub const SAMPLE_CANDIDATES: usize = 1024;
+
+/// How one row of logits is sampled where it is ([`Backend::sample_rows`]); the
+/// semantics are `engine::sampling::Sampler`'s.
+#[derive(Clone, Debug)]
+pub struct SampleSpec<'a> {
+    /// 0: greedy (the first largest edited logit).
+    pub temperature: f32,
+    /// 0: off.
+    pub top_k: usize,
+    pub top_p: f32,
+    pub min_p: f32,
+    /// The draw's uniform number in [0, 1) (unused when greedy).
+    pub u: f64,
+    /// Distinct ids.
+    pub edits: &'a [LogitEdit],
+    /// `Some(n)`: the raw logits' log-sum-exp and their `n` best (n ≤ 20).
+    pub logprobs: Option<usize>,
+}
+
+impl SampleSpec<'_> {
+    /// Greedy, no edits, no logprobs: only the argmax matters.
+    pub fn plain_greedy(&self) -> bool {
+        self.temperature <= 0.0 && self.edits.is_empty() && self.logprobs.is_none()
+    }
+    /// Whether the backend leaves the draw to the host (top-k or top-p truncation).
+    pub fn truncates(&self) -> bool {
+        self.temperature > 0.0 && (self.top_k > 0 || self.top_p < 1.0)
+    }
+}
+
+/// What a backend sampled for one row.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct SampledRow {
+    /// The token, when the backend drew it; `None`: the host finishes from `candidates`.
+    pub token: Option<u32>,
+    /// The raw (unedited) logit of `token`.
+    pub token_raw_logit: f32,
+    /// (id, edited logit) of the best tokens by scaled logit (unordered, at most
+    /// [`SAMPLE_CANDIDATES`]), how many tokens have a finite edited logit, and
+    /// Σ exp(l/T − max) over all of them.
+    pub candidates: Vec<(u32, f32)>,
+    pub n_finite: usize,
+    pub z_all: f64,
+    /// The raw logits' log-sum-exp and their best (id, logit), unordered (logprobs only).
+    pub lse: f32,
+    pub top: Vec<(u32, f32)>,
+    /// Each edit's logit before it, in the order of the spec's edits.
+    pub edit_orig: Vec<f32>,
+}
+
 /// The largest step an engine will run, for a device backend to size its scratch once
 /// at start (so that no step allocates, and running out of memory is a load-time error).
 #[derive(Clone, Copy, Debug)]
@@ -250,11 +330,18 @@ pub trait Backend {
     /// the physical `blocks`.
     fn kv_import(&mut self, kv: &mut Self::Kv, layer: usize, blocks: &[u32], data: &[u8]);
 
-    /// Greedy sampling where the logits are: `out[r]` = argmax of row `r` of `x` (rows of
-    /// `dim`), with [`argmax`]'s tie rule. Returns false when the backend does not do
-    /// it (the caller then copies the logits to the host).
-    fn argmax_rows(&mut self, x: &Self::Act, dim: usize, out: &mut [u32]) -> bool {
-        let _ = (x, dim, out);
+    /// Whether [`Backend::sample_rows`] samples on this backend (then the engine hands
+    /// it every sampled row of a step instead of copying the logits to the host).
+    fn samples_on_device(&self) -> bool {
+        false
+    }
+
+    /// Samples row `r` of `x` (rows of `dim`, in place: the edits are applied to it) as
+    /// `specs[r]` says, into `out[r]`; the engine's sampler finishes what the backend
+    /// leaves to the host (see [`SampledRow`]). Returns false when the backend does not
+    /// sample (the caller then copies the logits to the host).
+    fn sample_rows(&mut self, x: &mut Self::Act, dim: usize, specs: &[SampleSpec], out: &mut Vec<SampledRow>) -> bool {
+        let _ = (x, dim, specs, out);
         false
     }
 

@@ -56,9 +56,10 @@ pub const CUDA_WEIGHTS: &str = "DISAGG_CUDA_WEIGHTS";
 /// not synchronized, but CUDA graphs are off); `bench engine` prints the table.
 pub const CUDA_PROFILE: &str = "DISAGG_CUDA_PROFILE";
 
-/// `0`: copy greedy rows' logits to the host and take the argmax there, instead of on
-/// the device (only token ids come back); for A/B runs.
-pub const DEVICE_ARGMAX: &str = "DISAGG_DEVICE_ARGMAX";
+/// `0`: copy every sampled row's logits to the host and sample there, instead of
+/// sampling on the device (greedy, temperature, min-p and logprobs entirely there;
+/// top-k / top-p down to ≤ 1024 candidates that the host finishes); for A/B runs.
+pub const DEVICE_SAMPLING: &str = "DISAGG_DEVICE_SAMPLING";
 
 /// The CUDA attention's split-K (flash-decoding) path: when a step has too few (token,
 /// head) pairs to fill the GPU, each one's keys are split over several blocks of at

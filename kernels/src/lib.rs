@@ -12,7 +12,10 @@ pub mod cuda;
 pub mod env;
 pub mod quant;
 
-pub use backend::{AttnShape, Backend, KvShape, Rope, SeqSpan, StepBatch, StepLimits, WeightPart};
+pub use backend::{
+    AttnShape, Backend, KvShape, LogitEdit, Rope, SampleSpec, SampledRow, SeqSpan, StepBatch, StepLimits, WeightPart,
+    SAMPLE_CANDIDATES,
+};
 pub use cpu::ops::KvDtype;
 
 #[derive(Debug, thiserror::Error)]

@@ -34,7 +34,7 @@ use cudarc::cublas::{result as blas, CudaBlas};
 use cudarc::driver::{CudaEvent, CudaGraph, CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 
 use super::{dev_err, CudaDevice};
-use crate::backend::{AttnShape, Backend, KvShape, Rope, StepBatch, StepLimits, WeightPart};
+use crate::backend::{AttnShape, Backend, KvShape, Rope, SampleSpec, SampledRow, StepBatch, StepLimits, WeightPart};
 use crate::cpu::ops::KvDtype;
 use crate::KernelError;
 
@@ -99,6 +99,48 @@ struct Graphs(std::collections::HashMap<GraphKey, CudaGraph>);
 // serialized; the backend is used through `&mut self` only.
 unsafe impl Send for Graphs {}
 
+/// Buffers of the sampling kernel (ops.cu `sample_rows`): per-row parameters and edits
+/// in, per-row results out (sized for `rows` rows at load; edits grow as needed).
+struct SampleBufs {
+    pf: CudaSlice<f32>,
+    pi: CudaSlice<i32>,
+    pu: CudaSlice<f64>,
+    eid: CudaSlice<i32>,
+    ev: CudaSlice<f32>,
+    eorig: CudaSlice<f32>,
+    tok: CudaSlice<u32>,
+    f: CudaSlice<f32>,
+    z: CudaSlice<f64>,
+    n: CudaSlice<i32>,
+    cid: CudaSlice<u32>,
+    cval: CudaSlice<f32>,
+    tid: CudaSlice<u32>,
+    tval: CudaSlice<f32>,
+}
+
+impl SampleBufs {
+    fn new(st: &std::sync::Arc<cudarc::driver::CudaStream>, rows: usize) -> Result<Self, cudarc::driver::DriverError> {
+        let cap = crate::backend::SAMPLE_CANDIDATES;
+        let rows = rows.max(1);
+        Ok(SampleBufs {
+            pf: st.alloc_zeros(4 * rows)?,
+            pi: st.alloc_zeros(4 * rows)?,
+            pu: st.alloc_zeros(rows)?,
+            eid: st.alloc_zeros(1)?,
+            ev: st.alloc_zeros(3)?,
+            eorig: st.alloc_zeros(1)?,
+            tok: st.alloc_zeros(rows)?,
+            f: st.alloc_zeros(4 * rows)?,
+            z: st.alloc_zeros(rows)?,
+            n: st.alloc_zeros(2 * rows)?,
+            cid: st.alloc_zeros(rows * cap)?,
+            cval: st.alloc_zeros(rows * cap)?,
+            tid: st.alloc_zeros(rows * 20)?,
+            tval: st.alloc_zeros(rows * 20)?,
+        })
+    }
+}
+
 /// The GEMV kernels' fusions (ops.cu).
 #[derive(Clone, Copy)]
 enum Gemv {
@@ -141,9 +183,10 @@ pub struct CudaBackend {
     attn_chunk: usize,
     attn_part: CudaSlice<f32>,
     n_sms: usize,
-    /// Greedy rows sampled on the device (`DISAGG_DEVICE_ARGMAX=0`: logits to the host).
-    device_argmax: bool,
+    /// Rows sampled on the device (`DISAGG_DEVICE_SAMPLING=0`: logits to the host).
+    device_sampling: bool,
     argmax_out: CudaSlice<u32>,
+    sample: SampleBufs,
     /// This step's token ids and logit rows (from `begin_step`).
     ids: CudaSlice<u32>,
     rows: CudaSlice<u32>,
@@ -257,8 +300,10 @@ impl CudaBackend {
                 Err(_) => 64,
             },
             attn_part: z(1)?,
-            device_argmax: std::env::var(crate::env::DEVICE_ARGMAX).map_or(true, |v| v != "0"),
+            // __match_any_sync: sm_70 or newer.
+            device_sampling: std::env::var(crate::env::DEVICE_SAMPLING).map_or(true, |v| v != "0") && dev.arch.0 >= 7,
             argmax_out: stream.alloc_zeros::<u32>(1).map_err(dev_err)?,
+            sample: SampleBufs::new(&stream, 1).map_err(dev_err)?,
             n_sms: dev
                 .context()
                 .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
@@ -416,6 +461,96 @@ impl CudaBackend {
             want.min(self.max_ctx.div_ceil(self.attn_chunk)).max(1)
         } else {
             1
+        }
+    }
+
+    /// `sample_rows` for rows that need more than the argmax (ops.cu `sample_rows`).
+    fn sample_full(&mut self, x: &mut CudaSlice<f32>, dim: usize, specs: &[SampleSpec], out: &mut Vec<SampledRow>) {
+        use crate::backend::SAMPLE_CANDIDATES as CAP;
+        const TOP: usize = 20;
+        let st = self.dev.stream().clone();
+        let rows = specs.len();
+        let (mut pf, mut pi, mut pu) = (Vec::with_capacity(4 * rows), Vec::with_capacity(4 * rows), Vec::new());
+        let (mut eid, mut ev) = (Vec::new(), Vec::new());
+        for s in specs {
+            assert!(s.logprobs.is_none_or(|n| n <= TOP), "at most {TOP} logprobs");
+            pf.extend([s.temperature, s.top_p, s.min_p, 0.0]);
+            let top_k = s.top_k.min(i32::MAX as usize) as i32;
+            pi.extend([top_k, eid.len() as i32, s.edits.len() as i32, s.logprobs.map_or(-1, |n| n as i32)]);
+            pu.push(s.u);
+            for e in s.edits {
+                assert!((e.id as usize) < dim, "logit edit of token {} outside the vocabulary", e.id);
+                eid.push(e.id as i32);
+                ev.extend([e.add, e.rep, e.sub]);
+            }
+        }
+        let b = &mut self.sample;
+        Self::put(&st, &mut b.pf, &pf);
+        Self::put(&st, &mut b.pi, &pi);
+        Self::put(&st, &mut b.pu, &pu);
+        Self::put(&st, &mut b.eid, &eid);
+        Self::put(&st, &mut b.ev, &ev);
+        let n_e = eid.len();
+        if b.eorig.len() < n_e {
+            b.eorig = st.alloc_zeros(n_e.next_power_of_two()).expect("CUDA: sampling buffers");
+        }
+        if b.tok.len() < rows {
+            *b = SampleBufs::new(&st, rows.next_power_of_two()).expect("CUDA: sampling buffers");
+            return self.sample_full(x, dim, specs, out);
+        }
+        let d = dim as i32;
+        let cfg = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
+        let mut l = st.launch_builder(self.dev.func("sample_rows"));
+        l.arg(&mut *x).arg(&d).arg(&b.pf).arg(&b.pi).arg(&b.pu).arg(&b.eid).arg(&b.ev).arg(&mut b.eorig);
+        l.arg(&mut b.tok).arg(&mut b.f).arg(&mut b.z).arg(&mut b.n);
+        l.arg(&mut b.cid).arg(&mut b.cval).arg(&mut b.tid).arg(&mut b.tval);
+        // SAFETY: argument types match the kernel; x holds `rows` rows of dim; the
+        // parameter and output buffers hold `rows` rows (edits: all of them), edit ids lie
+        // in the row.
+        unsafe { l.launch(cfg) }.expect("CUDA: sampling");
+        let get = |e| panic!("CUDA: sampled rows to the host: {e:?}");
+        let mut tok = vec![0u32; rows];
+        let mut f = vec![0f32; 4 * rows];
+        let mut z = vec![0f64; rows];
+        let mut n = vec![0i32; 2 * rows];
+        st.memcpy_dtoh(&b.tok.slice(..rows), &mut tok).unwrap_or_else(get);
+        st.memcpy_dtoh(&b.f.slice(..4 * rows), &mut f).unwrap_or_else(get);
+        st.memcpy_dtoh(&b.z.slice(..rows), &mut z).unwrap_or_else(get);
+        st.memcpy_dtoh(&b.n.slice(..2 * rows), &mut n).unwrap_or_else(get);
+        let (mut cid, mut cval) = (Vec::new(), Vec::new());
+        if specs.iter().any(|s| s.truncates()) {
+            cid.resize(rows * CAP, 0u32);
+            cval.resize(rows * CAP, 0f32);
+            st.memcpy_dtoh(&b.cid.slice(..rows * CAP), &mut cid).unwrap_or_else(get);
+            st.memcpy_dtoh(&b.cval.slice(..rows * CAP), &mut cval).unwrap_or_else(get);
+        }
+        let (mut tid, mut tval) = (Vec::new(), Vec::new());
+        if specs.iter().any(|s| s.logprobs.is_some_and(|n| n > 0)) {
+            tid.resize(rows * TOP, 0u32);
+            tval.resize(rows * TOP, 0f32);
+            st.memcpy_dtoh(&b.tid.slice(..rows * TOP), &mut tid).unwrap_or_else(get);
+            st.memcpy_dtoh(&b.tval.slice(..rows * TOP), &mut tval).unwrap_or_else(get);
+        }
+        let mut orig = vec![0f32; n_e];
+        if n_e > 0 {
+            st.memcpy_dtoh(&b.eorig.slice(..n_e), &mut orig).unwrap_or_else(get);
+        }
+        let mut e0 = 0;
+        for (r, s) in specs.iter().enumerate() {
+            let drawn = tok[r] != u32::MAX;
+            let nc = if drawn { 0 } else { n[2 * r] as usize };
+            let nt = s.logprobs.unwrap_or(0).min(TOP).min(dim);
+            out.push(SampledRow {
+                token: drawn.then_some(tok[r]),
+                token_raw_logit: f[4 * r + 3],
+                candidates: (0..nc).map(|i| (cid[r * CAP + i], cval[r * CAP + i])).collect(),
+                n_finite: if drawn { 0 } else { n[2 * r + 1] as usize },
+                z_all: z[r],
+                lse: f[4 * r + 1],
+                top: (0..nt).map(|i| (tid[r * TOP + i], tval[r * TOP + i])).collect(),
+                edit_orig: orig[e0..e0 + s.edits.len()].to_vec(),
+            });
+            e0 += s.edits.len();
         }
     }
 
@@ -607,6 +742,10 @@ impl Backend for CudaBackend {
         self.tables = self.zeros(lim.max_table_entries.max(1), "step metadata (block tables)")?;
         self.rows = self.zeros(lim.max_seqs.max(1), "step metadata (logit rows)")?;
         self.argmax_out = self.zeros(lim.max_seqs.max(1), "the sampled ids")?;
+        let st = self.dev.stream().clone();
+        let rows = lim.max_seqs.max(1);
+        let bytes = rows * (crate::backend::SAMPLE_CANDIDATES * 8 + 300);
+        self.sample = SampleBufs::new(&st, rows).map_err(|e| self.oom("the sampling buffers".into(), bytes, e))?;
         self.buffers_moving();
         Ok(())
     }
@@ -1013,23 +1152,43 @@ impl Backend for CudaBackend {
         }
     }
 
-    fn argmax_rows(&mut self, x: &CudaSlice<f32>, dim: usize, out: &mut [u32]) -> bool {
-        if !self.device_argmax || out.is_empty() {
+    fn samples_on_device(&self) -> bool {
+        self.device_sampling
+    }
+
+    fn sample_rows(
+        &mut self,
+        x: &mut CudaSlice<f32>,
+        dim: usize,
+        specs: &[SampleSpec],
+        out: &mut Vec<SampledRow>,
+    ) -> bool {
+        if !self.device_sampling || specs.is_empty() {
             return false;
         }
         let t = self.tic();
         let st = self.dev.stream().clone();
-        if self.argmax_out.len() < out.len() {
-            self.argmax_out = st.alloc_zeros::<u32>(out.len().next_power_of_two()).expect("CUDA: argmax buffer");
+        let rows = specs.len();
+        out.clear();
+        if specs.iter().all(|s| s.plain_greedy()) {
+            // Only token ids: the argmax kernel.
+            if self.argmax_out.len() < rows {
+                self.argmax_out = st.alloc_zeros::<u32>(rows.next_power_of_two()).expect("CUDA: argmax buffer");
+            }
+            let d = dim as i32;
+            let cfg = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
+            let mut b = st.launch_builder(self.dev.func("argmax_rows"));
+            b.arg(&*x).arg(&d).arg(&mut self.argmax_out);
+            // SAFETY: x holds `rows` rows of dim (the engine's logits buffer).
+            unsafe { b.launch(cfg) }.expect("CUDA: argmax");
+            let mut ids = vec![0u32; rows];
+            st.memcpy_dtoh(&self.argmax_out.slice(..rows), &mut ids).expect("CUDA: token ids to the host");
+            out.extend(ids.into_iter().map(|t| SampledRow { token: Some(t), ..Default::default() }));
+            self.toc("argmax_to_host", t);
+        } else {
+            self.sample_full(x, dim, specs, out);
+            self.toc("sample_to_host", t);
         }
-        let d = dim as i32;
-        let cfg = LaunchConfig { grid_dim: (out.len() as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
-        let mut b = st.launch_builder(self.dev.func("argmax_rows"));
-        b.arg(x).arg(&d).arg(&mut self.argmax_out);
-        // SAFETY: x holds out.len() rows of dim (the engine's logits buffer).
-        unsafe { b.launch(cfg) }.expect("CUDA: argmax");
-        st.memcpy_dtoh(&self.argmax_out.slice(..out.len()), out).expect("CUDA: token ids to the host");
-        self.toc("argmax_to_host", t);
         self.dev.synchronize().expect("CUDA: synchronize");
         self.settle();
         true

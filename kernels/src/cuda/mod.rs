@@ -59,6 +59,7 @@ const KERNELS: &[&str] = &[
     "attention_split_f32",
     "attention_merge",
     "argmax_rows",
+    "sample_rows",
     "flash_attn_f16_d64",
     "flash_attn_f16_d128",
     "flash_decode_f16_d64",

@@ -785,3 +785,326 @@ GEMV_KERNELS(5)
 GEMV_KERNELS(6)
 GEMV_KERNELS(7)
 GEMV_KERNELS(8)
+
+// ---- Sampling where the logits are (engine/src/sampling.rs defines the semantics) ----
+// One block of SAMPLE_THREADS per logits row. Per row: the raw logits' log-sum-exp and
+// its best `n_logprobs` raw logits (unsorted; the host sorts them); then the row's logit
+// edits in place (bias, min_tokens masks, penalties: l ← rep(l + add) − sub, the
+// original kept in edit_orig); then
+//   greedy (temperature 0): the first index of the largest edited logit;
+//   top-k / top-p: the best min(finite, SAMPLE_CANDIDATES, top_k) tokens by scaled
+//     logit xs = l / T, for the host to finish with the CPU's code (out_n: how many, and
+//     how many are finite; out_z: Σ exp(xs − max xs) over all finite; out_f[2]: max xs);
+//   otherwise (temperature, min-p): the draw itself, over the kept tokens in id order:
+//     the first whose running sum of exp(xs − max) exceeds u · total.
+// Every reduction has a fixed shape, so results do not depend on scheduling. Needs
+// __match_any_sync (sm_70+); the backend does not launch it on older GPUs.
+#define SAMPLE_THREADS 1024
+#define SAMPLE_CANDIDATES 1024
+#define SAMPLE_MAX_LOGPROBS 20
+
+// Larger key = earlier in the order: value descending, then id ascending.
+__device__ __forceinline__ unsigned long long order_key(float v, int id) {
+    unsigned u = __float_as_uint(v);
+    u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+    return ((unsigned long long)u << 32) | (unsigned long long)(0xffffffffu - (unsigned)id);
+}
+
+// Block-wide reductions (blockDim.x == SAMPLE_THREADS, 32 warps); every thread gets the
+// result. Butterfly shuffles give every lane the same value.
+__device__ float block_max_f(float v, float* sh) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, o));
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0) sh[threadIdx.x >> 5] = v;
+    __syncthreads();
+    v = sh[threadIdx.x & 31];
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, o));
+    return v;
+}
+__device__ double block_sum_d(double v, double* sh) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0) sh[threadIdx.x >> 5] = v;
+    __syncthreads();
+    v = sh[threadIdx.x & 31];
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
+    return v;
+}
+__device__ int block_sum_i(int v, int* sh) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0) sh[threadIdx.x >> 5] = v;
+    __syncthreads();
+    v = sh[threadIdx.x & 31];
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
+    return v;
+}
+// Exclusive prefix sum over the threads in order; *total gets the sum of all.
+__device__ double block_excl_scan_d(double v, double* sh, double* total) {
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    double x = v;
+    for (int o = 1; o < 32; o <<= 1) {
+        const double y = __shfl_up_sync(0xffffffff, x, o);
+        if (lane >= o) x += y;
+    }
+    double ex = __shfl_up_sync(0xffffffff, x, 1);
+    if (lane == 0) ex = 0.0;
+    __syncthreads();
+    if (lane == 31) sh[w] = x;
+    __syncthreads();
+    if (w == 0) {
+        double s = sh[lane];
+        for (int o = 1; o < 32; o <<= 1) {
+            const double y = __shfl_up_sync(0xffffffff, s, o);
+            if (lane >= o) s += y;
+        }
+        sh[lane] = s;
+    }
+    __syncthreads();
+    *total = sh[31];
+    return (w > 0 ? sh[w - 1] : 0.0) + ex;
+}
+
+#if __CUDA_ARCH__ >= 700
+// The key of the m-th largest (1-based; m ≤ how many keys are set) of the keys that
+// keyf(i, key) sets: radix select over 8 digits of 8 bits, with per-warp aggregated
+// histogram counts.
+template <typename KeyF>
+__device__ unsigned long long block_select(int dim, int m, KeyF keyf, unsigned* hist, unsigned long long* sh_key,
+                                           int* sh_rem) {
+    unsigned long long prefix = 0;
+    int rem = m;
+    const int lane = threadIdx.x & 31;
+    for (int pass = 0; pass < 8; pass++) {
+        const int shift = 56 - 8 * pass;
+        const unsigned long long hi = pass == 0 ? 0ull : (~0ull << (shift + 8));
+        for (int i = threadIdx.x; i < 256; i += blockDim.x) hist[i] = 0;
+        __syncthreads();
+        for (int base = 0; base < dim; base += blockDim.x) {
+            const int i = base + threadIdx.x;
+            int digit = -1;
+            unsigned long long key = 0;
+            if (i < dim && keyf(i, key) && (key & hi) == prefix) digit = (int)((key >> shift) & 255);
+            const unsigned grp = __match_any_sync(0xffffffff, digit);
+            if (digit >= 0 && lane == __ffs(grp) - 1) atomicAdd(&hist[digit], (unsigned)__popc(grp));
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            unsigned cum = 0;
+            int d = 255;
+            for (; d > 0; d--) {
+                if (cum + hist[d] >= (unsigned)rem) break;
+                cum += hist[d];
+            }
+            *sh_rem = rem - (int)cum;
+            *sh_key = prefix | ((unsigned long long)d << shift);
+        }
+        __syncthreads();
+        prefix = *sh_key;
+        rem = *sh_rem;
+    }
+    return prefix;
+}
+#endif
+
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
+    sample_rows(float* logits, int dim, const float* pf, const int* pi, const double* pu, const int* edit_ids,
+                const float* edit_vals, float* edit_orig, unsigned* out_tok, float* out_f, double* out_z, int* out_n,
+                unsigned* cand_ids, float* cand_vals, unsigned* top_ids, float* top_vals) {
+#if __CUDA_ARCH__ >= 700
+    __shared__ unsigned hist[256];
+    __shared__ float shf[32];
+    __shared__ double shd[32];
+    __shared__ int shi[32];
+    __shared__ unsigned long long sh_key;
+    __shared__ int sh_rem, sh_n;
+    __shared__ unsigned sh_tok;
+    const int r = blockIdx.x, tid = threadIdx.x;
+    float* l = logits + (size_t)r * dim;
+    const float temperature = pf[4 * r], top_p = pf[4 * r + 1], min_p = pf[4 * r + 2];
+    const int top_k = pi[4 * r], e_off = pi[4 * r + 1], n_e = pi[4 * r + 2], n_lp = pi[4 * r + 3];
+    float* of = out_f + 4 * (size_t)r;
+
+    // 1. Logprobs from the raw logits (n_lp < 0: none asked).
+    if (n_lp >= 0) {
+        float mx = NEG_INF;
+        for (int i = tid; i < dim; i += blockDim.x) mx = fmaxf(mx, l[i]);
+        mx = block_max_f(mx, shf);
+        double s = 0.0;
+        if (mx != NEG_INF)
+            for (int i = tid; i < dim; i += blockDim.x) s += exp((double)(l[i] - mx));
+        s = block_sum_d(s, shd);
+        if (tid == 0) of[1] = mx == NEG_INF ? NEG_INF : mx + (float)log(s);
+        const int n = min(n_lp, min(dim, SAMPLE_MAX_LOGPROBS));
+        if (n > 0) {
+            auto raw_key = [&](int i, unsigned long long& k) {
+                const float v = l[i];
+                if (v != v) return false;
+                k = order_key(v, i);
+                return true;
+            };
+            const unsigned long long t = block_select(dim, n, raw_key, hist, &sh_key, &sh_rem);
+            if (tid == 0) sh_n = 0;
+            __syncthreads();
+            for (int i = tid; i < dim; i += blockDim.x) {
+                unsigned long long k;
+                if (raw_key(i, k) && k >= t) {
+                    const int p = atomicAdd(&sh_n, 1);
+                    if (p < SAMPLE_MAX_LOGPROBS) {
+                        top_ids[(size_t)r * SAMPLE_MAX_LOGPROBS + p] = i;
+                        top_vals[(size_t)r * SAMPLE_MAX_LOGPROBS + p] = l[i];
+                    }
+                }
+            }
+        }
+    }
+    __syncthreads();
+
+    // 2. The edits, in place.
+    for (int e = tid; e < n_e; e += blockDim.x) {
+        const int id = edit_ids[e_off + e];
+        const float* ev = edit_vals + 3 * (size_t)(e_off + e);
+        float v = l[id];
+        edit_orig[e_off + e] = v;
+        v = v + ev[0];
+        if (ev[1] != 1.f) v = v > 0.f ? v / ev[1] : v * ev[1];
+        l[id] = v - ev[2];
+    }
+    if (tid == 0) sh_tok = 0xffffffffu;
+    __syncthreads();
+
+    // 3. The token (or the candidates).
+    const float inv_t = temperature > 0.f ? 1.f / temperature : 0.f;
+    bool greedy = !(temperature > 0.f);
+    float mx = NEG_INF;
+    if (!greedy) {
+        int cnt = 0;
+        for (int i = tid; i < dim; i += blockDim.x) {
+            const float v = l[i];
+            if (v > NEG_INF) {
+                mx = fmaxf(mx, __fmul_rn(v, inv_t));
+                cnt++;
+            }
+        }
+        mx = block_max_f(mx, shf);
+        cnt = block_sum_i(cnt, shi);
+        greedy = cnt == 0;  // nothing finite: the argmax, as the CPU does
+        if (!greedy && ((top_k > 0 && top_k < cnt) || top_p < 1.f)) {
+            double z = 0.0;
+            for (int i = tid; i < dim; i += blockDim.x) {
+                const float v = l[i];
+                if (v > NEG_INF) z += (double)expf(__fsub_rn(__fmul_rn(v, inv_t), mx));
+            }
+            z = block_sum_d(z, shd);
+            int m = min(cnt, SAMPLE_CANDIDATES);
+            if (top_k > 0) m = min(m, top_k);
+            auto key = [&](int i, unsigned long long& k) {
+                const float v = l[i];
+                if (!(v > NEG_INF)) return false;
+                k = order_key(__fmul_rn(v, inv_t), i);
+                return true;
+            };
+            const unsigned long long t = block_select(dim, m, key, hist, &sh_key, &sh_rem);
+            if (tid == 0) sh_n = 0;
+            __syncthreads();
+            for (int i = tid; i < dim; i += blockDim.x) {
+                unsigned long long k;
+                if (key(i, k) && k >= t) {
+                    const int p = atomicAdd(&sh_n, 1);
+                    if (p < SAMPLE_CANDIDATES) {
+                        cand_ids[(size_t)r * SAMPLE_CANDIDATES + p] = i;
+                        cand_vals[(size_t)r * SAMPLE_CANDIDATES + p] = l[i];
+                    }
+                }
+            }
+            __syncthreads();
+            if (tid == 0) {
+                out_tok[r] = 0xffffffffu;
+                out_n[2 * r] = min(sh_n, SAMPLE_CANDIDATES);
+                out_n[2 * r + 1] = cnt;
+                out_z[r] = z;
+                of[2] = mx;
+            }
+            return;
+        }
+    }
+    if (greedy) {
+        float bv = NEG_INF;
+        int bi = 0x7fffffff;
+        for (int i = tid; i < dim; i += blockDim.x) {
+            const float v = l[i];
+            if (v > bv) {
+                bv = v;
+                bi = i;
+            }
+        }
+        warp_argmax(bv, bi);
+        __syncthreads();
+        if ((tid & 31) == 0) {
+            shf[tid >> 5] = bv;
+            shi[tid >> 5] = bi;
+        }
+        __syncthreads();
+        if (tid < 32) {
+            bv = shf[tid];
+            bi = shi[tid];
+            warp_argmax(bv, bi);
+            if (tid == 0) sh_tok = bi == 0x7fffffff ? 0u : (unsigned)bi;
+        }
+    } else {
+        // The draw: kept tokens in id order, each thread a contiguous range of ids.
+        const int chunk = (dim + blockDim.x - 1) / blockDim.x;
+        const int lo = min(tid * chunk, dim), hi = min(lo + chunk, dim);
+        double local = 0.0;
+        int last = -1;
+        for (int i = lo; i < hi; i++) {
+            const float v = l[i];
+            if (!(v > NEG_INF)) continue;
+            const float e = expf(__fsub_rn(__fmul_rn(v, inv_t), mx));
+            if (min_p > 0.f && !(e >= min_p)) continue;
+            local += (double)e;
+            last = i;
+        }
+        double total;
+        const double excl = block_excl_scan_d(local, shd, &total);
+        const double target = pu[r] * total;
+        if (local > 0.0 && target >= excl && target < excl + local) {
+            double acc = excl;
+            for (int i = lo; i < hi; i++) {
+                const float v = l[i];
+                if (!(v > NEG_INF)) continue;
+                const float e = expf(__fsub_rn(__fmul_rn(v, inv_t), mx));
+                if (min_p > 0.f && !(e >= min_p)) continue;
+                acc += (double)e;
+                if (target < acc) {
+                    atomicMin(&sh_tok, (unsigned)i);
+                    break;
+                }
+            }
+        }
+        // Rounding left the target past the end: the last kept token.
+        int lastmax = last;
+        for (int o = 16; o > 0; o >>= 1) lastmax = max(lastmax, __shfl_xor_sync(0xffffffff, lastmax, o));
+        __syncthreads();
+        if ((tid & 31) == 0) shi[tid >> 5] = lastmax;
+        __syncthreads();
+        if (tid == 0 && sh_tok == 0xffffffffu) {
+            int m = -1;
+            for (int w = 0; w < 32; w++) m = max(m, shi[w]);
+            sh_tok = m < 0 ? 0u : (unsigned)m;
+        }
+    }
+    __syncthreads();
+    const unsigned tok = sh_tok;
+    if (tid == 0) {
+        out_tok[r] = tok;
+        out_n[2 * r] = 0;
+        of[0] = l[tok];
+        of[3] = l[tok];
+    }
+    __syncthreads();
+    // The raw logit of the token: its value before an edit.
+    for (int e = tid; e < n_e; e += blockDim.x)
+        if (edit_ids[e_off + e] == (int)tok) of[3] = edit_orig[e_off + e];
+#endif
+}
