@@ -754,6 +754,10 @@ impl Backend for CudaBackend {
         self.kv_f16.set(shape.dtype == KvDtype::F16);
         let per_layer = 2 * shape.n_blocks * shape.block_size * shape.n_kv_heads * shape.head_dim;
         let st = self.dev.stream();
+        let free = match self.mem_info() {
+            Ok((free, total)) => format!("{} MiB free of {} MiB before it", free >> 20, total >> 20),
+            Err(_) => "free memory unknown".into(),
+        };
         let mut layers = Vec::with_capacity(shape.n_layers);
         for _ in 0..shape.n_layers {
             let r = match shape.dtype {
@@ -762,7 +766,8 @@ impl Backend for CudaBackend {
             };
             layers.push(r.map_err(|e| {
                 KernelError::OutOfMemory(format!(
-                    "the KV cache ({} MiB) does not fit on the device ({e}); lower --kv-cache-mib",
+                    "the KV cache ({} MiB) does not fit on the device ({e}; {free}); lower --kv-cache-mib or size \
+                     it with --gpu-memory-utilization",
                     shape.total_bytes() >> 20
                 ))
             })?);
