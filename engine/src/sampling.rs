@@ -336,7 +336,8 @@ impl Sampler {
 fn finish_draw(p: &SamplingParams, c: &mut Vec<(u32, f32)>, partial: Option<(usize, f64)>, u: f64) -> Option<u32> {
     let n_all = partial.map_or(c.len(), |(n, _)| n);
     let by_logit_desc = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
-    let mut complete = partial.is_none();
+    // A "partial" list that holds every finite token is complete (its own sums are used).
+    let mut complete = c.len() >= n_all;
     if p.top_k > 0 && (p.top_k as usize) < n_all {
         let k = p.top_k as usize;
         if k > c.len() {
@@ -456,10 +457,11 @@ mod tests {
             row.top = top_n(raw, n, &mut scratch);
             row.top.reverse(); // unordered, as a device leaves them
         }
-        let truncates = !p.is_greedy() && (p.top_k > 0 || p.top_p < 1.0);
         let inv_t = 1.0 / p.temperature;
         let finite: Vec<(u32, f32)> =
             l.iter().enumerate().filter(|(_, v)| **v > f32::NEG_INFINITY).map(|(i, v)| (i as u32, *v)).collect();
+        // As the kernel decides: candidates only when top-k or top-p can cut.
+        let truncates = !p.is_greedy() && ((p.top_k > 0 && (p.top_k as usize) < finite.len()) || p.top_p < 1.0);
         if truncates && !finite.is_empty() {
             let max = finite.iter().fold(f32::NEG_INFINITY, |m, x| m.max(x.1 * inv_t));
             row.z_all = finite.iter().map(|x| (x.1 * inv_t - max).exp() as f64).sum();

@@ -966,9 +966,10 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
         const float* ev = edit_vals + 3 * (size_t)(e_off + e);
         float v = l[id];
         edit_orig[e_off + e] = v;
-        v = v + ev[0];
-        if (ev[1] != 1.f) v = v > 0.f ? v / ev[1] : v * ev[1];
-        l[id] = v - ev[2];
+        // Rounded op by op, as the host's LogitEdit::apply (no FMA contraction).
+        v = __fadd_rn(v, ev[0]);
+        if (ev[1] != 1.f) v = v > 0.f ? __fdiv_rn(v, ev[1]) : __fmul_rn(v, ev[1]);
+        l[id] = __fsub_rn(v, ev[2]);
     }
     if (tid == 0) sh_tok = 0xffffffffu;
     __syncthreads();
@@ -1067,9 +1068,15 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
         }
         double total;
         const double excl = block_excl_scan_d(local, shd, &total);
+        // The threads' ranges [excl, next thread's excl) partition [0, total) exactly.
+        __shared__ double sh_ex[SAMPLE_THREADS];
+        sh_ex[tid] = excl;
+        __syncthreads();
+        const double upto = tid + 1 < (int)blockDim.x ? sh_ex[tid + 1] : total;
         const double target = pu[r] * total;
-        if (local > 0.0 && target >= excl && target < excl + local) {
+        if (last >= 0 && target >= excl && target < upto) {
             double acc = excl;
+            int pick = last;  // the walk's own rounding may end short of the target
             for (int i = lo; i < hi; i++) {
                 const float v = l[i];
                 if (!(v > NEG_INF)) continue;
@@ -1077,12 +1084,13 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
                 if (min_p > 0.f && !(e >= min_p)) continue;
                 acc += (double)e;
                 if (target < acc) {
-                    atomicMin(&sh_tok, (unsigned)i);
+                    pick = i;
                     break;
                 }
             }
+            atomicMin(&sh_tok, (unsigned)pick);
         }
-        // Rounding left the target past the end: the last kept token.
+        // The target at or past the total (u · total rounded up): the last kept token.
         int lastmax = last;
         for (int o = 16; o > 0; o >>= 1) lastmax = max(lastmax, __shfl_xor_sync(0xffffffff, lastmax, o));
         __syncthreads();
