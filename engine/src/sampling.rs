@@ -13,7 +13,7 @@ use rand_chacha::ChaCha8Rng;
 use rand_core::{RngCore, SeedableRng};
 use serde::{Deserialize, Serialize};
 
-use kernels::{LogitEdit, SampledRow};
+use kernels::{LogitEdit, SampleSpec, SampledRow};
 
 use crate::EngineError;
 
@@ -140,6 +140,20 @@ impl SamplingParams {
 
     pub fn is_greedy(&self) -> bool {
         self.temperature < 1e-5
+    }
+
+    /// How a backend samples a row with these parameters ([`kernels::Backend::sample_rows`]),
+    /// given the step's `edits` and draw `u` from [`Sampler::device_spec`].
+    pub fn sample_spec<'a>(&self, edits: &'a [LogitEdit], u: f64) -> SampleSpec<'a> {
+        SampleSpec {
+            temperature: if self.is_greedy() { 0.0 } else { self.temperature },
+            top_k: self.top_k.max(0) as usize,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            u,
+            edits,
+            logprobs: self.logprobs,
+        }
     }
 }
 

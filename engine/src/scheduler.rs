@@ -825,18 +825,7 @@ impl<B: Backend> EngineCore<B> {
         let specs: Vec<SampleSpec> = sampled
             .iter()
             .zip(&self.dev_specs)
-            .map(|(id, (edits, u))| {
-                let p = &self.seqs[id].params;
-                SampleSpec {
-                    temperature: if p.is_greedy() { 0.0 } else { p.temperature },
-                    top_k: p.top_k.max(0) as usize,
-                    top_p: p.top_p,
-                    min_p: p.min_p,
-                    u: *u,
-                    edits,
-                    logprobs: p.logprobs,
-                }
-            })
+            .map(|(id, (edits, u))| self.seqs[id].params.sample_spec(edits, *u))
             .collect();
         // Exporting sequences: (export, blocks final after this step, their physical ids).
         let bs = self.cfg.block_size;

@@ -222,20 +222,8 @@ fn device_sampling_matches_the_host_sampler() {
             })
             .collect();
         let specs_own: Vec<_> = (0..rows).map(|r| dev[r].device_spec(&cases[r / 2], step, &end)).collect();
-        let specs: Vec<SampleSpec> = (0..rows)
-            .map(|r| {
-                let p = &cases[r / 2];
-                SampleSpec {
-                    temperature: if p.is_greedy() { 0.0 } else { p.temperature },
-                    top_k: p.top_k.max(0) as usize,
-                    top_p: p.top_p,
-                    min_p: p.min_p,
-                    u: specs_own[r].1,
-                    edits: &specs_own[r].0,
-                    logprobs: p.logprobs,
-                }
-            })
-            .collect();
+        let specs: Vec<SampleSpec> =
+            (0..rows).map(|r| cases[r / 2].sample_spec(&specs_own[r].0, specs_own[r].1)).collect();
         buf = be.device().upload(&raw).unwrap();
         let mut out: Vec<SampledRow> = Vec::new();
         let t = std::time::Instant::now();

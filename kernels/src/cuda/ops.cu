@@ -810,35 +810,25 @@ __device__ __forceinline__ unsigned long long order_key(float v, int id) {
     return ((unsigned long long)u << 32) | (unsigned long long)(0xffffffffu - (unsigned)id);
 }
 
-// Block-wide reductions (blockDim.x == SAMPLE_THREADS, 32 warps); every thread gets the
+// Block-wide reduction (blockDim.x == SAMPLE_THREADS, 32 warps); every thread gets the
 // result. Butterfly shuffles give every lane the same value.
-__device__ float block_max_f(float v, float* sh) {
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, o));
+template <typename T, typename Op>
+__device__ T block_all_reduce(T v, T* sh, Op op) {
+    for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffff, v, o));
     __syncthreads();
     if ((threadIdx.x & 31) == 0) sh[threadIdx.x >> 5] = v;
     __syncthreads();
     v = sh[threadIdx.x & 31];
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, o));
+    for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffff, v, o));
     return v;
 }
-__device__ double block_sum_d(double v, double* sh) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
-    __syncthreads();
-    if ((threadIdx.x & 31) == 0) sh[threadIdx.x >> 5] = v;
-    __syncthreads();
-    v = sh[threadIdx.x & 31];
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
-    return v;
-}
-__device__ int block_sum_i(int v, int* sh) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
-    __syncthreads();
-    if ((threadIdx.x & 31) == 0) sh[threadIdx.x >> 5] = v;
-    __syncthreads();
-    v = sh[threadIdx.x & 31];
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
-    return v;
-}
+struct OpMax {
+    __device__ float operator()(float a, float b) const { return fmaxf(a, b); }
+};
+struct OpAdd {
+    template <typename T>
+    __device__ T operator()(T a, T b) const { return a + b; }
+};
 // Exclusive prefix sum over the threads in order; *total gets the sum of all.
 __device__ double block_excl_scan_d(double v, double* sh, double* total) {
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
@@ -905,6 +895,28 @@ __device__ unsigned long long block_select(int dim, int m, KeyF keyf, unsigned* 
     }
     return prefix;
 }
+
+// The m best of the keys keyf sets (block_select), their (id, logit l[id]) written to
+// ids / vals in any order; returns how many (m, at most cap).
+template <typename KeyF>
+__device__ int block_select_gather(const float* l, int dim, int m, KeyF keyf, int cap, unsigned* ids, float* vals,
+                                   unsigned* hist, unsigned long long* sh_key, int* sh_rem, int* sh_n) {
+    const unsigned long long t = block_select(dim, m, keyf, hist, sh_key, sh_rem);
+    if (threadIdx.x == 0) *sh_n = 0;
+    __syncthreads();
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+        unsigned long long k;
+        if (keyf(i, k) && k >= t) {
+            const int p = atomicAdd(sh_n, 1);
+            if (p < cap) {
+                ids[p] = i;
+                vals[p] = l[i];
+            }
+        }
+    }
+    __syncthreads();
+    return min(*sh_n, cap);
+}
 #endif
 
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
@@ -929,11 +941,11 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     if (n_lp >= 0) {
         float mx = NEG_INF;
         for (int i = tid; i < dim; i += blockDim.x) mx = fmaxf(mx, l[i]);
-        mx = block_max_f(mx, shf);
+        mx = block_all_reduce(mx, shf, OpMax());
         double s = 0.0;
         if (mx != NEG_INF)
             for (int i = tid; i < dim; i += blockDim.x) s += exp((double)(l[i] - mx));
-        s = block_sum_d(s, shd);
+        s = block_all_reduce(s, shd, OpAdd());
         if (tid == 0) of[1] = mx == NEG_INF ? NEG_INF : mx + (float)log(s);
         const int n = min(n_lp, min(dim, SAMPLE_MAX_LOGPROBS));
         if (n > 0) {
@@ -943,19 +955,8 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
                 k = order_key(v, i);
                 return true;
             };
-            const unsigned long long t = block_select(dim, n, raw_key, hist, &sh_key, &sh_rem);
-            if (tid == 0) sh_n = 0;
-            __syncthreads();
-            for (int i = tid; i < dim; i += blockDim.x) {
-                unsigned long long k;
-                if (raw_key(i, k) && k >= t) {
-                    const int p = atomicAdd(&sh_n, 1);
-                    if (p < SAMPLE_MAX_LOGPROBS) {
-                        top_ids[(size_t)r * SAMPLE_MAX_LOGPROBS + p] = i;
-                        top_vals[(size_t)r * SAMPLE_MAX_LOGPROBS + p] = l[i];
-                    }
-                }
-            }
+            block_select_gather(l, dim, n, raw_key, SAMPLE_MAX_LOGPROBS, top_ids + (size_t)r * SAMPLE_MAX_LOGPROBS,
+                                top_vals + (size_t)r * SAMPLE_MAX_LOGPROBS, hist, &sh_key, &sh_rem, &sh_n);
         }
     }
     __syncthreads();
@@ -987,8 +988,8 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
                 cnt++;
             }
         }
-        mx = block_max_f(mx, shf);
-        cnt = block_sum_i(cnt, shi);
+        mx = block_all_reduce(mx, shf, OpMax());
+        cnt = block_all_reduce(cnt, shi, OpAdd());
         greedy = cnt == 0;  // nothing finite: the argmax, as the CPU does
         if (!greedy && ((top_k > 0 && top_k < cnt) || top_p < 1.f)) {
             double z = 0.0;
@@ -996,7 +997,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
                 const float v = l[i];
                 if (v > NEG_INF) z += (double)expf(__fsub_rn(__fmul_rn(v, inv_t), mx));
             }
-            z = block_sum_d(z, shd);
+            z = block_all_reduce(z, shd, OpAdd());
             int m = min(cnt, SAMPLE_CANDIDATES);
             if (top_k > 0) m = min(m, top_k);
             auto key = [&](int i, unsigned long long& k) {
@@ -1005,23 +1006,11 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
                 k = order_key(__fmul_rn(v, inv_t), i);
                 return true;
             };
-            const unsigned long long t = block_select(dim, m, key, hist, &sh_key, &sh_rem);
-            if (tid == 0) sh_n = 0;
-            __syncthreads();
-            for (int i = tid; i < dim; i += blockDim.x) {
-                unsigned long long k;
-                if (key(i, k) && k >= t) {
-                    const int p = atomicAdd(&sh_n, 1);
-                    if (p < SAMPLE_CANDIDATES) {
-                        cand_ids[(size_t)r * SAMPLE_CANDIDATES + p] = i;
-                        cand_vals[(size_t)r * SAMPLE_CANDIDATES + p] = l[i];
-                    }
-                }
-            }
-            __syncthreads();
+            const int got = block_select_gather(l, dim, m, key, SAMPLE_CANDIDATES, cand_ids + (size_t)r * SAMPLE_CANDIDATES,
+                                                cand_vals + (size_t)r * SAMPLE_CANDIDATES, hist, &sh_key, &sh_rem, &sh_n);
             if (tid == 0) {
                 out_tok[r] = 0xffffffffu;
-                out_n[2 * r] = min(sh_n, SAMPLE_CANDIDATES);
+                out_n[2 * r] = got;
                 out_n[2 * r + 1] = cnt;
                 out_z[r] = z;
                 of[2] = mx;
@@ -1054,15 +1043,20 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
         }
     } else {
         // The draw: kept tokens in id order, each thread a contiguous range of ids.
+        // weight(i): exp(xs − max) of a kept token (possibly 0), −1 for the others.
+        auto weight = [&](int i) {
+            const float v = l[i];
+            if (!(v > NEG_INF)) return -1.f;
+            const float e = expf(__fsub_rn(__fmul_rn(v, inv_t), mx));
+            return min_p > 0.f && !(e >= min_p) ? -1.f : e;
+        };
         const int chunk = (dim + blockDim.x - 1) / blockDim.x;
         const int lo = min(tid * chunk, dim), hi = min(lo + chunk, dim);
         double local = 0.0;
         int last = -1;
         for (int i = lo; i < hi; i++) {
-            const float v = l[i];
-            if (!(v > NEG_INF)) continue;
-            const float e = expf(__fsub_rn(__fmul_rn(v, inv_t), mx));
-            if (min_p > 0.f && !(e >= min_p)) continue;
+            const float e = weight(i);
+            if (e < 0.f) continue;
             local += (double)e;
             last = i;
         }
@@ -1078,10 +1072,8 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
             double acc = excl;
             int pick = last;  // the walk's own rounding may end short of the target
             for (int i = lo; i < hi; i++) {
-                const float v = l[i];
-                if (!(v > NEG_INF)) continue;
-                const float e = expf(__fsub_rn(__fmul_rn(v, inv_t), mx));
-                if (min_p > 0.f && !(e >= min_p)) continue;
+                const float e = weight(i);
+                if (e < 0.f) continue;
                 acc += (double)e;
                 if (target < acc) {
                     pick = i;
