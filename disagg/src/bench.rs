@@ -177,6 +177,7 @@ fn bench_core<B: Backend>(
     let kv_token_bytes = (kv.n_layers * 2 * kv.n_kv_heads * kv.head_dim * kv.dtype.bytes()) as f64;
     let kv_b1 = (a.context as f64 + a.gen_tokens as f64 / 2.0) * kv_token_bytes;
     let copy_bw = core.backend().copy_bandwidth_gbps();
+    let read_bw = core.backend_mut().read_bandwidth_gbps();
     let c = &core.model.cfg;
     // As the PyTorch peer counts them: every matrix once per token bar the embedding,
     // plus causal attention.
@@ -208,6 +209,8 @@ fn bench_core<B: Backend>(
         "decode_b1_weight_kv_gb_per_s": b1.map(|ms| (w_bytes + kv_b1) / (ms * 1e-3) / 1e9),
         "copy_gb_per_s": copy_bw,
         "decode_b1_frac_of_copy_bw": b1.zip(copy_bw).map(|(ms, bw)| (w_bytes + kv_b1) / (ms * 1e-3) / 1e9 / bw),
+        "read_gb_per_s": read_bw,
+        "decode_b1_frac_of_read_bw": b1.zip(read_bw).map(|(ms, bw)| (w_bytes + kv_b1) / (ms * 1e-3) / 1e9 / bw),
         "prefill_tflops": prefill_flops / (s / prefill_tok_s) / 1e12,
         "op_profile": profile,
         "repeat": a.repeat,

@@ -354,4 +354,9 @@ pub trait Backend {
     fn copy_bandwidth_gbps(&self) -> Option<f64> {
         None
     }
+    /// The device's measured read bandwidth (a kernel streaming a buffer, GB/s): the
+    /// ceiling of a decode step, which reads weights and KV and writes little.
+    fn read_bandwidth_gbps(&mut self) -> Option<f64> {
+        None
+    }
 }

@@ -91,3 +91,12 @@ pub const CUDA_FLASH_DECODE: &str = "DISAGG_CUDA_FLASH_DECODE";
 /// SiLU·gate fused in) instead of a bf16 cast plus cuBLAS and separate ops. Default 1
 /// (measured on the H200: faster at 1 token, slower from 2 on); at most 8; `0`: never.
 pub const CUDA_GEMV_MAX_TOKENS: &str = "DISAGG_CUDA_GEMV_MAX_TOKENS";
+
+/// `0`: choose the CUDA attention's key splits by the earlier rule (enough blocks for two
+/// per SM) instead of by whole waves of resident blocks; for A/B runs.
+pub const CUDA_ATTN_WAVES: &str = "DISAGG_CUDA_ATTN_WAVES";
+
+/// `0`: the CUDA flash-attention kernels read their K and V fragments from shared
+/// memory with 32- and 16-bit loads instead of ldmatrix (four 8×8 matrices per
+/// instruction, V transposed on the way); for A/B runs.
+pub const CUDA_FLASH_LDMATRIX: &str = "DISAGG_CUDA_FLASH_LDMATRIX";

@@ -170,9 +170,18 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
             let mut gkv = be.kv_cache(shape).unwrap();
             be.kv_import(&mut gkv, 0, &blocks, &bytes);
             let dq = be.device().upload(&qkv).unwrap();
-            // Each kernel whole and split into key chunks (this step's few tiles split).
-            for (flash, chunk) in [(false, 0), (false, 64), (true, 0), (true, 64)] {
+            // Each kernel whole and split into key chunks (this step's few tiles split);
+            // the flash kernel with ldmatrix fragments and with scalar shared loads.
+            for (flash, ldsm, chunk) in [
+                (false, false, 0),
+                (false, false, 64),
+                (true, true, 0),
+                (true, true, 64),
+                (true, false, 0),
+                (true, false, 64),
+            ] {
                 be.set_flash(flash);
+                be.set_flash_ldmatrix(ldsm);
                 be.set_attn_chunk(chunk);
                 be.begin_step(&tokens, &batch, &rope, &attn, &[]);
                 let mut out = be.act(n_tokens * attn.q_dim()).unwrap();
@@ -181,7 +190,7 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
                 be.to_host(&out, &mut got);
                 let err = max_abs(&got, &want) / range;
                 println!(
-                    "attention {n_heads}/{n_kv} heads, head_dim {hd}, {} rows, flash {flash}, split chunk {chunk}: max |GPU − CPU| / range = {err:.2e}",
+                    "attention {n_heads}/{n_kv} heads, head_dim {hd}, {} rows, flash {flash} (ldmatrix {ldsm}), split chunk {chunk}: max |GPU − CPU| / range = {err:.2e}",
                     n_tokens
                 );
                 assert!(err < if flash { 5e-3 } else { 1e-4 }, "flash {flash}, chunk {chunk}: {err}");
@@ -204,7 +213,8 @@ fn bf16_matmul_matches_cpu_with_and_without_gemv() {
     use kernels::quant::GgmlType;
     use kernels::{Backend, WeightPart};
     let mut be = kernels::cuda::CudaBackend::new(0, true).expect("cuda:0 opens");
-    for (rows, cols) in [(1000usize, 4096usize), (37, 264), (40, 12)] {
+    // 1000-wide rows end in a short 256-column step.
+    for (rows, cols) in [(1000usize, 4096usize), (300, 1000), (37, 264), (40, 12)] {
         let w = data(rows * cols, 5);
         let w_bf16: Vec<f32> = w.iter().map(|v| half::bf16::from_f32(*v).to_f32()).collect();
         let bytes: Vec<u8> = w.iter().flat_map(|v| v.to_le_bytes()).collect();
@@ -262,10 +272,16 @@ fn bf16_matmul_matches_cpu_with_and_without_gemv() {
 /// terms is held as 1e-4 of the product of the two row scales). More tokens than the GEMV
 /// takes fall back to the unfused ops (also checked).
 fn fused_gemv_matches_cpu_norm_matmul_silu() {
+    let mut be = kernels::cuda::CudaBackend::new(0, true).expect("cuda:0 opens");
+    for hidden in [576usize, 2048] {
+        fused_gemv_case(&mut be, hidden);
+    }
+}
+
+fn fused_gemv_case(be: &mut kernels::cuda::CudaBackend, hidden: usize) {
     use kernels::quant::GgmlType;
     use kernels::{Backend, WeightPart};
-    let mut be = kernels::cuda::CudaBackend::new(0, true).expect("cuda:0 opens");
-    let (hidden, ff, eps) = (576usize, 1536usize, 1e-5f32);
+    let (ff, eps) = (1536usize, 1e-5f32);
     let bf = |v: &[f32]| v.iter().map(|x| half::bf16::from_f32(*x).to_f32()).collect::<Vec<f32>>();
     let bytes = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
     let (wq, wgu) = (data(hidden * hidden, 21), data(2 * ff * hidden, 22));
@@ -308,7 +324,7 @@ fn fused_gemv_matches_cpu_norm_matmul_silu() {
             }
         }
         let fused = n <= 8;
-        println!("norm_matmul {n} tokens (fused {fused}): max |err| / Σ|w·h| = {err:.2e}");
+        println!("norm_matmul {hidden} wide, {n} tokens (fused {fused}): max |err| / Σ|w·h| = {err:.2e}");
         assert!(err < if fused { 1e-5 } else { 1e-2 }, "norm_matmul, {n} tokens: {err}");
         // norm_matmul_silu
         let mut act = be.act(n * ff).unwrap();
@@ -324,7 +340,7 @@ fn fused_gemv_matches_cpu_norm_matmul_silu() {
                 err = err.max((got[t * ff + r] as f64 - want).abs() / scale);
             }
         }
-        println!("norm_matmul_silu {n} tokens (fused {fused}): max |err| / scale = {err:.2e}");
+        println!("norm_matmul_silu {hidden} wide, {n} tokens (fused {fused}): max |err| / scale = {err:.2e}");
         assert!(err < if fused { 1e-4 } else { 1e-2 }, "norm_matmul_silu, {n} tokens: {err}");
     }
 }

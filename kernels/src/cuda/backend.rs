@@ -20,7 +20,8 @@
 //!
 //! - Attention: the tensor-core flash kernel for every step, prefill and decode (one
 //!   block per tile of a sequence's tokens × a KV head's query heads, so each K/V read
-//!   serves the whole group), split-K over the keys when the tiles alone leave SMs idle.
+//!   serves the whole group), split-K over the keys chosen by whole waves of resident blocks
+//!   (the split count with the least modelled time), K/V fragments read by ldmatrix.
 //!   `DISAGG_CUDA_FLASH=0`, f32 KV, other head sizes, and f32 weights (the exactness
 //!   mode) take the per-token f32 kernel (same split rule over (token, head) pairs).
 //! - CUDA graphs: a decode-only step's ops are captured the second time its shape
@@ -214,12 +215,36 @@ pub struct CudaBackend {
     capturing: bool,
     /// bf16 GEMMs of at most this many tokens take the GEMV kernel (0: never).
     gemv_max_tokens: usize,
+    /// Attention key splits chosen by whole waves of resident blocks
+    /// (`DISAGG_CUDA_ATTN_WAVES=0`: the earlier rule, two blocks per SM), and the flash
+    /// kernels' resident blocks per SM by head_dim (64, 128).
+    attn_waves: bool,
+    flash_blocks_per_sm: (usize, usize),
+    /// The flash kernels load K and V fragments by ldmatrix (`DISAGG_CUDA_FLASH_LDMATRIX=0`:
+    /// by 32- and 16-bit shared loads).
+    flash_ldmatrix: bool,
     /// cuBLAS's workspace, fixed so that captured GEMMs never allocate.
     _blas_ws: CudaSlice<u8>,
 }
 
 fn launch_cfg(n: usize) -> LaunchConfig {
     LaunchConfig::for_num_elems(n.max(1) as u32)
+}
+
+/// Attention partials reserved per SM (rows of head_dim + 2 floats).
+const ATTN_PART_ROWS_PER_SM: usize = 256;
+
+/// Key splits for `units` blocks of attention work over `chunks` chunks of keys, when
+/// `slots` blocks fit on the GPU at once: the split count (≤ `chunks`) with the least
+/// time in a model where each wave of resident blocks costs its chunks plus one
+/// (the block's start, its share of the merge). Whole waves matter: 512 units on 396
+/// slots run as 2 waves at a 65% fill, as 3 waves of 2 splits at 86%.
+/// `max_splits` bounds the partials (see `reserve`).
+fn attn_splits_by_waves(units: usize, chunks: usize, slots: usize, max_splits: usize) -> usize {
+    let (units, slots) = (units.max(1), slots.max(1));
+    (1..=chunks.min(max_splits).max(1))
+        .min_by_key(|&s| (units * s).div_ceil(slots) * (chunks.div_ceil(s) + 1))
+        .unwrap_or(1)
 }
 
 impl CudaBackend {
@@ -255,7 +280,23 @@ impl CudaBackend {
         let z = |n| stream.alloc_zeros::<f32>(n).map_err(dev_err);
         let profile = std::env::var_os(crate::env::CUDA_PROFILE).map(|_| Default::default());
         let off = |name| std::env::var(name).is_ok_and(|v| v == "0");
+        let flash_occ = |hd: usize| -> usize {
+            let name = if hd == 64 { "flash_decode_f16_d64" } else { "flash_decode_f16_d128" };
+            let smem = super::flash_smem_bytes(hd);
+            match dev.func(name).occupancy_max_active_blocks_per_multiprocessor(128, smem, None) {
+                Ok(n) => (n as usize).max(1),
+                Err(_) => 1,
+            }
+        };
+        let flash_blocks_per_sm = if dev.arch.0 >= 8 { (flash_occ(64), flash_occ(128)) } else { (1, 1) };
+        let n_sms = dev
+            .context()
+            .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(dev_err)? as usize;
         Ok(CudaBackend {
+            attn_waves: !off(crate::env::CUDA_ATTN_WAVES),
+            flash_ldmatrix: !off(crate::env::CUDA_FLASH_LDMATRIX),
+            flash_blocks_per_sm,
             graphs_on: !off(crate::env::CUDA_GRAPHS) && profile.is_none(),
             // mma.sync m16n8k16 and cp.async need sm_80 or newer.
             flash: bf16_weights && !off(crate::env::CUDA_FLASH) && dev.arch.0 >= 8,
@@ -304,10 +345,7 @@ impl CudaBackend {
             device_sampling: std::env::var(crate::env::DEVICE_SAMPLING).map_or(true, |v| v != "0") && dev.arch.0 >= 7,
             argmax_out: stream.alloc_zeros::<u32>(1).map_err(dev_err)?,
             sample: SampleBufs::new(&stream, 1).map_err(dev_err)?,
-            n_sms: dev
-                .context()
-                .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-                .map_err(dev_err)? as usize,
+            n_sms,
             dev,
         })
     }
@@ -334,12 +372,18 @@ impl CudaBackend {
         self.attn_chunk = keys;
     }
 
-    /// How many decode shapes are captured as graphs now.
     /// bf16 GEMMs of at most `n` tokens take the GEMV kernel (at most 8; 0: never).
     pub fn set_gemv_max_tokens(&mut self, n: usize) {
         self.gemv_max_tokens = n.min(super::GEMV_MAX_TOKENS);
     }
 
+    /// The flash kernels load K/V fragments by ldmatrix (default: on unless
+    /// `DISAGG_CUDA_FLASH_LDMATRIX=0`).
+    pub fn set_flash_ldmatrix(&mut self, on: bool) {
+        self.flash_ldmatrix = on;
+    }
+
+    /// How many decode shapes are captured as graphs now.
     pub fn n_graphs(&self) -> usize {
         self.graphs.0.len()
     }
@@ -398,6 +442,31 @@ impl CudaBackend {
         Ok(2.0 * bytes as f64 * n as f64 / t.elapsed().as_secs_f64() / 1e9)
     }
 
+    /// Read bandwidth, GB/s: ops.cu `stream_read` over a `bytes` buffer (16-byte
+    /// non-allocating loads, 8 warps per block, 4 blocks per SM), 10 passes.
+    pub fn read_bandwidth(&self, bytes: usize) -> Result<f64, KernelError> {
+        let st = self.dev.stream().clone();
+        let a = st.alloc_zeros::<u16>(bytes / 2).map_err(dev_err)?;
+        let sink = st.alloc_zeros::<u32>(1).map_err(dev_err)?;
+        let n16 = (bytes / 16) as i64;
+        let cfg = LaunchConfig { grid_dim: (4 * self.n_sms as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        let pass = || {
+            let mut b = st.launch_builder(self.dev.func("stream_read"));
+            b.arg(&a).arg(&n16).arg(&sink);
+            // SAFETY: `a` holds n16 16-byte chunks; the sink one value.
+            unsafe { b.launch(cfg) }.map(|_| ()).map_err(dev_err)
+        };
+        pass()?;
+        self.dev.synchronize()?;
+        let t = std::time::Instant::now();
+        let n = 10;
+        for _ in 0..n {
+            pass()?;
+        }
+        self.dev.synchronize()?;
+        Ok(bytes as f64 * n as f64 / t.elapsed().as_secs_f64() / 1e9)
+    }
+
     /// Free and total device memory, in bytes.
     pub fn mem_info(&self) -> Result<(usize, usize), KernelError> {
         self.dev.context().mem_get_info().map_err(dev_err)
@@ -452,13 +521,23 @@ impl CudaBackend {
         self.seen.clear();
     }
 
-    /// Key splits of the attention: split-K when its `units` (blocks of work) alone leave
-    /// SMs idle (decode of small batches), enough chunks of at least `attn_chunk` keys to
-    /// give every SM two blocks.
-    fn attn_splits(&self, units: usize) -> usize {
+    /// Key splits of the attention over chunks of at least `attn_chunk` keys: by whole
+    /// waves of the `blocks_per_sm` resident blocks (see [`attn_splits_by_waves`]; `rows`
+    /// (tokens × query heads) bounds the partials), or by the earlier rule: split-K only
+    /// when the `units` (blocks of work) alone leave SMs idle, enough to give every SM
+    /// two blocks.
+    fn attn_splits(&self, units: usize, blocks_per_sm: usize, rows: usize) -> usize {
+        if self.attn_chunk == 0 {
+            return 1;
+        }
+        let chunks = self.max_ctx.div_ceil(self.attn_chunk).max(1);
+        if self.attn_waves {
+            let max_splits = (ATTN_PART_ROWS_PER_SM * self.n_sms / rows.max(1)).min(64);
+            return attn_splits_by_waves(units, chunks, self.n_sms * blocks_per_sm, max_splits);
+        }
         let want = (2 * self.n_sms).div_ceil(units.max(1));
-        if self.attn_chunk > 0 && want > 1 {
-            want.min(self.max_ctx.div_ceil(self.attn_chunk)).max(1)
+        if want > 1 {
+            want.min(chunks)
         } else {
             1
         }
@@ -657,8 +736,13 @@ impl CudaBackend {
         if moved {
             self.buffers_moving();
         }
-        let units = if self.step_flash { tiles.len() * attn.n_kv_heads } else { batch.n_tokens * attn.n_heads };
-        self.step_splits = self.attn_splits(units);
+        let (units, per_sm) = if self.step_flash {
+            let per_sm = if attn.head_dim == 64 { self.flash_blocks_per_sm.0 } else { self.flash_blocks_per_sm.1 };
+            (tiles.len() * attn.n_kv_heads, per_sm)
+        } else {
+            (batch.n_tokens * attn.n_heads, 2048 / 256)
+        };
+        self.step_splits = self.attn_splits(units, per_sm, batch.n_tokens * attn.n_heads);
         let kernel = u8::from(self.step_flash) | (u8::from(self.step_decode && self.step_flash) << 1);
         self.step_key = (batch.n_tokens, logit_rows.len(), self.step_splits, kernel);
     }
@@ -728,10 +812,12 @@ impl Backend for CudaBackend {
             let len = n * lim.widest_input;
             self.x_bf16 = self.zeros(len, "the bf16 GEMM input")?;
         }
-        // Split-K partials: a step splits only while its units of work (flash tiles of ≤ 64
-        // rows × KV heads, or tokens × heads) are fewer than 2 × SMs, into at most
-        // ⌈2 × SMs / units⌉ splits, so rows × splits < 64 × 4 × SMs.
-        let len = 256 * self.n_sms * (lim.attn.head_dim + 2);
+        // Split-K partials, one per (token, query head, split). By waves: at most
+        // ATTN_PART_ROWS_PER_SM × SMs of them. By the earlier rule: a step splits only
+        // while its units of work (flash tiles of ≤ 64 rows × KV heads, or tokens × heads)
+        // are fewer than 2 × SMs, into at most ⌈2 × SMs / units⌉ splits, so
+        // rows × splits < 64 × 4 × SMs (the same bound).
+        let len = ATTN_PART_ROWS_PER_SM * self.n_sms * (lim.attn.head_dim + 2);
         self.attn_part = self.zeros(len, "the attention partials")?;
         // Step metadata.
         self.ids = self.zeros(n, "step metadata (ids)")?;
@@ -1017,11 +1103,15 @@ impl Backend for CudaBackend {
         }
         match &kv.layers[layer] {
             KvBuf::F16(c) if self.step_flash => {
-                let name = match (attn.head_dim, self.step_decode) {
-                    (64, false) => "flash_attn_f16_d64",
-                    (64, true) => "flash_decode_f16_d64",
-                    (_, false) => "flash_attn_f16_d128",
-                    (_, true) => "flash_decode_f16_d128",
+                let name = match (attn.head_dim, self.step_decode, self.flash_ldmatrix) {
+                    (64, false, true) => "flash_attn_f16_d64",
+                    (64, true, true) => "flash_decode_f16_d64",
+                    (_, false, true) => "flash_attn_f16_d128",
+                    (_, true, true) => "flash_decode_f16_d128",
+                    (64, false, false) => "flash_attn_lds_f16_d64",
+                    (64, true, false) => "flash_decode_lds_f16_d64",
+                    (_, false, false) => "flash_attn_lds_f16_d128",
+                    (_, true, false) => "flash_decode_lds_f16_d128",
                 };
                 let cfg = LaunchConfig {
                     grid_dim: (self.n_fa_tiles as u32, attn.n_kv_heads as u32, splits as u32),
@@ -1207,6 +1297,10 @@ impl Backend for CudaBackend {
         self.copy_bandwidth(2 << 30).ok()
     }
 
+    fn read_bandwidth_gbps(&mut self) -> Option<f64> {
+        self.read_bandwidth(2 << 30).ok()
+    }
+
     fn kv_shape(&self, kv: &CudaKv) -> KvShape {
         kv.shape
     }
@@ -1256,5 +1350,24 @@ impl Backend for CudaBackend {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::attn_splits_by_waves;
+
+    #[test]
+    fn attention_splits_fill_whole_waves() {
+        // Batch 64 of 1k tokens, 8 KV heads, 396 resident blocks: 2 waves at 65% fill
+        // unsplit; 3 splits run 4 waves of a third of the keys.
+        assert_eq!(attn_splits_by_waves(512, 17, 396, 64), 3);
+        // Batch 1: every chunk its own block (one wave).
+        assert_eq!(attn_splits_by_waves(8, 17, 396, 64), 17);
+        // Batch 256: already many waves, no split.
+        assert_eq!(attn_splits_by_waves(2048, 17, 396, 64), 1);
+        // Bounded by the partials reserved, and by the chunks there are.
+        assert_eq!(attn_splits_by_waves(8, 513, 396, 20), 20);
+        assert_eq!(attn_splits_by_waves(8, 1, 396, 64), 1);
     }
 }

@@ -59,11 +59,16 @@ const KERNELS: &[&str] = &[
     "attention_split_f32",
     "attention_merge",
     "argmax_rows",
+    "stream_read",
     "sample_rows",
     "flash_attn_f16_d64",
     "flash_attn_f16_d128",
     "flash_decode_f16_d64",
     "flash_decode_f16_d128",
+    "flash_attn_lds_f16_d64",
+    "flash_attn_lds_f16_d128",
+    "flash_decode_lds_f16_d64",
+    "flash_decode_lds_f16_d128",
 ];
 
 /// Most tokens the GEMV kernels take (`…_m1` to `…_m8`: one kernel per token count;
@@ -106,11 +111,15 @@ pub(crate) const GEMV_NORM_SILU_BF16: [&str; GEMV_MAX_TOKENS] = [
 ];
 
 /// The flash-attention kernels and their head_dim.
-const FLASH_KERNELS: [(&str, usize); 4] = [
+const FLASH_KERNELS: [(&str, usize); 8] = [
     ("flash_attn_f16_d64", 64),
     ("flash_attn_f16_d128", 128),
     ("flash_decode_f16_d64", 64),
     ("flash_decode_f16_d128", 128),
+    ("flash_attn_lds_f16_d64", 64),
+    ("flash_attn_lds_f16_d128", 128),
+    ("flash_decode_lds_f16_d64", 64),
+    ("flash_decode_lds_f16_d128", 128),
 ];
 
 /// Dynamic shared memory of a flash-attention block (`FA_SMEM_BYTES` in ops.cu): two

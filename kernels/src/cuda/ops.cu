@@ -362,6 +362,25 @@ __device__ __forceinline__ void cp_async_wait() {
 #endif
 }
 
+// Four 8×8 b16 matrices from shared memory (sm_75+): lane i gives the address of row
+// i % 8 of matrix i / 8; each lane receives, per matrix, the pair at (row lane / 4,
+// columns 2·(lane % 4) + {0, 1}) — with .trans, at (rows 2·(lane % 4) + {0, 1}, column
+// lane / 4): exactly an mma.m16n8k16 B fragment half.
+__device__ __forceinline__ void ldsm_x4(unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3, const void* p) {
+    unsigned a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(a));
+}
+__device__ __forceinline__ void ldsm_x4_trans(unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3, const void* p) {
+    unsigned a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(a));
+}
+
 #define FA_KEYS 64
 // Dynamic shared memory of a flash block: two stages (double buffering) of a K and a V
 // tile, FA_KEYS rows of head_dim + 8 halves each.
@@ -369,7 +388,9 @@ __device__ __forceinline__ void cp_async_wait() {
 // WS (decode: a tile of ≤ 16 rows, one warp's worth): the four warps take the same rows
 // and split each 64-key tile between them (16 keys each), then merge their partial
 // softmaxes through shared memory, so a decode block computes 4× faster.
-template <int HD, bool WS>
+// LDSM: the K and V fragments come from shared memory by ldmatrix (one instruction per
+// four 8×8 matrices, V transposed on the way) instead of 32- and 16-bit loads.
+template <int HD, bool WS, bool LDSM>
 __device__ void flash_attn_impl(const float* qkv, const unsigned short* cache, long long half, const int* tiles,
                                 const unsigned int* tables, int n_heads, int n_kv, int block_size, float scale,
                                 const int* max_ctx, float* out, float* part) {
@@ -384,6 +405,7 @@ __device__ void flash_attn_impl(const float* qkv, const unsigned short* cache, l
     const unsigned int* table = tables + tile[3];
     const int kvh = blockIdx.y, grp = n_heads / n_kv, z = blockIdx.z, splits = gridDim.z;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+    const int lr = lane & 7, lj = lane >> 3;  // this lane's ldmatrix row and matrix
     const int w = (n_heads + 2 * n_kv) * HD;
     const int nrows = ntok * grp;
     // This thread's two rows (g and g+8 of the warp's 16); rows past the tile repeat its
@@ -459,12 +481,24 @@ __device__ void flash_attn_impl(const float* qkv, const unsigned short* cache, l
 #pragma unroll
             for (int nt = 0; nt < NT; nt++) {
                 s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
-                const unsigned short* kr = ks + (key_off + nt * 8 + g) * ST + 2 * t4;
+                if (LDSM) {
+                    // Matrices: keys nt·8.. × dims 16k + 8j, j = 0..3 (two k-steps).
+                    const unsigned short* kr = ks + (key_off + nt * 8 + lr) * ST + 8 * lj;
 #pragma unroll
-                for (int k = 0; k < KS; k++) {
-                    const unsigned b0 = *(const unsigned*)(kr + 16 * k);
-                    const unsigned b1 = *(const unsigned*)(kr + 16 * k + 8);
-                    mma_f16_16816(s[nt], qf[k], b0, b1);
+                    for (int k = 0; k < KS; k += 2) {
+                        unsigned b0, b1, b2, b3;
+                        ldsm_x4(b0, b1, b2, b3, kr + 16 * k);
+                        mma_f16_16816(s[nt], qf[k], b0, b1);
+                        mma_f16_16816(s[nt], qf[k + 1], b2, b3);
+                    }
+                } else {
+                    const unsigned short* kr = ks + (key_off + nt * 8 + g) * ST + 2 * t4;
+#pragma unroll
+                    for (int k = 0; k < KS; k++) {
+                        const unsigned b0 = *(const unsigned*)(kr + 16 * k);
+                        const unsigned b1 = *(const unsigned*)(kr + 16 * k + 8);
+                        mma_f16_16816(s[nt], qf[k], b0, b1);
+                    }
                 }
             }
             // Causal mask and the split's end (this also hides the zero keys), row maxima.
@@ -517,13 +551,25 @@ __device__ void flash_attn_impl(const float* qkv, const unsigned short* cache, l
                 pf[1] = pack_f16x2(s[2 * kk][2], s[2 * kk][3]);
                 pf[2] = pack_f16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
                 pf[3] = pack_f16x2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-                const unsigned short* v0 = vs + (key_off + 16 * kk + 2 * t4) * ST + g;
+                if (LDSM) {
+                    // Matrices (transposed): keys 16kk + 8(j & 1).. × dims 8(d + (j >> 1))..
+                    const unsigned short* vr = vs + (key_off + 16 * kk + lr + 8 * (lj & 1)) * ST + 8 * (lj >> 1);
 #pragma unroll
-                for (int d = 0; d < DT; d++) {
-                    const unsigned short* vp = v0 + d * 8;
-                    const unsigned b0 = (unsigned)vp[0] | ((unsigned)vp[ST] << 16);
-                    const unsigned b1 = (unsigned)vp[8 * ST] | ((unsigned)vp[9 * ST] << 16);
-                    mma_f16_16816(o[d], pf, b0, b1);
+                    for (int d = 0; d < DT; d += 2) {
+                        unsigned b0, b1, b2, b3;
+                        ldsm_x4_trans(b0, b1, b2, b3, vr + d * 8);
+                        mma_f16_16816(o[d], pf, b0, b1);
+                        mma_f16_16816(o[d + 1], pf, b2, b3);
+                    }
+                } else {
+                    const unsigned short* v0 = vs + (key_off + 16 * kk + 2 * t4) * ST + g;
+#pragma unroll
+                    for (int d = 0; d < DT; d++) {
+                        const unsigned short* vp = v0 + d * 8;
+                        const unsigned b0 = (unsigned)vp[0] | ((unsigned)vp[ST] << 16);
+                        const unsigned b1 = (unsigned)vp[8 * ST] | ((unsigned)vp[9 * ST] << 16);
+                        mma_f16_16816(o[d], pf, b0, b1);
+                    }
                 }
             }
         }
@@ -616,10 +662,16 @@ __device__ void flash_attn_impl(const float* qkv, const unsigned short* cache, l
 #define FLASH_ARGS const float* qkv, const unsigned short* cache, long long half, const int* tiles, \
     const unsigned int* tables, int n_heads, int n_kv, int block_size, float scale, const int* max_ctx, float* out, float* part
 #define FLASH_CALL qkv, cache, half, tiles, tables, n_heads, n_kv, block_size, scale, max_ctx, out, part
-extern "C" __global__ void __launch_bounds__(128) flash_attn_f16_d64(FLASH_ARGS) { flash_attn_impl<64, false>(FLASH_CALL); }
-extern "C" __global__ void __launch_bounds__(128) flash_attn_f16_d128(FLASH_ARGS) { flash_attn_impl<128, false>(FLASH_CALL); }
-extern "C" __global__ void __launch_bounds__(128) flash_decode_f16_d64(FLASH_ARGS) { flash_attn_impl<64, true>(FLASH_CALL); }
-extern "C" __global__ void __launch_bounds__(128) flash_decode_f16_d128(FLASH_ARGS) { flash_attn_impl<128, true>(FLASH_CALL); }
+#define FLASH_KERNEL(NAME, HD, WS, LDSM) \
+    extern "C" __global__ void __launch_bounds__(128) NAME(FLASH_ARGS) { flash_attn_impl<HD, WS, LDSM>(FLASH_CALL); }
+FLASH_KERNEL(flash_attn_f16_d64, 64, false, true)
+FLASH_KERNEL(flash_attn_f16_d128, 128, false, true)
+FLASH_KERNEL(flash_decode_f16_d64, 64, true, true)
+FLASH_KERNEL(flash_decode_f16_d128, 128, true, true)
+FLASH_KERNEL(flash_attn_lds_f16_d64, 64, false, false)
+FLASH_KERNEL(flash_attn_lds_f16_d128, 128, false, false)
+FLASH_KERNEL(flash_decode_lds_f16_d64, 64, true, false)
+FLASH_KERNEL(flash_decode_lds_f16_d128, 128, true, false)
 
 // ---- Small-batch GEMM (decode): out[m][n] (+)= Σ_k x[m][k] · W[n][k] ----
 // W: bf16 [rows][k] row-major (k a multiple of 8), x: f32 [M][k], out: f32 [M][n_out].
@@ -785,6 +837,27 @@ GEMV_KERNELS(5)
 GEMV_KERNELS(6)
 GEMV_KERNELS(7)
 GEMV_KERNELS(8)
+
+// The read-bandwidth probe (CudaBackend::read_bandwidth): streams n 16-byte chunks as
+// the GEMV reads W; the sink is written only if the xor of everything is a value no
+// zero-filled buffer has, so the loads are not optimised away.
+extern "C" __global__ void stream_read(const unsigned short* p, long long n, unsigned* sink) {
+    unsigned acc = 0;
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    for (; i + 3 * stride < n; i += 4 * stride) {
+        uint4 v[4];
+#pragma unroll
+        for (int u = 0; u < 4; u++) v[u] = ld_stream_u4(p + 8 * (i + u * stride));
+#pragma unroll
+        for (int u = 0; u < 4; u++) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
+    }
+    for (; i < n; i += stride) {
+        const uint4 v = ld_stream_u4(p + 8 * i);
+        acc ^= v.x ^ v.y ^ v.z ^ v.w;
+    }
+    if (acc == 0x9e3779b9u) sink[0] = acc;
+}
 
 // ---- Sampling where the logits are (engine/src/sampling.rs defines the semantics) ----
 // One block of SAMPLE_THREADS per logits row. Per row: the raw logits' log-sum-exp and
