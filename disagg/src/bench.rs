@@ -177,7 +177,7 @@ fn bench_core<B: Backend>(
     let kv_token_bytes = (kv.n_layers * 2 * kv.n_kv_heads * kv.head_dim * kv.dtype.bytes()) as f64;
     let kv_b1 = (a.context as f64 + a.gen_tokens as f64 / 2.0) * kv_token_bytes;
     let copy_bw = core.backend().copy_bandwidth_gbps();
-    let read_bw = core.backend_mut().read_bandwidth_gbps();
+    let read_bw = core.backend().read_bandwidth_gbps();
     let c = &core.model.cfg;
     // As the PyTorch peer counts them: every matrix once per token bar the embedding,
     // plus causal attention.

@@ -356,7 +356,7 @@ pub trait Backend {
     }
     /// The device's measured read bandwidth (a kernel streaming a buffer, GB/s): the
     /// ceiling of a decode step, which reads weights and KV and writes little.
-    fn read_bandwidth_gbps(&mut self) -> Option<f64> {
+    fn read_bandwidth_gbps(&self) -> Option<f64> {
         None
     }
 }

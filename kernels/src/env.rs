@@ -61,9 +61,10 @@ pub const CUDA_PROFILE: &str = "DISAGG_CUDA_PROFILE";
 /// top-k / top-p down to ≤ 1024 candidates that the host finishes); for A/B runs.
 pub const DEVICE_SAMPLING: &str = "DISAGG_DEVICE_SAMPLING";
 
-/// The CUDA attention's split-K (flash-decoding) path: when a step has too few (token,
-/// head) pairs to fill the GPU, each one's keys are split over several blocks of at
-/// least this many keys (default 64; 0: never split).
+/// The CUDA attention's split-K (flash-decoding) path: when splitting fills the GPU's
+/// waves of resident blocks better (few sequences, or a last wave left part-empty), each
+/// one's keys are split over several blocks of at least this many keys (default 64; 0:
+/// never split).
 pub const CUDA_ATTN_CHUNK: &str = "DISAGG_CUDA_ATTN_CHUNK";
 
 /// `0`: run every CUDA decode step's kernels one by one instead of replaying a CUDA

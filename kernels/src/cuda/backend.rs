@@ -217,9 +217,9 @@ pub struct CudaBackend {
     gemv_max_tokens: usize,
     /// Attention key splits chosen by whole waves of resident blocks
     /// (`DISAGG_CUDA_ATTN_WAVES=0`: the earlier rule, two blocks per SM), and the flash
-    /// kernels' resident blocks per SM by head_dim (64, 128).
+    /// kernels' resident blocks per SM, [prefill d64, prefill d128, decode d64, decode d128].
     attn_waves: bool,
-    flash_blocks_per_sm: (usize, usize),
+    flash_blocks_per_sm: [usize; 4],
     /// The flash kernels load K and V fragments by ldmatrix (`DISAGG_CUDA_FLASH_LDMATRIX=0`:
     /// by 32- and 16-bit shared loads).
     flash_ldmatrix: bool,
@@ -280,15 +280,23 @@ impl CudaBackend {
         let z = |n| stream.alloc_zeros::<f32>(n).map_err(dev_err);
         let profile = std::env::var_os(crate::env::CUDA_PROFILE).map(|_| Default::default());
         let off = |name| std::env::var(name).is_ok_and(|v| v == "0");
-        let flash_occ = |hd: usize| -> usize {
-            let name = if hd == 64 { "flash_decode_f16_d64" } else { "flash_decode_f16_d128" };
+        let flash_occ = |name: &str, hd: usize| -> usize {
             let smem = super::flash_smem_bytes(hd);
             match dev.func(name).occupancy_max_active_blocks_per_multiprocessor(128, smem, None) {
                 Ok(n) => (n as usize).max(1),
                 Err(_) => 1,
             }
         };
-        let flash_blocks_per_sm = if dev.arch.0 >= 8 { (flash_occ(64), flash_occ(128)) } else { (1, 1) };
+        let flash_blocks_per_sm = if dev.arch.0 >= 8 {
+            [
+                flash_occ("flash_attn_f16_d64", 64),
+                flash_occ("flash_attn_f16_d128", 128),
+                flash_occ("flash_decode_f16_d64", 64),
+                flash_occ("flash_decode_f16_d128", 128),
+            ]
+        } else {
+            [1; 4]
+        };
         let n_sms = dev
             .context()
             .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
@@ -380,6 +388,10 @@ impl CudaBackend {
     /// The flash kernels load K/V fragments by ldmatrix (default: on unless
     /// `DISAGG_CUDA_FLASH_LDMATRIX=0`).
     pub fn set_flash_ldmatrix(&mut self, on: bool) {
+        if on != self.flash_ldmatrix {
+            // Captured graphs hold the other kernels.
+            self.buffers_moving();
+        }
         self.flash_ldmatrix = on;
     }
 
@@ -737,7 +749,8 @@ impl CudaBackend {
             self.buffers_moving();
         }
         let (units, per_sm) = if self.step_flash {
-            let per_sm = if attn.head_dim == 64 { self.flash_blocks_per_sm.0 } else { self.flash_blocks_per_sm.1 };
+            let i = usize::from(attn.head_dim != 64) + 2 * usize::from(self.step_decode);
+            let per_sm = self.flash_blocks_per_sm[i];
             (tiles.len() * attn.n_kv_heads, per_sm)
         } else {
             (batch.n_tokens * attn.n_heads, 2048 / 256)
@@ -1297,7 +1310,7 @@ impl Backend for CudaBackend {
         self.copy_bandwidth(2 << 30).ok()
     }
 
-    fn read_bandwidth_gbps(&mut self) -> Option<f64> {
+    fn read_bandwidth_gbps(&self) -> Option<f64> {
         self.read_bandwidth(2 << 30).ok()
     }
 

@@ -143,8 +143,8 @@ extern "C" __global__ void rope_write_kv_f32(float* qkv, const int* pos, const f
 // head[, key chunk]). Token t sits at position pos[t] of its sequence, whose block table
 // starts at tables[table_off[t]]; it attends to positions 0..=pos[t]. Each warp takes
 // every ATT_WARPS-th key with an online softmax (lanes split head_dim); the warps are
-// merged at the end. With SPLIT (flash-decoding, for batches of few tokens and long
-// contexts), block z takes keys [z·chunk, (z+1)·chunk), chunk = ⌈max_ctx / splits⌉, and writes its unnormalised
+// merged at the end. With SPLIT (flash-decoding: the backend splits when that fills the
+// waves of resident blocks better), block z takes keys [z·chunk, (z+1)·chunk), chunk = ⌈max_ctx / splits⌉, and writes its unnormalised
 // partial (max, sum, acc[head_dim]) for attention_merge. head_dim ≤ 256.
 #define ATT_WARPS 8
 #define NEG_INF __int_as_float(0xff800000)
@@ -312,8 +312,8 @@ extern "C" __global__ void argmax_rows(const float* x, int dim, unsigned int* ou
 // stream through shared memory 64 at a time from the paged f16 cache through the
 // sequence's block table, double-buffered (cp.async: the next tile loads while this one
 // is computed on); S = Q·Kᵀ and O += P·V run on mma.sync m16n8k16 (f16 inputs,
-// f32 accumulators) with an online softmax in base 2. With splits (gridDim.z > 1; decode
-// of few sequences), split z takes keys [z·chunk, (z+1)·chunk), chunk = ⌈max_ctx /
+// f32 accumulators) with an online softmax in base 2. With splits (gridDim.z > 1; chosen
+// by the backend to fill whole waves of resident blocks), split z takes keys [z·chunk, (z+1)·chunk), chunk = ⌈max_ctx /
 // splits⌉ rounded up to 64, and writes attention_merge's partials.
 // Rounding: q·scale and the probabilities P are rounded to f16 for the MMAs (relative
 // 2⁻¹¹); the cache is f16 already. tiles[4·i] = (first token row, tokens, position of
@@ -366,19 +366,28 @@ __device__ __forceinline__ void cp_async_wait() {
 // i % 8 of matrix i / 8; each lane receives, per matrix, the pair at (row lane / 4,
 // columns 2·(lane % 4) + {0, 1}) — with .trans, at (rows 2·(lane % 4) + {0, 1}, column
 // lane / 4): exactly an mma.m16n8k16 B fragment half.
+// Older GPUs never launch the flash kernels, but the module must still load there.
 __device__ __forceinline__ void ldsm_x4(unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3, const void* p) {
+#if __CUDA_ARCH__ >= 750
     unsigned a;
     asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
                  : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
                  : "r"(a));
+#else
+    __trap();
+#endif
 }
 __device__ __forceinline__ void ldsm_x4_trans(unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3, const void* p) {
+#if __CUDA_ARCH__ >= 750
     unsigned a;
     asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
                  : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
                  : "r"(a));
+#else
+    __trap();
+#endif
 }
 
 #define FA_KEYS 64
@@ -394,6 +403,7 @@ template <int HD, bool WS, bool LDSM>
 __device__ void flash_attn_impl(const float* qkv, const unsigned short* cache, long long half, const int* tiles,
                                 const unsigned int* tables, int n_heads, int n_kv, int block_size, float scale,
                                 const int* max_ctx, float* out, float* part) {
+    static_assert(HD % 32 == 0, "the ldmatrix loops take k-steps and d-tiles in pairs");
     constexpr int KS = HD / 16;               // k-steps of S over head_dim
     constexpr int DT = HD / 8;                // n-tiles of O over head_dim
     constexpr int ST = HD + 8;                // shared row stride in halves (conflict-free fragment loads)
@@ -840,7 +850,7 @@ GEMV_KERNELS(8)
 
 // The read-bandwidth probe (CudaBackend::read_bandwidth): streams n 16-byte chunks as
 // the GEMV reads W; the sink is written only if the xor of everything is a value no
-// zero-filled buffer has, so the loads are not optimised away.
+// zero-filled buffer has (per thread), so the loads are not optimised away.
 extern "C" __global__ void stream_read(const unsigned short* p, long long n, unsigned* sink) {
     unsigned acc = 0;
     const long long stride = (long long)gridDim.x * blockDim.x;
