@@ -340,11 +340,17 @@ __device__ __forceinline__ void mma_f16_16816(float* c, const unsigned* a, unsig
 #endif
 }
 
+// A shared-memory pointer as the 32-bit address PTX shared-state instructions take.
+__device__ __forceinline__ unsigned smem_u32(const void* p) {
+    unsigned d;
+    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(d) : "l"(p));
+    return d;
+}
+
 // Asynchronous 16-byte global → shared copies (sm_80+): `bytes` 0 fills zeros.
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, int bytes) {
 #if __CUDA_ARCH__ >= 800
-    unsigned d;
-    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(d) : "l"(dst));
+    const unsigned d = smem_u32(dst);
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(bytes));
 #else
     __trap();
@@ -367,24 +373,18 @@ __device__ __forceinline__ void cp_async_wait() {
 // columns 2·(lane % 4) + {0, 1}) — with .trans, at (rows 2·(lane % 4) + {0, 1}, column
 // lane / 4): exactly an mma.m16n8k16 B fragment half.
 // Older GPUs never launch the flash kernels, but the module must still load there.
+template <bool TRANS>
 __device__ __forceinline__ void ldsm_x4(unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3, const void* p) {
 #if __CUDA_ARCH__ >= 750
-    unsigned a;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-                 : "r"(a));
-#else
-    __trap();
-#endif
-}
-__device__ __forceinline__ void ldsm_x4_trans(unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3, const void* p) {
-#if __CUDA_ARCH__ >= 750
-    unsigned a;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-                 : "r"(a));
+    const unsigned a = smem_u32(p);
+    if (TRANS)
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                     : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                     : "r"(a));
+    else
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                     : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                     : "r"(a));
 #else
     __trap();
 #endif
@@ -497,7 +497,7 @@ __device__ void flash_attn_impl(const float* qkv, const unsigned short* cache, l
 #pragma unroll
                     for (int k = 0; k < KS; k += 2) {
                         unsigned b0, b1, b2, b3;
-                        ldsm_x4(b0, b1, b2, b3, kr + 16 * k);
+                        ldsm_x4<false>(b0, b1, b2, b3, kr + 16 * k);
                         mma_f16_16816(s[nt], qf[k], b0, b1);
                         mma_f16_16816(s[nt], qf[k + 1], b2, b3);
                     }
@@ -567,7 +567,7 @@ __device__ void flash_attn_impl(const float* qkv, const unsigned short* cache, l
 #pragma unroll
                     for (int d = 0; d < DT; d += 2) {
                         unsigned b0, b1, b2, b3;
-                        ldsm_x4_trans(b0, b1, b2, b3, vr + d * 8);
+                        ldsm_x4<true>(b0, b1, b2, b3, vr + d * 8);
                         mma_f16_16816(o[d], pf, b0, b1);
                         mma_f16_16816(o[d + 1], pf, b2, b3);
                     }
