@@ -101,3 +101,8 @@ pub const CUDA_ATTN_WAVES: &str = "DISAGG_CUDA_ATTN_WAVES";
 /// memory with 32- and 16-bit loads instead of ldmatrix (four 8×8 matrices per
 /// instruction, V transposed on the way); for A/B runs.
 pub const CUDA_FLASH_LDMATRIX: &str = "DISAGG_CUDA_FLASH_LDMATRIX";
+
+/// `0`: the CUDA RoPE + KV write runs one block per token, walking its heads in rounds,
+/// instead of one thread per rotation pair (all of a step's loads in flight at once);
+/// for A/B runs.
+pub const CUDA_ROPE_PAIRS: &str = "DISAGG_CUDA_ROPE_PAIRS";

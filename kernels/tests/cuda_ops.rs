@@ -18,7 +18,8 @@ fn main() {
         Ok(())
     })];
     if std::env::var_os(kernels::env::TEST_CUDA).is_some() {
-        let gpu_tests: [(&str, fn()); 6] = [
+        let gpu_tests: [(&str, fn()); 7] = [
+            ("rope_write_kv_matches_cpu", rope_write_kv_matches_cpu),
             ("fused_gemv_matches_cpu_norm_matmul_silu", fused_gemv_matches_cpu_norm_matmul_silu),
             ("bf16_matmul_matches_cpu_with_and_without_gemv", bf16_matmul_matches_cpu_with_and_without_gemv),
             ("attention_kernels_match_cpu_on_a_paged_cache", attention_kernels_match_cpu_on_a_paged_cache),
@@ -194,6 +195,92 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
                     n_tokens
                 );
                 assert!(err < if flash { 5e-3 } else { 1e-4 }, "flash {flash}, chunk {chunk}: {err}");
+            }
+        }
+    }
+}
+
+/// RoPE on q and k in place and the k/v write into the paged cache, both CUDA forms (one
+/// thread per rotation pair, one block per token) against the CPU backend, for an f16 and
+/// an f32 cache and both pair layouts, on a mixed step whose last token sits at position
+/// 30,000 (large angles). Both sides take the angle in f32 and cos/sin in f64; the GPU
+/// may contract the rotation into an FMA, so q and k agree to 1e-6 of the value range;
+/// the f16 cache to its rounding (2⁻¹¹ relative, held to 1e-3 of the range).
+fn rope_write_kv_matches_cpu() {
+    use kernels::{AttnShape, Backend, KvDtype, KvShape, Rope, SeqSpan, StepBatch};
+    let (n_heads, n_kv, hd) = (8usize, 2usize, 128usize);
+    let attn = AttnShape { n_heads, n_kv_heads: n_kv, head_dim: hd, scale: 1.0 };
+    let inv_freq: Vec<f32> = (0..hd / 2).map(|i| 500000f32.powf(-2.0 * i as f32 / hd as f32)).collect();
+    let seqs = [(37usize, 100usize), (0, 70), (30000, 1)];
+    // Block tables: the rows of this step own distinct blocks; earlier positions of the
+    // long sequence map to block 0 (RoPE never reads them).
+    let mut next = 1u32;
+    let tables: Vec<Vec<u32>> = seqs
+        .iter()
+        .map(|&(p0, n)| {
+            (0..(p0 + n).div_ceil(16))
+                .map(|b| {
+                    if (b + 1) * 16 > p0 {
+                        next += 1;
+                        next - 1
+                    } else {
+                        0
+                    }
+                })
+                .collect()
+        })
+        .collect();
+    let n_blocks = next as usize;
+    let mut spans = Vec::new();
+    let mut row = 0;
+    for (i, &(p0, n)) in seqs.iter().enumerate() {
+        spans.push(SeqSpan { rows: row..row + n, pos0: p0, block_table: &tables[i] });
+        row += n;
+    }
+    let n_tokens = row;
+    let batch = StepBatch { n_tokens, seqs: &spans, block_size: 16 };
+    let blocks: Vec<u32> = (0..n_blocks as u32).collect();
+    let qkv = data(n_tokens * attn.qkv_dim(), 21);
+    let tokens = vec![0u32; n_tokens];
+    let as_f32 = |bytes: &[u8], dtype: KvDtype| -> Vec<f32> {
+        match dtype {
+            KvDtype::F16 => bytes.chunks(2).map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
+            KvDtype::F32 => bytes.chunks(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
+        }
+    };
+    for dtype in [KvDtype::F16, KvDtype::F32] {
+        for interleaved in [false, true] {
+            let rope = Rope { interleaved, inv_freq: inv_freq.clone() };
+            let shape = KvShape { n_layers: 1, n_blocks, block_size: 16, n_kv_heads: n_kv, head_dim: hd, dtype };
+            let mut cpu = kernels::cpu::CpuBackend::new(2);
+            let mut ckv = cpu.kv_cache(shape).unwrap();
+            let mut want_q = qkv.clone();
+            cpu.begin_step(&tokens, &batch, &rope, &attn, &[]);
+            cpu.rope_write_kv(&mut want_q, 0, &batch, &rope, &attn, &mut ckv);
+            let mut want_kv = Vec::new();
+            cpu.kv_export(&ckv, 0, &blocks, &mut want_kv);
+            let want_kv = as_f32(&want_kv, dtype);
+            let range = want_q.iter().fold(0f32, |m, v| m.max(v.abs()));
+            for pairs in [true, false] {
+                let mut be = kernels::cuda::CudaBackend::new(0, true).expect("cuda:0 opens");
+                be.set_rope_pairs(pairs);
+                let mut gkv = be.kv_cache(shape).unwrap();
+                let mut dq = be.device().upload(&qkv).unwrap();
+                be.begin_step(&tokens, &batch, &rope, &attn, &[]);
+                be.rope_write_kv(&mut dq, 0, &batch, &rope, &attn, &mut gkv);
+                let mut got_q = vec![0f32; qkv.len()];
+                be.to_host(&dq, &mut got_q);
+                let mut got_kv = Vec::new();
+                be.kv_export(&gkv, 0, &blocks, &mut got_kv);
+                let got_kv = as_f32(&got_kv, dtype);
+                let (eq, ekv) = (max_abs(&got_q, &want_q) / range, max_abs(&got_kv, &want_kv) / range);
+                println!(
+                    "rope + KV write, {dtype:?} cache, interleaved {interleaved}, per pair {pairs}: q|k {eq:.2e}, cache {ekv:.2e} of the range"
+                );
+                assert!(eq < 1e-6, "q|k after RoPE: {eq}");
+                assert!(ekv < if dtype == KvDtype::F16 { 1e-3 } else { 1e-6 }, "cache: {ekv}");
+                // The written slots hold the rotated keys: not all zero.
+                assert!(got_kv.iter().filter(|v| **v != 0.0).count() > n_tokens * n_kv * hd);
             }
         }
     }

@@ -223,6 +223,9 @@ pub struct CudaBackend {
     /// The flash kernels load K and V fragments by ldmatrix (`DISAGG_CUDA_FLASH_LDMATRIX=0`:
     /// by 32- and 16-bit shared loads).
     flash_ldmatrix: bool,
+    /// RoPE + KV write with one thread per rotation pair (`DISAGG_CUDA_ROPE_PAIRS=0`: one
+    /// block per token).
+    rope_pairs: bool,
     /// cuBLAS's workspace, fixed so that captured GEMMs never allocate.
     _blas_ws: CudaSlice<u8>,
 }
@@ -304,6 +307,7 @@ impl CudaBackend {
         Ok(CudaBackend {
             attn_waves: !off(crate::env::CUDA_ATTN_WAVES),
             flash_ldmatrix: !off(crate::env::CUDA_FLASH_LDMATRIX),
+            rope_pairs: !off(crate::env::CUDA_ROPE_PAIRS),
             flash_blocks_per_sm,
             graphs_on: !off(crate::env::CUDA_GRAPHS) && profile.is_none(),
             // mma.sync m16n8k16 and cp.async need sm_80 or newer.
@@ -393,6 +397,16 @@ impl CudaBackend {
             self.buffers_moving();
         }
         self.flash_ldmatrix = on;
+    }
+
+    /// RoPE + KV write with one thread per rotation pair (default: on unless
+    /// `DISAGG_CUDA_ROPE_PAIRS=0`).
+    pub fn set_rope_pairs(&mut self, on: bool) {
+        if on != self.rope_pairs {
+            // Captured graphs hold the other kernel.
+            self.buffers_moving();
+        }
+        self.rope_pairs = on;
     }
 
     /// How many decode shapes are captured as graphs now.
@@ -1065,24 +1079,31 @@ impl Backend for CudaBackend {
         let st = self.dev.stream().clone();
         let half = kv.half() as i64;
         let (nh, nkv, hd) = (attn.n_heads as i32, attn.n_kv_heads as i32, attn.head_dim as i32);
-        let (il, bs) = (i32::from(rope.interleaved), batch.block_size as i32);
-        let cfg = LaunchConfig { grid_dim: (batch.n_tokens as u32, 1, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
-        let r = match &mut kv.layers[layer] {
-            KvBuf::F16(c) => {
-                let mut b = st.launch_builder(self.dev.func("rope_write_kv_f16"));
-                b.arg(qkv).arg(&self.pos).arg(&self.inv_freq).arg(&self.slots);
-                b.arg(&nh).arg(&nkv).arg(&hd).arg(&il).arg(&bs).arg(c).arg(&half);
-                // SAFETY: argument types match the kernel; slots lie in the cache.
-                unsafe { b.launch(cfg) }
-            }
-            KvBuf::F32(c) => {
-                let mut b = st.launch_builder(self.dev.func("rope_write_kv_f32"));
-                b.arg(qkv).arg(&self.pos).arg(&self.inv_freq).arg(&self.slots);
-                b.arg(&nh).arg(&nkv).arg(&hd).arg(&il).arg(&bs).arg(c).arg(&half);
-                // SAFETY: as above.
-                unsafe { b.launch(cfg) }
-            }
+        let (il, bs, nt) = (i32::from(rope.interleaved), batch.block_size as i32, batch.n_tokens as i32);
+        // One thread per rotation pair of q|k|v, or one block per token.
+        let pairs = batch.n_tokens * (attn.n_heads + 2 * attn.n_kv_heads) * attn.head_dim / 2;
+        let cfg = if self.rope_pairs {
+            LaunchConfig { grid_dim: (pairs.div_ceil(256) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }
+        } else {
+            LaunchConfig { grid_dim: (batch.n_tokens as u32, 1, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 }
         };
+        let name = match (&kv.layers[layer], self.rope_pairs) {
+            (KvBuf::F16(_), true) => "rope_write_kv_pairs_f16",
+            (KvBuf::F16(_), false) => "rope_write_kv_f16",
+            (KvBuf::F32(_), true) => "rope_write_kv_pairs_f32",
+            (KvBuf::F32(_), false) => "rope_write_kv_f32",
+        };
+        let mut b = st.launch_builder(self.dev.func(name));
+        b.arg(qkv).arg(&self.pos).arg(&self.inv_freq).arg(&self.slots).arg(&nt);
+        b.arg(&nh).arg(&nkv).arg(&hd).arg(&il).arg(&bs);
+        match &mut kv.layers[layer] {
+            KvBuf::F16(c) => b.arg(c),
+            KvBuf::F32(c) => b.arg(c),
+        };
+        b.arg(&half);
+        // SAFETY: argument types match the kernel; qkv holds n_tokens rows of q|k|v, the
+        // slots lie in the cache.
+        let r = unsafe { b.launch(cfg) };
         r.expect("CUDA: RoPE + KV write");
         self.toc("rope_write_kv", t);
     }

@@ -53,6 +53,8 @@ const KERNELS: &[&str] = &[
     "gather_rows",
     "rope_write_kv_f16",
     "rope_write_kv_f32",
+    "rope_write_kv_pairs_f16",
+    "rope_write_kv_pairs_f32",
     "attention_f16",
     "attention_f32",
     "attention_split_f16",

@@ -128,16 +128,58 @@ __device__ void rope_write_kv_impl(float* qkv, const int* pos, const float* inv_
     }
 }
 
-extern "C" __global__ void rope_write_kv_f16(float* qkv, const int* pos, const float* inv_freq, const long long* slots,
-                                             int n_heads, int n_kv, int hd, int interleaved, int block_size,
-                                             unsigned short* cache, long long half) {
+// The same, one thread per rotation pair (token, head of q|k|v, j < hd/2): every load of
+// a token is in flight at once, where the block-per-token form walks the heads in
+// dependent rounds (at one token per sequence, a decode step's RoPE is one memory
+// latency instead of ~20). The pair's angle and rounding are the same as above; v pairs
+// are only copied to the cache.
+template <typename T>
+__device__ void rope_write_kv_pairs_impl(float* qkv, const int* pos, const float* inv_freq, const long long* slots,
+                                         int n_tokens, int n_heads, int n_kv, int hd, int interleaved, int block_size,
+                                         T* cache, long long half) {
+    const int hh = hd / 2, heads = n_heads + 2 * n_kv;
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long long)n_tokens * heads * hh) return;
+    const int t = (int)(i / ((long long)heads * hh)), r = (int)(i % ((long long)heads * hh));
+    const int h = r / hh, j = r % hh;
+    const int a = interleaved ? 2 * j : j, b = interleaved ? 2 * j + 1 : j + hh;
+    float* x = qkv + (size_t)t * heads * hd + (size_t)h * hd;
+    float x0 = x[a], x1 = x[b];
+    if (h < n_heads + n_kv) {
+        double sn, cs;
+        sincos((double)((float)pos[t] * inv_freq[j]), &sn, &cs);
+        const float c = (float)cs, s = (float)sn;
+        const float y0 = x0 * c - x1 * s, y1 = x0 * s + x1 * c;
+        x0 = y0;
+        x1 = y1;
+        x[a] = x0;
+        x[b] = x1;
+    }
+    if (h >= n_heads) {
+        const int kh = (h - n_heads) % n_kv;
+        const long long slot = slots[t];
+        const long long block = slot / block_size, off = slot % block_size;
+        const size_t at = (size_t)(((block * n_kv + kh) * block_size + off) * hd) + (h >= n_heads + n_kv ? (size_t)half : 0);
+        kv_store(cache, at + a, x0);
+        kv_store(cache, at + b, x1);
+    }
+}
+
+#define ROPE_ARGS(T) float* qkv, const int* pos, const float* inv_freq, const long long* slots, int n_tokens, int n_heads, \
+    int n_kv, int hd, int interleaved, int block_size, T* cache, long long half
+extern "C" __global__ void rope_write_kv_f16(ROPE_ARGS(unsigned short)) {
     rope_write_kv_impl(qkv, pos, inv_freq, slots, n_heads, n_kv, hd, interleaved, block_size, cache, half);
 }
-extern "C" __global__ void rope_write_kv_f32(float* qkv, const int* pos, const float* inv_freq, const long long* slots,
-                                             int n_heads, int n_kv, int hd, int interleaved, int block_size,
-                                             float* cache, long long half) {
+extern "C" __global__ void rope_write_kv_f32(ROPE_ARGS(float)) {
     rope_write_kv_impl(qkv, pos, inv_freq, slots, n_heads, n_kv, hd, interleaved, block_size, cache, half);
 }
+extern "C" __global__ void rope_write_kv_pairs_f16(ROPE_ARGS(unsigned short)) {
+    rope_write_kv_pairs_impl(qkv, pos, inv_freq, slots, n_tokens, n_heads, n_kv, hd, interleaved, block_size, cache, half);
+}
+extern "C" __global__ void rope_write_kv_pairs_f32(ROPE_ARGS(float)) {
+    rope_write_kv_pairs_impl(qkv, pos, inv_freq, slots, n_tokens, n_heads, n_kv, hd, interleaved, block_size, cache, half);
+}
+#undef ROPE_ARGS
 
 // Causal attention over the paged cache: one block of ATT_WARPS warps per (token, query
 // head[, key chunk]). Token t sits at position pos[t] of its sequence, whose block table
