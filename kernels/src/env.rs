@@ -106,3 +106,8 @@ pub const CUDA_FLASH_LDMATRIX: &str = "DISAGG_CUDA_FLASH_LDMATRIX";
 /// instead of one thread per rotation pair (all of a step's loads in flight at once);
 /// for A/B runs.
 pub const CUDA_ROPE_PAIRS: &str = "DISAGG_CUDA_ROPE_PAIRS";
+
+/// `0`: the CUDA one-token GEMV kernels load a group of weights and then use it, instead
+/// of issuing the next group's loads before using this one's (software pipelining,
+/// 64 registers); for A/B runs.
+pub const CUDA_GEMV_PIPE: &str = "DISAGG_CUDA_GEMV_PIPE";

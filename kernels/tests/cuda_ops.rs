@@ -324,8 +324,10 @@ fn bf16_matmul_matches_cpu_with_and_without_gemv() {
                 }
             }
             let dx = be.device().upload(&x).unwrap();
-            for gemv in [8usize, 0] {
+            // The GEMV (one token: with and without software-pipelined loads), and cuBLAS.
+            for (gemv, pipe) in [(8usize, true), (8, false), (0, true)] {
                 be.set_gemv_max_tokens(gemv);
+                be.set_gemv_pipe(pipe);
                 for accumulate in [false, true] {
                     let mut out = be.device().upload(&prior).unwrap();
                     be.matmul(&lin, &dx, n, &mut out, accumulate);
@@ -339,7 +341,7 @@ fn bf16_matmul_matches_cpu_with_and_without_gemv() {
                         .fold(0f64, f64::max);
                     let by_gemv = gemv >= n && cols % 8 == 0;
                     println!(
-                        "matmul {rows}×{cols}, {n} tokens, gemv {by_gemv}, accumulate {accumulate}: max |err| / Σ|w·x| = {err:.2e}"
+                        "matmul {rows}×{cols}, {n} tokens, gemv {by_gemv} (pipelined {pipe}), accumulate {accumulate}: max |err| / Σ|w·x| = {err:.2e}"
                     );
                     assert!(
                         err < if by_gemv { 1e-5 } else { 1e-2 },
@@ -361,7 +363,11 @@ fn bf16_matmul_matches_cpu_with_and_without_gemv() {
 fn fused_gemv_matches_cpu_norm_matmul_silu() {
     let mut be = kernels::cuda::CudaBackend::new(0, true).expect("cuda:0 opens");
     for hidden in [576usize, 2048] {
-        fused_gemv_case(&mut be, hidden);
+        // One token with and without the GEMV's software-pipelined loads.
+        for pipe in [true, false] {
+            be.set_gemv_pipe(pipe);
+            fused_gemv_case(&mut be, hidden);
+        }
     }
 }
 

@@ -226,6 +226,9 @@ pub struct CudaBackend {
     /// RoPE + KV write with one thread per rotation pair (`DISAGG_CUDA_ROPE_PAIRS=0`: one
     /// block per token).
     rope_pairs: bool,
+    /// The one-token GEMV kernels issue each group's weight loads before the previous
+    /// group is used (`DISAGG_CUDA_GEMV_PIPE=0`: load, then use).
+    gemv_pipe: bool,
     /// cuBLAS's workspace, fixed so that captured GEMMs never allocate.
     _blas_ws: CudaSlice<u8>,
 }
@@ -308,6 +311,7 @@ impl CudaBackend {
             attn_waves: !off(crate::env::CUDA_ATTN_WAVES),
             flash_ldmatrix: !off(crate::env::CUDA_FLASH_LDMATRIX),
             rope_pairs: !off(crate::env::CUDA_ROPE_PAIRS),
+            gemv_pipe: !off(crate::env::CUDA_GEMV_PIPE),
             flash_blocks_per_sm,
             graphs_on: !off(crate::env::CUDA_GRAPHS) && profile.is_none(),
             // mma.sync m16n8k16 and cp.async need sm_80 or newer.
@@ -407,6 +411,16 @@ impl CudaBackend {
             self.buffers_moving();
         }
         self.rope_pairs = on;
+    }
+
+    /// One-token GEMVs with software-pipelined loads (default: on unless
+    /// `DISAGG_CUDA_GEMV_PIPE=0`).
+    pub fn set_gemv_pipe(&mut self, on: bool) {
+        if on != self.gemv_pipe {
+            // Captured graphs hold the other kernels.
+            self.buffers_moving();
+        }
+        self.gemv_pipe = on;
     }
 
     /// How many decode shapes are captured as graphs now.
@@ -680,10 +694,10 @@ impl CudaBackend {
         accumulate: bool,
     ) {
         let CudaLinear::Bf16 { w, rows, cols } = w else { unreachable!("GEMV takes bf16 weights") };
-        let (rows_out, names) = match kind {
-            Gemv::Plain => (n_out, &super::GEMV_BF16),
-            Gemv::Norm => (n_out, &super::GEMV_NORM_BF16),
-            Gemv::NormSilu => (2 * n_out, &super::GEMV_NORM_SILU_BF16),
+        let (rows_out, names, flat) = match kind {
+            Gemv::Plain => (n_out, &super::GEMV_BF16, super::GEMV_FLAT_M1[0]),
+            Gemv::Norm => (n_out, &super::GEMV_NORM_BF16, super::GEMV_FLAT_M1[1]),
+            Gemv::NormSilu => (2 * n_out, &super::GEMV_NORM_SILU_BF16, super::GEMV_FLAT_M1[2]),
         };
         assert!(*rows == rows_out && (1..=super::GEMV_MAX_TOKENS).contains(&n_tokens) && cols % 8 == 0);
         assert!(x.len() >= n_tokens * cols && out.len() >= n_tokens * n_out, "GEMV buffers");
@@ -697,7 +711,8 @@ impl CudaBackend {
         };
         let (n, k, acc) = (n_out as i32, *cols as i32, i32::from(accumulate));
         let st = self.dev.stream().clone();
-        let mut b = st.launch_builder(self.dev.func(names[n_tokens - 1]));
+        let name = if n_tokens == 1 && !self.gemv_pipe { flat } else { names[n_tokens - 1] };
+        let mut b = st.launch_builder(self.dev.func(name));
         b.arg(w).arg(x).arg(norm).arg(&eps).arg(&n).arg(&k).arg(&mut *out).arg(&acc);
         // SAFETY: argument types match the kernel; x holds n_tokens rows of `cols` (a
         // multiple of 8, so its float4 reads stay aligned), out as many of n_out, W `rows`.

@@ -112,6 +112,11 @@ pub(crate) const GEMV_NORM_SILU_BF16: [&str; GEMV_MAX_TOKENS] = [
     "gemv_norm_silu_bf16_m8",
 ];
 
+/// The one-token GEMV kernels without the software pipelining of their loads
+/// (`DISAGG_CUDA_GEMV_PIPE=0`), [plain, RMSNorm, RMSNorm + SiLU·gate].
+pub(crate) const GEMV_FLAT_M1: [&str; 3] =
+    ["gemv_bf16_m1_flat", "gemv_norm_bf16_m1_flat", "gemv_norm_silu_bf16_m1_flat"];
+
 /// The flash-attention kernels and their head_dim.
 const FLASH_KERNELS: [(&str, usize); 8] = [
     ("flash_attn_f16_d64", 64),
@@ -195,7 +200,7 @@ impl CudaDevice {
         let f = |n: &str| module.load_function(n).map_err(dev_err);
         let mut funcs = HashMap::new();
         let gemv = [GEMV_BF16, GEMV_NORM_BF16, GEMV_NORM_SILU_BF16];
-        for &k in KERNELS.iter().chain(gemv.iter().flatten()) {
+        for &k in KERNELS.iter().chain(gemv.iter().flatten()).chain(&GEMV_FLAT_M1) {
             funcs.insert(k, f(k)?);
         }
         // The flash kernels' double-buffered K/V tiles exceed the default 48 KiB of

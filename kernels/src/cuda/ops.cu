@@ -778,7 +778,7 @@ __device__ __forceinline__ void load_x8(const float* __restrict__ xr, const floa
     }
 }
 
-template <int M, bool NORM, bool SILU, int U>
+template <int M, bool NORM, bool SILU, int U, bool PIPE>
 __device__ void gemv_bf16_impl(const unsigned short* __restrict__ w, const float* __restrict__ x,
                                const float* __restrict__ nw, float eps, int n_out, int k, float* __restrict__ out,
                                int accumulate) {
@@ -819,23 +819,49 @@ __device__ void gemv_bf16_impl(const unsigned short* __restrict__ w, const float
     for (int m = 0; m < M; m++) acc[0][m] = acc[1][m] = 0.f;
     const int step = 32 * 8;
     int k0 = lane * 8;
-    // Whole groups of U steps: every load is issued before the first use.
-    for (; k0 + (U - 1) * step < k; k0 += U * step) {
-        uint4 a[U], b[U];
+    auto load = [&](uint4 (&a)[U], uint4 (&b)[U], int kk) {
 #pragma unroll
         for (int u = 0; u < U; u++) {
-            a[u] = ld_stream_u4(w0 + k0 + u * step);
-            b[u] = ld_stream_u4(w1 + k0 + u * step);
+            a[u] = ld_stream_u4(w0 + kk + u * step);
+            b[u] = ld_stream_u4(w1 + kk + u * step);
         }
+    };
+    auto consume = [&](const uint4 (&a)[U], const uint4 (&b)[U], int kk) {
 #pragma unroll
         for (int u = 0; u < U; u++)
 #pragma unroll
             for (int m = 0; m < M; m++) {
                 float v[8];
-                load_x8<NORM>(x + (size_t)m * k, nw, NORM ? scale[m] : 1.f, k0 + u * step, v);
+                load_x8<NORM>(x + (size_t)m * k, nw, NORM ? scale[m] : 1.f, kk + u * step, v);
                 acc[0][m] += dot8_bf16(a[u], v);
                 acc[1][m] += dot8_bf16(b[u], v);
             }
+    };
+    if (PIPE) {
+        // Whole groups of U steps, software-pipelined: the next group's loads are issued
+        // before this group's are used, so a lane never waits with nothing in flight.
+        if (k0 + (U - 1) * step < k) {
+            uint4 a[U], b[U];
+            load(a, b, k0);
+            for (;;) {
+                const int kn = k0 + U * step;
+                const bool more = kn + (U - 1) * step < k;
+                uint4 an[U], bn[U];
+                if (more) load(an, bn, kn);
+                consume(a, b, k0);
+                k0 = kn;
+                if (!more) break;
+#pragma unroll
+                for (int u = 0; u < U; u++) a[u] = an[u], b[u] = bn[u];
+            }
+        }
+    } else {
+        // Whole groups of U steps: every load is issued before the first use.
+        for (; k0 + (U - 1) * step < k; k0 += U * step) {
+            uint4 a[U], b[U];
+            load(a, b, k0);
+            consume(a, b, k0);
+        }
     }
     for (; k0 < k; k0 += step) {
         const uint4 a = ld_stream_u4(w0 + k0), b = ld_stream_u4(w1 + k0);
@@ -871,24 +897,28 @@ __device__ void gemv_bf16_impl(const unsigned short* __restrict__ w, const float
 
 #define GEMV_ARGS \
     const unsigned short *w, const float *x, const float *nw, float eps, int n_out, int k, float *out, int accumulate
-#define GEMV_KERNELS(M) \
-    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv_bf16_m##M(GEMV_ARGS) { \
-        gemv_bf16_impl<M, false, false, 2>(w, x, nw, eps, n_out, k, out, accumulate); \
+#define GEMV_KERNELS(M, PIPE, LB, SUFFIX) \
+    extern "C" __global__ void __launch_bounds__ LB gemv_bf16_m##M##SUFFIX(GEMV_ARGS) { \
+        gemv_bf16_impl<M, false, false, 2, PIPE>(w, x, nw, eps, n_out, k, out, accumulate); \
     } \
-    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv_norm_bf16_m##M(GEMV_ARGS) { \
-        gemv_bf16_impl<M, true, false, 2>(w, x, nw, eps, n_out, k, out, accumulate); \
+    extern "C" __global__ void __launch_bounds__ LB gemv_norm_bf16_m##M##SUFFIX(GEMV_ARGS) { \
+        gemv_bf16_impl<M, true, false, 2, PIPE>(w, x, nw, eps, n_out, k, out, accumulate); \
     } \
-    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv_norm_silu_bf16_m##M(GEMV_ARGS) { \
-        gemv_bf16_impl<M, true, true, 2>(w, x, nw, eps, n_out, k, out, accumulate); \
+    extern "C" __global__ void __launch_bounds__ LB gemv_norm_silu_bf16_m##M##SUFFIX(GEMV_ARGS) { \
+        gemv_bf16_impl<M, true, true, 2, PIPE>(w, x, nw, eps, n_out, k, out, accumulate); \
     }
-GEMV_KERNELS(1)
-GEMV_KERNELS(2)
-GEMV_KERNELS(3)
-GEMV_KERNELS(4)
-GEMV_KERNELS(5)
-GEMV_KERNELS(6)
-GEMV_KERNELS(7)
-GEMV_KERNELS(8)
+#define GEMV_PIPE_KERNELS(M) GEMV_KERNELS(M, true, (GEMV_WARPS * 32), )
+// One token: 4 blocks per SM fit in 64 registers without spills (74 unbounded, which
+// leaves 3); without the pipelining (DISAGG_CUDA_GEMV_PIPE=0) as before, for A/B runs.
+GEMV_KERNELS(1, true, (GEMV_WARPS * 32, 4), )
+GEMV_KERNELS(1, false, (GEMV_WARPS * 32), _flat)
+GEMV_PIPE_KERNELS(2)
+GEMV_PIPE_KERNELS(3)
+GEMV_PIPE_KERNELS(4)
+GEMV_PIPE_KERNELS(5)
+GEMV_PIPE_KERNELS(6)
+GEMV_PIPE_KERNELS(7)
+GEMV_PIPE_KERNELS(8)
 
 // The read-bandwidth probe (CudaBackend::read_bandwidth): streams n 16-byte chunks as
 // the GEMV reads W; the sink is written only if the xor of everything is a value no
