@@ -111,3 +111,12 @@ pub const CUDA_ROPE_PAIRS: &str = "DISAGG_CUDA_ROPE_PAIRS";
 /// of issuing the next group's loads before using this one's (software pipelining,
 /// 64 registers); for A/B runs.
 pub const CUDA_GEMV_PIPE: &str = "DISAGG_CUDA_GEMV_PIPE";
+
+/// `0`: before a CUDA bf16 GEMM of more tokens than the GEMV takes, RMSNorm writes f32
+/// and a separate kernel casts it to bf16, instead of one kernel writing the bf16 GEMM
+/// input; for A/B runs.
+pub const CUDA_NORM_CAST: &str = "DISAGG_CUDA_NORM_CAST";
+
+/// `0`: the CUDA SiLU·gate runs one element per thread over the flat index (a 64-bit
+/// division each) instead of 4 columns per thread on a (columns, rows) grid; for A/B runs.
+pub const CUDA_SILU_ROWS4: &str = "DISAGG_CUDA_SILU_ROWS4";

@@ -92,11 +92,14 @@ fn silu_mul_matches_cpu() {
         silu_mul_rows(&gu[r * 2 * ff..(r + 1) * 2 * ff], ff, &mut want[r * ff..(r + 1) * ff]);
     }
     let dgu = d.upload(&gu).unwrap();
-    let mut out = d.zeros(n * ff).unwrap();
-    d.silu_mul(&dgu, n, ff, &mut out).unwrap();
-    let err = max_rel(&d.download(&out).unwrap(), &want);
-    println!("silu_mul: max rel err {err:e}");
-    assert!(err < 1e-5, "silu_mul: {err}");
+    // Both kernels: 4 columns per thread on a (columns, rows) grid, one element per thread.
+    for rows4 in [true, false] {
+        let mut out = d.zeros(n * ff).unwrap();
+        d.silu_mul(&dgu, n, ff, &mut out, rows4).unwrap();
+        let err = max_rel(&d.download(&out).unwrap(), &want);
+        println!("silu_mul (rows4 {rows4}): max rel err {err:e}");
+        assert!(err < 1e-5, "silu_mul: {err}");
+    }
 }
 
 fn embedding_gathers_rows_exactly_and_refuses_bad_ids() {
@@ -363,9 +366,12 @@ fn bf16_matmul_matches_cpu_with_and_without_gemv() {
 fn fused_gemv_matches_cpu_norm_matmul_silu() {
     let mut be = kernels::cuda::CudaBackend::new(0, true).expect("cuda:0 opens");
     for hidden in [576usize, 2048] {
-        // One token with and without the GEMV's software-pipelined loads.
-        for pipe in [true, false] {
+        // One token with and without the GEMV's software-pipelined loads; past the GEMV,
+        // RMSNorm straight to the bf16 GEMM input or f32 and a cast.
+        for (pipe, norm_cast) in [(true, true), (false, true), (true, false)] {
             be.set_gemv_pipe(pipe);
+            be.set_norm_cast(norm_cast);
+            println!("GEMV pipelined {pipe}, RMSNorm to bf16 {norm_cast}:");
             fused_gemv_case(&mut be, hidden);
         }
     }

@@ -229,6 +229,12 @@ pub struct CudaBackend {
     /// The one-token GEMV kernels issue each group's weight loads before the previous
     /// group is used (`DISAGG_CUDA_GEMV_PIPE=0`: load, then use).
     gemv_pipe: bool,
+    /// RMSNorm before a bf16 GEMM of more tokens than the GEMV takes writes bf16 straight
+    /// into the GEMM input (`DISAGG_CUDA_NORM_CAST=0`: f32 RMSNorm, then a cast).
+    norm_cast: bool,
+    /// SiLU·gate 4 columns per thread on a (columns, rows) grid
+    /// (`DISAGG_CUDA_SILU_ROWS4=0`: one element per thread, a 64-bit division each).
+    silu_rows4: bool,
     /// cuBLAS's workspace, fixed so that captured GEMMs never allocate.
     _blas_ws: CudaSlice<u8>,
 }
@@ -312,6 +318,8 @@ impl CudaBackend {
             flash_ldmatrix: !off(crate::env::CUDA_FLASH_LDMATRIX),
             rope_pairs: !off(crate::env::CUDA_ROPE_PAIRS),
             gemv_pipe: !off(crate::env::CUDA_GEMV_PIPE),
+            norm_cast: !off(crate::env::CUDA_NORM_CAST),
+            silu_rows4: !off(crate::env::CUDA_SILU_ROWS4),
             flash_blocks_per_sm,
             graphs_on: !off(crate::env::CUDA_GRAPHS) && profile.is_none(),
             // mma.sync m16n8k16 and cp.async need sm_80 or newer.
@@ -421,6 +429,16 @@ impl CudaBackend {
             self.buffers_moving();
         }
         self.gemv_pipe = on;
+    }
+
+    /// RMSNorm straight to the bf16 GEMM input (default: on unless
+    /// `DISAGG_CUDA_NORM_CAST=0`).
+    pub fn set_norm_cast(&mut self, on: bool) {
+        if on != self.norm_cast {
+            // Captured graphs hold the other kernels.
+            self.buffers_moving();
+        }
+        self.norm_cast = on;
     }
 
     /// How many decode shapes are captured as graphs now.
@@ -717,6 +735,73 @@ impl CudaBackend {
         // SAFETY: argument types match the kernel; x holds n_tokens rows of `cols` (a
         // multiple of 8, so its float4 reads stay aligned), out as many of n_out, W `rows`.
         unsafe { b.launch(cfg) }.expect("CUDA: GEMV");
+    }
+
+    /// Grows the bf16 GEMM input scratch to `len` values (dropping captured graphs).
+    fn grow_x_bf16(&mut self, len: usize) {
+        if self.x_bf16.len() < len {
+            self.buffers_moving();
+            let st = self.dev.stream().clone();
+            self.x_bf16 = st.alloc_zeros::<u16>(len.next_power_of_two()).expect("CUDA: GEMM scratch");
+        }
+    }
+
+    /// out[n × rows] (+)= x_bf16[n × cols] · Wᵀ on cuBLAS, W bf16: the input already in the
+    /// bf16 scratch (cast, or written there by a fused RMSNorm).
+    fn gemm_bf16_scratch(&mut self, w: &CudaLinear, n_tokens: usize, out: &mut CudaSlice<f32>, accumulate: bool) {
+        let CudaLinear::Bf16 { w, rows, cols } = w else { unreachable!("bf16 GEMM of f32 weights") };
+        assert!(self.x_bf16.len() >= n_tokens * cols && out.len() >= n_tokens * rows, "bf16 GEMM buffers");
+        let st = self.dev.stream().clone();
+        let (alpha, beta) = (1f32, if accumulate { 1f32 } else { 0f32 });
+        let (m, n, k) = (*rows as i32, n_tokens as i32, *cols as i32);
+        let (a, _ga) = w.device_ptr(&st);
+        let (b, _gb) = self.x_bf16.device_ptr(&st);
+        let (c, _gc) = out.device_ptr_mut(&st);
+        // SAFETY: as above; types as declared (bf16 A and B, f32 C).
+        unsafe {
+            blas::gemm_ex(
+                *self.blas.handle(),
+                cublasOperation_t::CUBLAS_OP_T,
+                cublasOperation_t::CUBLAS_OP_N,
+                m,
+                n,
+                k,
+                &alpha as *const f32 as *const _,
+                a as *const _,
+                cudaDataType::CUDA_R_16BF,
+                k,
+                b as *const _,
+                cudaDataType::CUDA_R_16BF,
+                k,
+                &beta as *const f32 as *const _,
+                c as *mut _,
+                cudaDataType::CUDA_R_32F,
+                m,
+                cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .expect("cuBLAS: bf16 GEMM");
+    }
+
+    /// RMSNorm of `n_tokens` rows straight into the bf16 GEMM scratch (no f32 copy, no
+    /// cast) when the fused kernel takes the width (a multiple of 4, ≤ 8192).
+    fn rms_norm_to_bf16(&mut self, x: &CudaSlice<f32>, norm: &CudaSlice<f32>, eps: f32, n_tokens: usize) -> bool {
+        let dim = norm.len();
+        if !self.norm_cast || !dim.is_multiple_of(4) || dim > 8192 {
+            return false;
+        }
+        let t = self.tic();
+        self.grow_x_bf16(n_tokens * dim);
+        let st = self.dev.stream().clone();
+        let cfg = LaunchConfig { grid_dim: (n_tokens as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        let d = dim as i32;
+        let mut b = st.launch_builder(self.dev.func("rms_norm_bf16_rows"));
+        b.arg(x).arg(norm).arg(&eps).arg(&d).arg(&mut self.x_bf16);
+        // SAFETY: x holds n_tokens rows of `dim`, the scratch as many (grown above).
+        unsafe { b.launch(cfg) }.expect("CUDA: RMSNorm to bf16");
+        self.toc("rms_norm_bf16", t);
+        true
     }
 
     /// Per-step metadata: token ids and logit rows, the RoPE frequencies when they
@@ -1031,12 +1116,9 @@ impl Backend for CudaBackend {
             CudaLinear::Bf16 { .. } if self.takes_gemv(w, n_tokens) => {
                 self.gemv(Gemv::Plain, w, x, x, 0.0, n_tokens, rows, out, accumulate);
             }
-            CudaLinear::Bf16 { w, .. } => {
+            CudaLinear::Bf16 { .. } => {
                 let len = n_tokens * cols;
-                if self.x_bf16.len() < len {
-                    self.buffers_moving();
-                    self.x_bf16 = st.alloc_zeros::<u16>(len.next_power_of_two()).expect("CUDA: GEMM scratch");
-                }
+                self.grow_x_bf16(len);
                 {
                     let mut bld = st.launch_builder(self.dev.func("cast_f32_bf16"));
                     let n64 = len as i64;
@@ -1044,34 +1126,7 @@ impl Backend for CudaBackend {
                     // SAFETY: x holds `len` values, the scratch at least as many.
                     unsafe { bld.launch(launch_cfg(len)) }.expect("CUDA: cast to bf16");
                 }
-                let (a, _ga) = w.device_ptr(&st);
-                let (b, _gb) = self.x_bf16.device_ptr(&st);
-                let (c, _gc) = out.device_ptr_mut(&st);
-                // SAFETY: as above; types as declared (bf16 A and B, f32 C).
-                unsafe {
-                    blas::gemm_ex(
-                        *self.blas.handle(),
-                        cublasOperation_t::CUBLAS_OP_T,
-                        cublasOperation_t::CUBLAS_OP_N,
-                        m,
-                        n,
-                        k,
-                        &alpha as *const f32 as *const _,
-                        a as *const _,
-                        cudaDataType::CUDA_R_16BF,
-                        k,
-                        b as *const _,
-                        cudaDataType::CUDA_R_16BF,
-                        k,
-                        &beta as *const f32 as *const _,
-                        c as *mut _,
-                        cudaDataType::CUDA_R_32F,
-                        m,
-                        cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                        cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-                    )
-                }
-                .expect("cuBLAS: bf16 GEMM");
+                self.gemm_bf16_scratch(w, n_tokens, out, accumulate);
             }
         }
         self.toc(if self.takes_gemv(w, n_tokens) { "gemv" } else { "matmul" }, t);
@@ -1225,7 +1280,7 @@ impl Backend for CudaBackend {
     fn silu_mul(&mut self, gu: &CudaSlice<f32>, n_tokens: usize, ff: usize, out: &mut CudaSlice<f32>) {
         if n_tokens > 0 {
             let t = self.tic();
-            self.dev.silu_mul(gu, n_tokens, ff, out).expect("CUDA: SiLU·gate");
+            self.dev.silu_mul(gu, n_tokens, ff, out, self.silu_rows4).expect("CUDA: SiLU·gate");
             self.toc("silu_mul", t);
         }
     }
@@ -1244,6 +1299,11 @@ impl Backend for CudaBackend {
             let t = self.tic();
             self.gemv(Gemv::Norm, w, x, norm, eps, n_tokens, w.rows(), out, false);
             self.toc("gemv_norm", t);
+        } else if n_tokens > 0 && matches!(w, CudaLinear::Bf16 { .. }) && self.rms_norm_to_bf16(x, norm, eps, n_tokens)
+        {
+            let t = self.tic();
+            self.gemm_bf16_scratch(w, n_tokens, out, false);
+            self.toc("matmul", t);
         } else {
             self.rms_norm(x, norm, eps, n_tokens, h);
             self.matmul(w, h, n_tokens, out, false);
@@ -1267,8 +1327,14 @@ impl Backend for CudaBackend {
             self.gemv(Gemv::NormSilu, w, x, norm, eps, n_tokens, ff, out, false);
             self.toc("gemv_norm_silu", t);
         } else {
-            self.rms_norm(x, norm, eps, n_tokens, h);
-            self.matmul(w, h, n_tokens, gu, false);
+            if n_tokens > 0 && matches!(w, CudaLinear::Bf16 { .. }) && self.rms_norm_to_bf16(x, norm, eps, n_tokens) {
+                let t = self.tic();
+                self.gemm_bf16_scratch(w, n_tokens, gu, false);
+                self.toc("matmul", t);
+            } else {
+                self.rms_norm(x, norm, eps, n_tokens, h);
+                self.matmul(w, h, n_tokens, gu, false);
+            }
             self.silu_mul(gu, n_tokens, ff, out);
         }
     }

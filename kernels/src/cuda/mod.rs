@@ -46,7 +46,9 @@ pub struct CudaDevice {
 /// The kernels of `ops.cu`.
 const KERNELS: &[&str] = &[
     "rms_norm_rows",
+    "rms_norm_bf16_rows",
     "silu_mul_rows",
+    "silu_mul_rows4",
     "embed_rows",
     "embed_rows_bf16",
     "cast_f32_bf16",
@@ -272,14 +274,29 @@ impl CudaDevice {
     }
 
     /// `out = silu(g) ⊙ u` for `n` rows `[g | u]` of width `2 * ff`.
+    /// `rows4`: 4 columns per thread over a (columns, rows) grid when `ff` is a multiple of
+    /// 4 (`silu_mul_rows4`), else one element per thread.
     pub fn silu_mul(
         &self,
         gu: &CudaSlice<f32>,
         n: usize,
         ff: usize,
         out: &mut CudaSlice<f32>,
+        rows4: bool,
     ) -> Result<(), KernelError> {
         Self::check(gu.len() >= 2 * n * ff && out.len() >= n * ff, "silu_mul buffers")?;
+        if rows4 && ff.is_multiple_of(4) && n <= 65535 {
+            let cfg = LaunchConfig {
+                grid_dim: (ff.div_ceil(1024) as u32, n as u32, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let ff = ff as i32;
+            let mut b = self.stream.launch_builder(self.func("silu_mul_rows4"));
+            b.arg(gu).arg(&ff).arg(out);
+            // SAFETY: as above; rows are 16-byte aligned since ff is a multiple of 4.
+            return unsafe { b.launch(cfg) }.map(|_| ()).map_err(dev_err);
+        }
         let cfg = LaunchConfig::for_num_elems((n * ff) as u32);
         let (ff, n) = (ff as i32, n as i32);
         let mut b = self.stream.launch_builder(&self.silu_mul);

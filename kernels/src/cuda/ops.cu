@@ -31,6 +31,21 @@ extern "C" __global__ void silu_mul_rows(const float* gu, int ff, int n, float* 
     out[i] = g / (1.f + expf(-g)) * u;
 }
 
+// The same over (row, 4 columns) per thread, grid (⌈ff / 1024⌉, n): 16-byte accesses and
+// no 64-bit division per element (ff a multiple of 4).
+extern "C" __global__ void silu_mul_rows4(const float* gu, int ff, float* out) {
+    const int r = blockIdx.y, c = (blockIdx.x * blockDim.x + threadIdx.x) * 4;
+    if (c >= ff) return;
+    const float4 g = *reinterpret_cast<const float4*>(gu + (size_t)r * 2 * ff + c);
+    const float4 u = *reinterpret_cast<const float4*>(gu + (size_t)r * 2 * ff + ff + c);
+    float4 o;
+    o.x = g.x / (1.f + expf(-g.x)) * u.x;
+    o.y = g.y / (1.f + expf(-g.y)) * u.y;
+    o.z = g.z / (1.f + expf(-g.z)) * u.z;
+    o.w = g.w / (1.f + expf(-g.w)) * u.w;
+    *reinterpret_cast<float4*>(out + (size_t)r * ff + c) = o;
+}
+
 extern "C" __global__ void embed_rows(const float* table, const unsigned int* ids, int dim, int n, float* out) {
     size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (size_t)n * dim) return;
@@ -65,6 +80,44 @@ __device__ __forceinline__ float kv_load(const unsigned short* p, size_t i) { re
 __device__ __forceinline__ float kv_load(const float* p, size_t i) { return p[i]; }
 __device__ __forceinline__ void kv_store(unsigned short* p, size_t i, float v) { p[i] = f32_to_f16(v); }
 __device__ __forceinline__ void kv_store(float* p, size_t i, float v) { p[i] = v; }
+
+// RMSNorm of a row straight to bf16 (the input of a bf16 GEMM): one block of 256 per
+// row, each thread's float4s (dim a multiple of 4, ≤ 8192) loaded at once and kept in
+// registers for the second pass. Rounding: f32 as rms_norm_rows, then to bf16.
+#define NORM_BF16_VEC 8
+extern "C" __global__ void __launch_bounds__(256) rms_norm_bf16_rows(const float* x, const float* w, float eps, int dim,
+                                                                     unsigned short* out) {
+    const float4* xr = reinterpret_cast<const float4*>(x + (size_t)blockIdx.x * dim);
+    const int n4 = dim / 4;
+    float4 v[NORM_BF16_VEC];
+    float s = 0.f;
+#pragma unroll
+    for (int e = 0; e < NORM_BF16_VEC; e++) {
+        const int i = e * 256 + threadIdx.x;
+        v[e] = i < n4 ? xr[i] : make_float4(0.f, 0.f, 0.f, 0.f);
+        s += v[e].x * v[e].x + v[e].y * v[e].y + v[e].z * v[e].z + v[e].w * v[e].w;
+    }
+    __shared__ float part[8];
+    for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffff, s, off);
+    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = s;
+    __syncthreads();
+    float t = 0.f;
+#pragma unroll
+    for (int i = 0; i < 8; i++) t += part[i];
+    const float scale = rsqrtf(t / dim + eps);
+    const float4* w4 = reinterpret_cast<const float4*>(w);
+    uint2* o = reinterpret_cast<uint2*>(out + (size_t)blockIdx.x * dim);
+#pragma unroll
+    for (int e = 0; e < NORM_BF16_VEC; e++) {
+        const int i = e * 256 + threadIdx.x;
+        if (i < n4) {
+            const float4 g = w4[i];
+            const unsigned a = f32_to_bf16(v[e].x * scale * g.x), b = f32_to_bf16(v[e].y * scale * g.y);
+            const unsigned c = f32_to_bf16(v[e].z * scale * g.z), d = f32_to_bf16(v[e].w * scale * g.w);
+            o[i] = make_uint2(a | (b << 16), c | (d << 16));
+        }
+    }
+}
 
 extern "C" __global__ void embed_rows_bf16(const unsigned short* table, const unsigned int* ids, int dim, int n, float* out) {
     size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
