@@ -104,8 +104,10 @@ fn engine_bench(a: EngineBenchArgs) -> anyhow::Result<()> {
     let max_batch = a.batch.iter().copied().max().unwrap_or(1);
     opts.max_num_seqs = opts.max_num_seqs.max(max_batch);
     // Decode is timed over the steps where the whole batch decodes, so every prompt of a
-    // batch must be prefilled before the first ones finish: big enough prefill chunks.
-    let batch_prompts = (max_batch * a.context).min(16384);
+    // batch must be prefilled before the first ones finish: big enough prefill chunks,
+    // at least a whole prompt beside the decode rows of the rest of the batch (else a long
+    // prompt takes two steps and 16 prompts of 32k outlast 16 generated tokens).
+    let batch_prompts = (max_batch * a.context).min(16384).max(a.context + max_batch);
     opts.max_batched_tokens = opts.max_batched_tokens.max(a.prompt_tokens).max(opts.max_num_seqs).max(batch_prompts);
     let t_load = Instant::now();
     match opts.device {
