@@ -278,8 +278,9 @@ pub trait Backend {
     );
     /// `out = silu(g) ⊙ u` for rows `[g | u]` of width `2 * ff`.
     fn silu_mul(&mut self, gu: &Self::Act, n_tokens: usize, ff: usize, out: &mut Self::Act);
-    /// `out[t] = W · rms_norm(x[t], norm)` (the normalised rows go through `h`): the
-    /// decode step's norm and the matmul after it, which a backend may fuse.
+    /// `out[t] = W · rms_norm(x[t], norm)`: the step's norm and the matmul after it, which
+    /// a backend may fuse. `h` is scratch for the normalised rows; a fused backend may
+    /// leave it unwritten, so callers never read it afterwards.
     #[allow(clippy::too_many_arguments)]
     fn norm_matmul(
         &mut self,
@@ -294,9 +295,9 @@ pub trait Backend {
         self.rms_norm(x, norm, eps, n_tokens, h);
         self.matmul(w, h, n_tokens, out, false);
     }
-    /// `out[t] = silu(g) ⊙ u` where `[g | u] = W · rms_norm(x[t], norm)` (through `h` and
-    /// `gu`, each `ff` wide): the norm, the gate/up matmul and SiLU·gate, which a backend
-    /// may fuse.
+    /// `out[t] = silu(g) ⊙ u` where `[g | u] = W · rms_norm(x[t], norm)` (through the
+    /// scratch `h` and `gu`, which a fused backend may leave unwritten; `gu` is `2 · ff`
+    /// wide): the norm, the gate/up matmul and SiLU·gate, which a backend may fuse.
     #[allow(clippy::too_many_arguments)]
     fn norm_matmul_silu(
         &mut self,

@@ -103,8 +103,8 @@ pub const CUDA_ATTN_WAVES: &str = "DISAGG_CUDA_ATTN_WAVES";
 pub const CUDA_FLASH_LDMATRIX: &str = "DISAGG_CUDA_FLASH_LDMATRIX";
 
 /// `0`: the CUDA RoPE + KV write runs one block per token, walking its heads in rounds,
-/// instead of one thread per rotation pair (all of a step's loads in flight at once);
-/// for A/B runs.
+/// instead of one thread per rotation pair (all of a step's loads in flight at once) for
+/// steps of up to 1,024 tokens (longer ones always take the block per token); for A/B runs.
 pub const CUDA_ROPE_PAIRS: &str = "DISAGG_CUDA_ROPE_PAIRS";
 
 /// `0`: the CUDA one-token GEMV kernels load a group of weights and then use it, instead

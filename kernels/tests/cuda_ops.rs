@@ -365,7 +365,10 @@ fn bf16_matmul_matches_cpu_with_and_without_gemv() {
 /// takes fall back to the unfused ops (also checked).
 fn fused_gemv_matches_cpu_norm_matmul_silu() {
     let mut be = kernels::cuda::CudaBackend::new(0, true).expect("cuda:0 opens");
-    for hidden in [576usize, 2048] {
+    // 576 and 2048 (the fused RMSNorm→bf16 kernel's first one or two float4 slots per
+    // thread), 4096 (Llama-3-8B), 5000 (a last slot partly filled) and 8196 (past its
+    // 8192 limit: the f32 norm and a cast).
+    for hidden in [576usize, 2048, 4096, 5000, 8196] {
         // One token with and without the GEMV's software-pipelined loads; past the GEMV,
         // RMSNorm straight to the bf16 GEMM input or f32 and a cast.
         for (pipe, norm_cast) in [(true, true), (false, true), (true, false)] {

@@ -246,6 +246,13 @@ fn launch_cfg(n: usize) -> LaunchConfig {
 /// Attention partials reserved per SM (rows of head_dim + 2 floats).
 const ATTN_PART_ROWS_PER_SM: usize = 256;
 
+/// Most tokens whose RoPE + KV write takes the kernel with one thread per rotation pair.
+/// It computes each angle once per head (40× the f64 sincos of the block-per-token kernel
+/// on Llama-3-8B): free at decode sizes, where its single round of loads wins, but a cost
+/// in long prefills on GPUs with slow f64, so those keep the block-per-token kernel (on
+/// the H200 prefill 8k measured 395.9 TFLOP/s with it, 393.3 with the pairs).
+const ROPE_PAIRS_MAX_TOKENS: usize = 1024;
+
 /// Key splits for `units` blocks of attention work over `chunks` chunks of keys, when
 /// `slots` blocks fit on the GPU at once: the split count (≤ `chunks`) with the least
 /// time in a model where each wave of resident blocks costs its chunks plus one
@@ -791,6 +798,7 @@ impl CudaBackend {
         if !self.norm_cast || !dim.is_multiple_of(4) || dim > 8192 {
             return false;
         }
+        assert!(x.len() >= n_tokens * dim, "RMSNorm to bf16: x holds {} values, not {n_tokens} rows of {dim}", x.len());
         let t = self.tic();
         self.grow_x_bf16(n_tokens * dim);
         let st = self.dev.stream().clone();
@@ -1150,14 +1158,15 @@ impl Backend for CudaBackend {
         let half = kv.half() as i64;
         let (nh, nkv, hd) = (attn.n_heads as i32, attn.n_kv_heads as i32, attn.head_dim as i32);
         let (il, bs, nt) = (i32::from(rope.interleaved), batch.block_size as i32, batch.n_tokens as i32);
-        // One thread per rotation pair of q|k|v, or one block per token.
+        // One thread per rotation pair of q|k|v (decode-sized steps), or one block per token.
+        let by_pairs = self.rope_pairs && batch.n_tokens <= ROPE_PAIRS_MAX_TOKENS;
         let pairs = batch.n_tokens * (attn.n_heads + 2 * attn.n_kv_heads) * attn.head_dim / 2;
-        let cfg = if self.rope_pairs {
+        let cfg = if by_pairs {
             LaunchConfig { grid_dim: (pairs.div_ceil(256) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }
         } else {
             LaunchConfig { grid_dim: (batch.n_tokens as u32, 1, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 }
         };
-        let name = match (&kv.layers[layer], self.rope_pairs) {
+        let name = match (&kv.layers[layer], by_pairs) {
             (KvBuf::F16(_), true) => "rope_write_kv_pairs_f16",
             (KvBuf::F16(_), false) => "rope_write_kv_f16",
             (KvBuf::F32(_), true) => "rope_write_kv_pairs_f32",
@@ -1299,7 +1308,10 @@ impl Backend for CudaBackend {
             let t = self.tic();
             self.gemv(Gemv::Norm, w, x, norm, eps, n_tokens, w.rows(), out, false);
             self.toc("gemv_norm", t);
-        } else if n_tokens > 0 && matches!(w, CudaLinear::Bf16 { .. }) && self.rms_norm_to_bf16(x, norm, eps, n_tokens)
+        } else if n_tokens > 0
+            && matches!(w, CudaLinear::Bf16 { .. })
+            && norm.len() == w.cols()
+            && self.rms_norm_to_bf16(x, norm, eps, n_tokens)
         {
             let t = self.tic();
             self.gemm_bf16_scratch(w, n_tokens, out, false);
@@ -1327,7 +1339,11 @@ impl Backend for CudaBackend {
             self.gemv(Gemv::NormSilu, w, x, norm, eps, n_tokens, ff, out, false);
             self.toc("gemv_norm_silu", t);
         } else {
-            if n_tokens > 0 && matches!(w, CudaLinear::Bf16 { .. }) && self.rms_norm_to_bf16(x, norm, eps, n_tokens) {
+            if n_tokens > 0
+                && matches!(w, CudaLinear::Bf16 { .. })
+                && norm.len() == w.cols()
+                && self.rms_norm_to_bf16(x, norm, eps, n_tokens)
+            {
                 let t = self.tic();
                 self.gemm_bf16_scratch(w, n_tokens, gu, false);
                 self.toc("matmul", t);

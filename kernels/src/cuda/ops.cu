@@ -960,18 +960,20 @@ __device__ void gemv_bf16_impl(const unsigned short* __restrict__ w, const float
     extern "C" __global__ void __launch_bounds__ LB gemv_norm_silu_bf16_m##M##SUFFIX(GEMV_ARGS) { \
         gemv_bf16_impl<M, true, true, 2, PIPE>(w, x, nw, eps, n_out, k, out, accumulate); \
     }
-#define GEMV_PIPE_KERNELS(M) GEMV_KERNELS(M, true, (GEMV_WARPS * 32), )
-// One token: 4 blocks per SM fit in 64 registers without spills (74 unbounded, which
-// leaves 3); without the pipelining (DISAGG_CUDA_GEMV_PIPE=0) as before, for A/B runs.
+// One token, software-pipelined: 4 blocks per SM fit in 64 registers without spills (74
+// unbounded, which leaves 3); without the pipelining (DISAGG_CUDA_GEMV_PIPE=0) as before,
+// for A/B runs. 2–8 tokens (only with DISAGG_CUDA_GEMV_MAX_TOKENS > 1) keep the loop
+// without pipelining, as measured.
 GEMV_KERNELS(1, true, (GEMV_WARPS * 32, 4), )
 GEMV_KERNELS(1, false, (GEMV_WARPS * 32), _flat)
-GEMV_PIPE_KERNELS(2)
-GEMV_PIPE_KERNELS(3)
-GEMV_PIPE_KERNELS(4)
-GEMV_PIPE_KERNELS(5)
-GEMV_PIPE_KERNELS(6)
-GEMV_PIPE_KERNELS(7)
-GEMV_PIPE_KERNELS(8)
+#define GEMV_FLAT_KERNELS(M) GEMV_KERNELS(M, false, (GEMV_WARPS * 32), )
+GEMV_FLAT_KERNELS(2)
+GEMV_FLAT_KERNELS(3)
+GEMV_FLAT_KERNELS(4)
+GEMV_FLAT_KERNELS(5)
+GEMV_FLAT_KERNELS(6)
+GEMV_FLAT_KERNELS(7)
+GEMV_FLAT_KERNELS(8)
 
 // The read-bandwidth probe (CudaBackend::read_bandwidth): streams n 16-byte chunks as
 // the GEMV reads W; the sink is written only if the xor of everything is a value no
