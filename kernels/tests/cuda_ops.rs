@@ -125,7 +125,7 @@ fn embedding_gathers_rows_exactly_and_refuses_bad_ids() {
 /// probabilities to f16 (2⁻¹¹ relative), measured at ~1e-3 and held to 5e-3 of the
 /// value range.
 fn attention_kernels_match_cpu_on_a_paged_cache() {
-    use kernels::{AttnShape, Backend, KvDtype, KvShape, Rope, SeqSpan, StepBatch};
+    use kernels::{AttnShape, Backend, KvDtype, KvShape, Rope, StepBatch};
     for (n_heads, n_kv, hd) in [(32usize, 8usize, 128usize), (9, 3, 64)] {
         let attn = AttnShape { n_heads, n_kv_heads: n_kv, head_dim: hd, scale: 1.0 / (hd as f32).sqrt() };
         let shape =
@@ -151,13 +151,8 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
                 tables.push(perm[at..at + nb].to_vec());
                 at += nb;
             }
-            let mut spans = Vec::new();
-            let mut row = 0;
-            for (i, &(p0, n)) in seqs.iter().enumerate() {
-                spans.push(SeqSpan { rows: row..row + n, pos0: p0, block_table: &tables[i] });
-                row += n;
-            }
-            let n_tokens = row;
+            let spans = spans_of(seqs, &tables);
+            let n_tokens = spans.last().map_or(0, |s| s.rows.end);
             let batch = StepBatch { n_tokens, seqs: &spans, block_size: 16 };
             let qkv = data(n_tokens * attn.qkv_dim(), 12);
             let rope = Rope { interleaved: false, inv_freq: vec![1.0; hd / 2] };
@@ -210,7 +205,7 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
 /// may contract the rotation into an FMA, so q and k agree to 1e-6 of the value range;
 /// the f16 cache to its rounding (2⁻¹¹ relative, held to 1e-3 of the range).
 fn rope_write_kv_matches_cpu() {
-    use kernels::{AttnShape, Backend, KvDtype, KvShape, Rope, SeqSpan, StepBatch};
+    use kernels::{AttnShape, Backend, KvDtype, KvShape, Rope, StepBatch};
     let (n_heads, n_kv, hd) = (8usize, 2usize, 128usize);
     let attn = AttnShape { n_heads, n_kv_heads: n_kv, head_dim: hd, scale: 1.0 };
     let inv_freq: Vec<f32> = (0..hd / 2).map(|i| 500000f32.powf(-2.0 * i as f32 / hd as f32)).collect();
@@ -234,13 +229,8 @@ fn rope_write_kv_matches_cpu() {
         })
         .collect();
     let n_blocks = next as usize;
-    let mut spans = Vec::new();
-    let mut row = 0;
-    for (i, &(p0, n)) in seqs.iter().enumerate() {
-        spans.push(SeqSpan { rows: row..row + n, pos0: p0, block_table: &tables[i] });
-        row += n;
-    }
-    let n_tokens = row;
+    let spans = spans_of(&seqs, &tables);
+    let n_tokens = spans.last().map_or(0, |s| s.rows.end);
     let batch = StepBatch { n_tokens, seqs: &spans, block_size: 16 };
     let blocks: Vec<u32> = (0..n_blocks as u32).collect();
     let qkv = data(n_tokens * attn.qkv_dim(), 21);
@@ -287,6 +277,19 @@ fn rope_write_kv_matches_cpu() {
             }
         }
     }
+}
+
+/// The step's sequences, (cached positions, new rows) each, as consecutive row spans
+/// over their block tables.
+fn spans_of<'a>(seqs: &[(usize, usize)], tables: &'a [Vec<u32>]) -> Vec<kernels::SeqSpan<'a>> {
+    let mut row = 0;
+    seqs.iter()
+        .zip(tables)
+        .map(|(&(p0, n), table)| {
+            row += n;
+            kernels::SeqSpan { rows: row - n..row, pos0: p0, block_table: table }
+        })
+        .collect()
 }
 
 fn max_abs(a: &[f32], b: &[f32]) -> f32 {

@@ -408,44 +408,37 @@ impl CudaBackend {
         self.gemv_max_tokens = n.min(super::GEMV_MAX_TOKENS);
     }
 
+    /// Turns a kernel switch on or off; captured graphs hold the other kernels, so they
+    /// are dropped when it changes.
+    fn set_switch(&mut self, on: bool, switch: fn(&mut Self) -> &mut bool) {
+        if *switch(self) != on {
+            self.buffers_moving();
+            *switch(self) = on;
+        }
+    }
+
     /// The flash kernels load K/V fragments by ldmatrix (default: on unless
     /// `DISAGG_CUDA_FLASH_LDMATRIX=0`).
     pub fn set_flash_ldmatrix(&mut self, on: bool) {
-        if on != self.flash_ldmatrix {
-            // Captured graphs hold the other kernels.
-            self.buffers_moving();
-        }
-        self.flash_ldmatrix = on;
+        self.set_switch(on, |b| &mut b.flash_ldmatrix);
     }
 
-    /// RoPE + KV write with one thread per rotation pair (default: on unless
-    /// `DISAGG_CUDA_ROPE_PAIRS=0`).
+    /// RoPE + KV write with one thread per rotation pair for steps of up to 1,024 tokens
+    /// (default: on unless `DISAGG_CUDA_ROPE_PAIRS=0`).
     pub fn set_rope_pairs(&mut self, on: bool) {
-        if on != self.rope_pairs {
-            // Captured graphs hold the other kernel.
-            self.buffers_moving();
-        }
-        self.rope_pairs = on;
+        self.set_switch(on, |b| &mut b.rope_pairs);
     }
 
     /// One-token GEMVs with software-pipelined loads (default: on unless
     /// `DISAGG_CUDA_GEMV_PIPE=0`).
     pub fn set_gemv_pipe(&mut self, on: bool) {
-        if on != self.gemv_pipe {
-            // Captured graphs hold the other kernels.
-            self.buffers_moving();
-        }
-        self.gemv_pipe = on;
+        self.set_switch(on, |b| &mut b.gemv_pipe);
     }
 
     /// RMSNorm straight to the bf16 GEMM input (default: on unless
     /// `DISAGG_CUDA_NORM_CAST=0`).
     pub fn set_norm_cast(&mut self, on: bool) {
-        if on != self.norm_cast {
-            // Captured graphs hold the other kernels.
-            self.buffers_moving();
-        }
-        self.norm_cast = on;
+        self.set_switch(on, |b| &mut b.norm_cast);
     }
 
     /// How many decode shapes are captured as graphs now.
@@ -810,6 +803,34 @@ impl CudaBackend {
         unsafe { b.launch(cfg) }.expect("CUDA: RMSNorm to bf16");
         self.toc("rms_norm_bf16", t);
         true
+    }
+
+    /// out = W · rms_norm(x) past the GEMV: the norm written as bf16 straight into the
+    /// cuBLAS input where the fused kernel takes the width, else an f32 norm into `h` and
+    /// the matmul (which casts).
+    #[allow(clippy::too_many_arguments)]
+    fn norm_then_gemm(
+        &mut self,
+        x: &CudaSlice<f32>,
+        norm: &CudaSlice<f32>,
+        eps: f32,
+        n_tokens: usize,
+        h: &mut CudaSlice<f32>,
+        w: &CudaLinear,
+        out: &mut CudaSlice<f32>,
+    ) {
+        if n_tokens > 0
+            && matches!(w, CudaLinear::Bf16 { .. })
+            && norm.len() == w.cols()
+            && self.rms_norm_to_bf16(x, norm, eps, n_tokens)
+        {
+            let t = self.tic();
+            self.gemm_bf16_scratch(w, n_tokens, out, false);
+            self.toc("matmul", t);
+        } else {
+            self.rms_norm(x, norm, eps, n_tokens, h);
+            self.matmul(w, h, n_tokens, out, false);
+        }
     }
 
     /// Per-step metadata: token ids and logit rows, the RoPE frequencies when they
@@ -1308,17 +1329,8 @@ impl Backend for CudaBackend {
             let t = self.tic();
             self.gemv(Gemv::Norm, w, x, norm, eps, n_tokens, w.rows(), out, false);
             self.toc("gemv_norm", t);
-        } else if n_tokens > 0
-            && matches!(w, CudaLinear::Bf16 { .. })
-            && norm.len() == w.cols()
-            && self.rms_norm_to_bf16(x, norm, eps, n_tokens)
-        {
-            let t = self.tic();
-            self.gemm_bf16_scratch(w, n_tokens, out, false);
-            self.toc("matmul", t);
         } else {
-            self.rms_norm(x, norm, eps, n_tokens, h);
-            self.matmul(w, h, n_tokens, out, false);
+            self.norm_then_gemm(x, norm, eps, n_tokens, h, w, out);
         }
     }
 
@@ -1339,18 +1351,7 @@ impl Backend for CudaBackend {
             self.gemv(Gemv::NormSilu, w, x, norm, eps, n_tokens, ff, out, false);
             self.toc("gemv_norm_silu", t);
         } else {
-            if n_tokens > 0
-                && matches!(w, CudaLinear::Bf16 { .. })
-                && norm.len() == w.cols()
-                && self.rms_norm_to_bf16(x, norm, eps, n_tokens)
-            {
-                let t = self.tic();
-                self.gemm_bf16_scratch(w, n_tokens, gu, false);
-                self.toc("matmul", t);
-            } else {
-                self.rms_norm(x, norm, eps, n_tokens, h);
-                self.matmul(w, h, n_tokens, gu, false);
-            }
+            self.norm_then_gemm(x, norm, eps, n_tokens, h, w, gu);
             self.silu_mul(gu, n_tokens, ff, out);
         }
     }
