@@ -3,7 +3,7 @@
 // a pure read of the same bytes. Not part of the build; on a CUDA machine:
 //   nvcc -O3 -std=c++17 -arch=sm_90 tools/gpu-lab/gemvlab.cu -o gemvlab && ./gemvlab
 // The "tiled" variants read a hypothetical re-laid W (bandwidth only; their sums are not
-// checked). The engine's kernels are in kernels/src/cuda/ops.cu.
+// checked).
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
@@ -13,26 +13,9 @@
 #include <cuda_runtime.h>
 #define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("CUDA %s at %d\n", cudaGetErrorString(e), __LINE__); exit(1); } } while (0)
 
-__device__ __forceinline__ uint4 ldw(const unsigned short* p) {
-    uint4 v;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-    return v;
-}
-__device__ __forceinline__ float dot8(uint4 w, const float* v) {
-    float s = __uint_as_float(w.x << 16) * v[0];
-    s = fmaf(__uint_as_float(w.x & 0xffff0000u), v[1], s);
-    s = fmaf(__uint_as_float(w.y << 16), v[2], s);
-    s = fmaf(__uint_as_float(w.y & 0xffff0000u), v[3], s);
-    s = fmaf(__uint_as_float(w.z << 16), v[4], s);
-    s = fmaf(__uint_as_float(w.z & 0xffff0000u), v[5], s);
-    s = fmaf(__uint_as_float(w.w << 16), v[6], s);
-    s = fmaf(__uint_as_float(w.w & 0xffff0000u), v[7], s);
-    return s;
-}
-__device__ __forceinline__ void ldx(const float* x, int kk, float* v) {
-    const float4 a = *reinterpret_cast<const float4*>(x + kk), b = *reinterpret_cast<const float4*>(x + kk + 4);
-    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
-}
+// The engine's kernels and helpers (ld_stream_u4, dot8_bf16, load_x8, stream_read): the
+// lab's variants stream weights and read x exactly as the engine does.
+#include "../../kernels/src/cuda/ops.cu"
 
 // R rows per warp, U steps of 256 columns in flight per row, WARPS per block, SX: x staged in shared memory.
 template <int R, int U, int WARPS, bool SX>
@@ -59,20 +42,20 @@ __global__ void __launch_bounds__(WARPS * 32) gemv(const unsigned short* __restr
 #pragma unroll
         for (int u = 0; u < U; u++)
 #pragma unroll
-            for (int r = 0; r < R; r++) a[r][u] = ldw(wr[r] + k0 + u * step);
+            for (int r = 0; r < R; r++) a[r][u] = ld_stream_u4(wr[r] + k0 + u * step);
 #pragma unroll
         for (int u = 0; u < U; u++) {
             float v[8];
-            ldx(xv, k0 + u * step, v);
+            load_x8<false>(xv, nullptr, 1.f, k0 + u * step, v);
 #pragma unroll
-            for (int r = 0; r < R; r++) acc[r] += dot8(a[r][u], v);
+            for (int r = 0; r < R; r++) acc[r] += dot8_bf16(a[r][u], v);
         }
     }
     for (; k0 < k; k0 += step) {
         float v[8];
-        ldx(xv, k0, v);
+        load_x8<false>(xv, nullptr, 1.f, k0, v);
 #pragma unroll
-        for (int r = 0; r < R; r++) acc[r] += dot8(ldw(wr[r] + k0), v);
+        for (int r = 0; r < R; r++) acc[r] += dot8_bf16(ld_stream_u4(wr[r] + k0), v);
     }
 #pragma unroll
     for (int r = 0; r < R; r++) {
@@ -101,20 +84,20 @@ __global__ void __launch_bounds__(WARPS * 32) gemv_pipe(const unsigned short* __
 #pragma unroll
     for (int u = 0; u < U; u++)
 #pragma unroll
-        for (int r = 0; r < R; r++) a[r][u] = ldw(wr[r] + k0 + u * 256);
+        for (int r = 0; r < R; r++) a[r][u] = ld_stream_u4(wr[r] + k0 + u * 256);
     for (int g = 0; g < groups; g++, k0 += G) {
         if (g + 1 < groups) {
 #pragma unroll
             for (int u = 0; u < U; u++)
 #pragma unroll
-                for (int r = 0; r < R; r++) b[r][u] = ldw(wr[r] + k0 + G + u * 256);
+                for (int r = 0; r < R; r++) b[r][u] = ld_stream_u4(wr[r] + k0 + G + u * 256);
         }
 #pragma unroll
         for (int u = 0; u < U; u++) {
             float v[8];
-            ldx(x, k0 + u * 256, v);
+            load_x8<false>(x, nullptr, 1.f, k0 + u * 256, v);
 #pragma unroll
-            for (int r = 0; r < R; r++) acc[r] += dot8(a[r][u], v);
+            for (int r = 0; r < R; r++) acc[r] += dot8_bf16(a[r][u], v);
         }
 #pragma unroll
         for (int u = 0; u < U; u++)
@@ -146,13 +129,13 @@ __global__ void __launch_bounds__(WARPS * 32) gemv_tiled(const unsigned short* _
 #pragma unroll
         for (int u = 0; u < U; u++)
 #pragma unroll
-            for (int r = 0; r < R; r++) a[r][u] = ldw(blk + ((size_t)(s + u) * RB + wi * R + r) * 256 + lane * 8);
+            for (int r = 0; r < R; r++) a[r][u] = ld_stream_u4(blk + ((size_t)(s + u) * RB + wi * R + r) * 256 + lane * 8);
 #pragma unroll
         for (int u = 0; u < U; u++) {
             float v[8];
-            ldx(x, (s + u) * 256 + lane * 8, v);
+            load_x8<false>(x, nullptr, 1.f, (s + u) * 256 + lane * 8, v);
 #pragma unroll
-            for (int r = 0; r < R; r++) acc[r] += dot8(a[r][u], v);
+            for (int r = 0; r < R; r++) acc[r] += dot8_bf16(a[r][u], v);
         }
     }
 #pragma unroll
@@ -162,21 +145,6 @@ __global__ void __launch_bounds__(WARPS * 32) gemv_tiled(const unsigned short* _
         const int row = blockIdx.x * RB + wi * R + r;
         if (lane == 0 && row < n) out[row] = s;
     }
-}
-
-__global__ void stream_read(const unsigned short* p, long long n, unsigned* sink) {
-    unsigned acc = 0;
-    const long long stride = (long long)gridDim.x * blockDim.x;
-    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    for (; i + 3 * stride < n; i += 4 * stride) {
-        uint4 v[4];
-#pragma unroll
-        for (int u = 0; u < 4; u++) v[u] = ldw(p + 8 * (i + u * stride));
-#pragma unroll
-        for (int u = 0; u < 4; u++) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
-    }
-    for (; i < n; i += stride) { const uint4 v = ldw(p + 8 * i); acc ^= v.x ^ v.y ^ v.z ^ v.w; }
-    if (acc == 0x9e3779b9u) sink[0] = acc;
 }
 
 int main() {

@@ -484,20 +484,29 @@ impl CudaBackend {
         }
     }
 
+    /// GB/s of `pass`, which moves `bytes` each time: one pass to warm up, then 10 timed.
+    fn pass_bandwidth(
+        &self,
+        bytes: f64,
+        mut pass: impl FnMut() -> Result<(), KernelError>,
+    ) -> Result<f64, KernelError> {
+        pass()?;
+        self.dev.synchronize()?;
+        let t = std::time::Instant::now();
+        let n = 10;
+        for _ in 0..n {
+            pass()?;
+        }
+        self.dev.synchronize()?;
+        Ok(bytes * n as f64 / t.elapsed().as_secs_f64() / 1e9)
+    }
+
     /// Device-to-device copy bandwidth (read + write), GB/s, over `bytes` buffers.
     pub fn copy_bandwidth(&self, bytes: usize) -> Result<f64, KernelError> {
         let st = self.dev.stream();
         let a = st.alloc_zeros::<u8>(bytes).map_err(dev_err)?;
         let mut b = st.alloc_zeros::<u8>(bytes).map_err(dev_err)?;
-        st.memcpy_dtod(&a, &mut b).map_err(dev_err)?;
-        self.dev.synchronize()?;
-        let t = std::time::Instant::now();
-        let n = 10;
-        for _ in 0..n {
-            st.memcpy_dtod(&a, &mut b).map_err(dev_err)?;
-        }
-        self.dev.synchronize()?;
-        Ok(2.0 * bytes as f64 * n as f64 / t.elapsed().as_secs_f64() / 1e9)
+        self.pass_bandwidth(2.0 * bytes as f64, || st.memcpy_dtod(&a, &mut b).map_err(dev_err))
     }
 
     /// Read bandwidth, GB/s: ops.cu `stream_read` over a `bytes` buffer (16-byte
@@ -508,21 +517,12 @@ impl CudaBackend {
         let sink = st.alloc_zeros::<u32>(1).map_err(dev_err)?;
         let n16 = (bytes / 16) as i64;
         let cfg = LaunchConfig { grid_dim: (4 * self.n_sms as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
-        let pass = || {
+        self.pass_bandwidth(bytes as f64, || {
             let mut b = st.launch_builder(self.dev.func("stream_read"));
             b.arg(&a).arg(&n16).arg(&sink);
             // SAFETY: `a` holds n16 16-byte chunks; the sink one value.
             unsafe { b.launch(cfg) }.map(|_| ()).map_err(dev_err)
-        };
-        pass()?;
-        self.dev.synchronize()?;
-        let t = std::time::Instant::now();
-        let n = 10;
-        for _ in 0..n {
-            pass()?;
-        }
-        self.dev.synchronize()?;
-        Ok(bytes as f64 * n as f64 / t.elapsed().as_secs_f64() / 1e9)
+        })
     }
 
     /// Free and total device memory, in bytes.

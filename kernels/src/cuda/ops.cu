@@ -22,13 +22,16 @@ extern "C" __global__ void rms_norm_rows(const float* x, const float* w, float e
     for (int i = threadIdx.x; i < dim; i += blockDim.x) o[i] = xr[i] * scale * w[i];
 }
 
+// silu(g) · u, as the CPU's silu_mul_rows.
+__device__ __forceinline__ float silu_gate(float g, float u) { return g / (1.f + expf(-g)) * u; }
+
 extern "C" __global__ void silu_mul_rows(const float* gu, int ff, int n, float* out) {
     // gu rows are [g | u] of width 2*ff; out = silu(g) * u.
     size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (size_t)n * ff) return;
     size_t r = i / ff, c = i % ff;
     float g = gu[r * 2 * ff + c], u = gu[r * 2 * ff + ff + c];
-    out[i] = g / (1.f + expf(-g)) * u;
+    out[i] = silu_gate(g, u);
 }
 
 // The same over (row, 4 columns) per thread, grid (⌈ff / 1024⌉, n): 16-byte accesses and
@@ -39,10 +42,10 @@ extern "C" __global__ void silu_mul_rows4(const float* gu, int ff, float* out) {
     const float4 g = *reinterpret_cast<const float4*>(gu + (size_t)r * 2 * ff + c);
     const float4 u = *reinterpret_cast<const float4*>(gu + (size_t)r * 2 * ff + ff + c);
     float4 o;
-    o.x = g.x / (1.f + expf(-g.x)) * u.x;
-    o.y = g.y / (1.f + expf(-g.y)) * u.y;
-    o.z = g.z / (1.f + expf(-g.z)) * u.z;
-    o.w = g.w / (1.f + expf(-g.w)) * u.w;
+    o.x = silu_gate(g.x, u.x);
+    o.y = silu_gate(g.y, u.y);
+    o.z = silu_gate(g.z, u.z);
+    o.w = silu_gate(g.w, u.w);
     *reinterpret_cast<float4*>(out + (size_t)r * ff + c) = o;
 }
 
@@ -939,7 +942,7 @@ __device__ void gemv_bf16_impl(const unsigned short* __restrict__ w, const float
     for (int m = 0; m < M; m++) {
         if (SILU) {
             const float g = acc[0][m], u = acc[1][m];
-            out[(size_t)m * n_out + warp] = g / (1.f + expf(-g)) * u;
+            out[(size_t)m * n_out + warp] = silu_gate(g, u);
         } else {
             float* o = out + (size_t)m * n_out + r0;
             o[0] = accumulate ? o[0] + acc[0][m] : acc[0][m];
