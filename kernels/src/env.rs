@@ -102,6 +102,15 @@ pub const CUDA_ATTN_WAVES: &str = "DISAGG_CUDA_ATTN_WAVES";
 /// instruction, V transposed on the way); for A/B runs.
 pub const CUDA_FLASH_LDMATRIX: &str = "DISAGG_CUDA_FLASH_LDMATRIX";
 
+/// `0`: the CUDA flash-attention kernels compute every 16-byte K/V chunk's address from
+/// scratch (a division by the block size and a block-table read per chunk) instead of
+/// once per key with the per-block parts hoisted; for A/B runs.
+pub const CUDA_FLASH_LEAN_LOADS: &str = "DISAGG_CUDA_FLASH_LEAN_LOADS";
+
+/// `0`: in the CUDA flash-decode kernel, warp 0 alone merges the four warps' partial
+/// softmaxes instead of all the block's threads (four columns each); for A/B runs.
+pub const CUDA_FLASH_WIDE_MERGE: &str = "DISAGG_CUDA_FLASH_WIDE_MERGE";
+
 /// `0`: the CUDA RoPE + KV write runs one block per token, walking its heads in rounds,
 /// instead of one thread per rotation pair (all of a step's loads in flight at once) for
 /// steps of up to 1,024 tokens (longer ones always take the block per token); for A/B runs.

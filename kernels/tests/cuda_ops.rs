@@ -123,13 +123,14 @@ fn embedding_gathers_rows_exactly_and_refuses_bad_ids() {
 /// one decode row; then a decode-only step (the flash kernel's warps split the keys). Tolerances: the per-token kernel computes in f32 like the CPU (a few
 /// ulp, 1e-4 of the value range here); the flash kernel rounds q·scale and the
 /// probabilities to f16 (2⁻¹¹ relative), measured at ~1e-3 and held to 5e-3 of the
-/// value range.
+/// value range. Blocks of 16 tokens and of 12 (the flash loads' division path).
 fn attention_kernels_match_cpu_on_a_paged_cache() {
     use kernels::{AttnShape, Backend, KvDtype, KvShape, Rope, StepBatch};
-    for (n_heads, n_kv, hd) in [(32usize, 8usize, 128usize), (9, 3, 64)] {
+    for ((n_heads, n_kv, hd), bs) in [((32usize, 8usize, 128usize), 16usize), ((9, 3, 64), 16), ((32, 8, 128), 12)] {
         let attn = AttnShape { n_heads, n_kv_heads: n_kv, head_dim: hd, scale: 1.0 / (hd as f32).sqrt() };
+        let n_blocks = 96 * 16 / bs;
         let shape =
-            KvShape { n_layers: 1, n_blocks: 96, block_size: 16, n_kv_heads: n_kv, head_dim: hd, dtype: KvDtype::F16 };
+            KvShape { n_layers: 1, n_blocks, block_size: bs, n_kv_heads: n_kv, head_dim: hd, dtype: KvDtype::F16 };
         // Cache contents: random f16 values in [-2, 2), in the transfer layout.
         let blocks: Vec<u32> = (0..shape.n_blocks as u32).collect();
         let vals = data(shape.n_blocks * shape.block_bytes_per_layer() / 2, 11);
@@ -147,13 +148,13 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
             let mut tables = Vec::new();
             let mut at = 0;
             for &(p0, n) in seqs {
-                let nb = (p0 + n).div_ceil(16);
+                let nb = (p0 + n).div_ceil(bs);
                 tables.push(perm[at..at + nb].to_vec());
                 at += nb;
             }
             let spans = spans_of(seqs, &tables);
             let n_tokens = spans.last().map_or(0, |s| s.rows.end);
-            let batch = StepBatch { n_tokens, seqs: &spans, block_size: 16 };
+            let batch = StepBatch { n_tokens, seqs: &spans, block_size: bs };
             let qkv = data(n_tokens * attn.qkv_dim(), 12);
             let rope = Rope { interleaved: false, inv_freq: vec![1.0; hd / 2] };
             let tokens = vec![0u32; n_tokens];
@@ -170,17 +171,25 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
             be.kv_import(&mut gkv, 0, &blocks, &bytes);
             let dq = be.device().upload(&qkv).unwrap();
             // Each kernel whole and split into key chunks (this step's few tiles split);
-            // the flash kernel with ldmatrix fragments and with scalar shared loads.
-            for (flash, ldsm, chunk) in [
-                (false, false, 0),
-                (false, false, 64),
-                (true, true, 0),
-                (true, true, 64),
-                (true, false, 0),
-                (true, false, 64),
+            // the flash kernel with ldmatrix fragments and with scalar shared loads, its
+            // tiles loaded with hoisted (lean) addresses and per-chunk ones, the decode
+            // form's warps merged by all threads (wide) and by warp 0.
+            for (flash, ldsm, chunk, lean, wide) in [
+                (false, false, 0, true, true),
+                (false, false, 64, true, true),
+                (true, true, 0, true, true),
+                (true, true, 64, true, true),
+                (true, false, 0, true, true),
+                (true, false, 64, true, true),
+                (true, true, 0, false, true),
+                (true, true, 64, false, true),
+                (true, true, 0, true, false),
+                (true, true, 64, true, false),
             ] {
                 be.set_flash(flash);
                 be.set_flash_ldmatrix(ldsm);
+                be.set_flash_lean_loads(lean);
+                be.set_flash_wide_merge(wide);
                 be.set_attn_chunk(chunk);
                 be.begin_step(&tokens, &batch, &rope, &attn, &[]);
                 let mut out = be.act(n_tokens * attn.q_dim()).unwrap();
@@ -189,7 +198,7 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
                 be.to_host(&out, &mut got);
                 let err = max_abs(&got, &want) / range;
                 println!(
-                    "attention {n_heads}/{n_kv} heads, head_dim {hd}, {} rows, flash {flash} (ldmatrix {ldsm}), split chunk {chunk}: max |GPU − CPU| / range = {err:.2e}",
+                    "attention {n_heads}/{n_kv} heads, head_dim {hd}, block {bs}, {} rows, flash {flash} (ldmatrix {ldsm}, lean loads {lean}, wide merge {wide}), split chunk {chunk}: max |GPU − CPU| / range = {err:.2e}",
                     n_tokens
                 );
                 assert!(err < if flash { 5e-3 } else { 1e-4 }, "flash {flash}, chunk {chunk}: {err}");

@@ -223,6 +223,12 @@ pub struct CudaBackend {
     /// The flash kernels load K and V fragments by ldmatrix (`DISAGG_CUDA_FLASH_LDMATRIX=0`:
     /// by 32- and 16-bit shared loads).
     flash_ldmatrix: bool,
+    /// The flash kernels' K/V tile loads compute addresses once per key, hoisted
+    /// (`DISAGG_CUDA_FLASH_LEAN_LOADS=0`: per 16-byte chunk, from scratch).
+    flash_lean_loads: bool,
+    /// All of a flash-decode block's threads merge its warps' parts
+    /// (`DISAGG_CUDA_FLASH_WIDE_MERGE=0`: warp 0 alone).
+    flash_wide_merge: bool,
     /// RoPE + KV write with one thread per rotation pair (`DISAGG_CUDA_ROPE_PAIRS=0`: one
     /// block per token).
     rope_pairs: bool,
@@ -323,6 +329,8 @@ impl CudaBackend {
         Ok(CudaBackend {
             attn_waves: !off(crate::env::CUDA_ATTN_WAVES),
             flash_ldmatrix: !off(crate::env::CUDA_FLASH_LDMATRIX),
+            flash_lean_loads: !off(crate::env::CUDA_FLASH_LEAN_LOADS),
+            flash_wide_merge: !off(crate::env::CUDA_FLASH_WIDE_MERGE),
             rope_pairs: !off(crate::env::CUDA_ROPE_PAIRS),
             gemv_pipe: !off(crate::env::CUDA_GEMV_PIPE),
             norm_cast: !off(crate::env::CUDA_NORM_CAST),
@@ -421,6 +429,18 @@ impl CudaBackend {
     /// `DISAGG_CUDA_FLASH_LDMATRIX=0`).
     pub fn set_flash_ldmatrix(&mut self, on: bool) {
         self.set_switch(on, |b| &mut b.flash_ldmatrix);
+    }
+
+    /// The flash kernels' tile loads compute addresses once per key (default: on unless
+    /// `DISAGG_CUDA_FLASH_LEAN_LOADS=0`).
+    pub fn set_flash_lean_loads(&mut self, on: bool) {
+        self.set_switch(on, |b| &mut b.flash_lean_loads);
+    }
+
+    /// All of a flash-decode block's threads merge its warps' parts (default: on unless
+    /// `DISAGG_CUDA_FLASH_WIDE_MERGE=0`).
+    pub fn set_flash_wide_merge(&mut self, on: bool) {
+        self.set_switch(on, |b| &mut b.flash_wide_merge);
     }
 
     /// RoPE + KV write with one thread per rotation pair for steps of up to 1,024 tokens
@@ -1256,7 +1276,9 @@ impl Backend for CudaBackend {
                 b.arg(qkv).arg(c).arg(&half).arg(&self.fa_tiles).arg(&self.tables);
                 b.arg(&nh).arg(&nkv).arg(&bs).arg(&scale).arg(&self.max_ctx_dev);
                 // Split: each block writes its partials to the scratch, merged below.
-                b.arg(&mut *out).arg(&mut self.attn_part);
+                // The kernel's switch bits (FLASH_LEAN_LOADS, FLASH_WIDE_MERGE in ops.cu).
+                let flags = self.flash_lean_loads as i32 | (self.flash_wide_merge as i32) << 1;
+                b.arg(&mut *out).arg(&mut self.attn_part).arg(&flags);
                 // SAFETY: argument types match the kernel; the tiles cover this step's
                 // rows and their tables index the cache; the scratch holds every partial.
                 unsafe { b.launch(cfg) }.expect("CUDA: flash attention");

@@ -489,6 +489,9 @@ __device__ __forceinline__ void ldsm_x4(unsigned& r0, unsigned& r1, unsigned& r2
 }
 
 #define FA_KEYS 64
+// Bits of the flash kernels' `flags` (switches for A/B runs).
+#define FLASH_LEAN_LOADS 1  // tile loads: addresses once per key, hoisted (else per chunk)
+#define FLASH_WIDE_MERGE 2  // decode: all the block's threads merge its warps' parts (else warp 0)
 // Dynamic shared memory of a flash block: two stages (double buffering) of a K and a V
 // tile, FA_KEYS rows of head_dim + 8 halves each.
 #define FA_SMEM_BYTES(HD) (2 * 2 * FA_KEYS * ((HD) + 8) * 2)
@@ -500,7 +503,7 @@ __device__ __forceinline__ void ldsm_x4(unsigned& r0, unsigned& r1, unsigned& r2
 template <int HD, bool WS, bool LDSM>
 __device__ void flash_attn_impl(const float* qkv, const unsigned short* cache, long long half, const int* tiles,
                                 const unsigned int* tables, int n_heads, int n_kv, int block_size, float scale,
-                                const int* max_ctx, float* out, float* part) {
+                                const int* max_ctx, float* out, float* part, int flags) {
     static_assert(HD % 32 == 0, "the ldmatrix loops take k-steps and d-tiles in pairs");
     constexpr int KS = HD / 16;               // k-steps of S over head_dim
     constexpr int DT = HD / 8;                // n-tiles of O over head_dim
@@ -551,11 +554,43 @@ __device__ void flash_attn_impl(const float* qkv, const unsigned short* cache, l
     const bool idle = r_first >= nrows;  // no row of this warp is in the tile
     const int warp_last = pos0 + min(r_first + 15, nrows - 1) / grp;
     const int key_off = WS ? 16 * warp : 0;  // this warp's keys within a tile
+    constexpr int CH = HD / 8;      // 16-byte chunks per key row
+    constexpr int KPP = 128 / CH;   // keys per pass of the block's 128 threads
+    constexpr int PASSES = FA_KEYS / KPP;
+    // Lean loads: a thread keeps one chunk column and steps over keys, so the per-block
+    // parts of the address are computed once, the block table is read once per key (all
+    // reads before the copies), and a power-of-two block size costs a shift, not a
+    // division. The other form computes every chunk's address from scratch.
+    const int my_c = (threadIdx.x % CH) * 8, my_key = threadIdx.x / CH;
+    const bool bs_pow2 = (block_size & (block_size - 1)) == 0;
+    const int bs_shift = __ffs(block_size) - 1;
+    const unsigned short* my_src = cache + (size_t)kvh * block_size * HD + my_c;
+    const size_t blk_stride = (size_t)n_kv * block_size * HD;
     // Keys [kb, kb + 64) into stage `st`, asynchronously (keys past k1 read as zeros).
     auto load_tile = [&](int kb, int st) {
         unsigned short* kd = kvs + st * 2 * FA_KEYS * ST;
         unsigned short* vd = kd + FA_KEYS * ST;
-        constexpr int CH = HD / 8;  // 16-byte chunks per key row
+        if (flags & FLASH_LEAN_LOADS) {
+            const unsigned short* src[PASSES];
+#pragma unroll
+            for (int p = 0; p < PASSES; p++) {
+                const int j = kb + my_key + p * KPP;
+                src[p] = nullptr;
+                if (j < k1) {
+                    const int bi = bs_pow2 ? j >> bs_shift : j / block_size;
+                    src[p] = my_src + table[bi] * blk_stride + (size_t)(j - bi * block_size) * HD;
+                }
+            }
+            unsigned short* kp = kd + my_key * ST + my_c;
+#pragma unroll
+            for (int p = 0; p < PASSES; p++) {
+                const int bytes = src[p] ? 16 : 0;
+                cp_async16(kp + p * KPP * ST, bytes ? src[p] : cache, bytes);
+                cp_async16(kp + FA_KEYS * ST + p * KPP * ST, bytes ? src[p] + half : cache, bytes);
+            }
+            cp_async_commit();
+            return;
+        }
         for (int i = threadIdx.x; i < FA_KEYS * CH; i += blockDim.x) {
             const int key = i / CH, c = (i % CH) * 8, j = kb + key;
             const unsigned short* src = cache;
@@ -687,6 +722,61 @@ __device__ void flash_attn_impl(const float* qkv, const unsigned short* cache, l
     l0 += __shfl_xor_sync(0xffffffff, l0, 2);
     l1 += __shfl_xor_sync(0xffffffff, l1, 1);
     l1 += __shfl_xor_sync(0xffffffff, l1, 2);
+    if (WS && (flags & FLASH_WIDE_MERGE)) {
+        // Merge the warps' parts with every thread: each warp writes (max, sum) and acc of
+        // its 16 rows to shared memory (the K/V tiles are done with); then the block's
+        // threads take the real rows' columns four at a time and write the result.
+        constexpr int RA = HD + 4;  // acc row stride in floats (float4-aligned)
+        float* acc = (float*)kvs;   // [warp][row][RA]
+        float* ml = acc + 4 * 16 * RA;  // [warp][row][2]: ≤ the K/V tiles' bytes in all
+        float* mine = acc + warp * 16 * RA;
+        if (t4 == 0) {
+            ml[(warp * 16 + g) * 2] = m0;
+            ml[(warp * 16 + g) * 2 + 1] = l0;
+            ml[(warp * 16 + g + 8) * 2] = m1;
+            ml[(warp * 16 + g + 8) * 2 + 1] = l1;
+        }
+#pragma unroll
+        for (int d = 0; d < DT; d++) {
+            *(float2*)&mine[g * RA + d * 8 + 2 * t4] = make_float2(o[d][0], o[d][1]);
+            *(float2*)&mine[(g + 8) * RA + d * 8 + 2 * t4] = make_float2(o[d][2], o[d][3]);
+        }
+        __syncthreads();
+        constexpr int C4 = HD / 4;
+        for (int i = threadIdx.x; i < nrows * C4; i += blockDim.x) {
+            const int r = i / C4, c = (i % C4) * 4;
+            float M = NEG_INF;
+#pragma unroll
+            for (int v = 0; v < 4; v++) M = fmaxf(M, ml[(v * 16 + r) * 2]);
+            float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
+            float L = 0.f;
+#pragma unroll
+            for (int v = 0; v < 4; v++) {
+                const float mv = ml[(v * 16 + r) * 2];
+                const float wv = mv == NEG_INF ? 0.f : exp2f(mv - M);
+                L += wv * ml[(v * 16 + r) * 2 + 1];
+                const float4 x = *(const float4*)&acc[(v * 16 + r) * RA + c];
+                a.x += wv * x.x;
+                a.y += wv * x.y;
+                a.z += wv * x.z;
+                a.w += wv * x.w;
+            }
+            const int t = row0 + r / grp, h = kvh * grp + r % grp;
+            if (splits == 1) {
+                // Key 0 is in every row's past, so L > 0.
+                *(float4*)&out[(size_t)t * n_heads * HD + h * HD + c] = make_float4(a.x / L, a.y / L, a.z / L, a.w / L);
+            } else {
+                float* pp = part + ((size_t)(t * n_heads + h) * splits + z) * (HD + 2);
+                if (c == 0) {
+                    pp[0] = M * 0.6931471805599453f;
+                    pp[1] = L;
+                }
+                *(float2*)&pp[2 + c] = make_float2(a.x, a.y);
+                *(float2*)&pp[2 + c + 2] = make_float2(a.z, a.w);
+            }
+        }
+        return;
+    }
     if (WS) {
         // Merge the warps' parts: each writes (max, sum, acc) of its 16 rows to shared
         // memory (the K/V tiles are done with), warp 0 combines them.
@@ -768,8 +858,9 @@ __device__ void flash_attn_impl(const float* qkv, const unsigned short* cache, l
 }
 
 #define FLASH_ARGS const float* qkv, const unsigned short* cache, long long half, const int* tiles, \
-    const unsigned int* tables, int n_heads, int n_kv, int block_size, float scale, const int* max_ctx, float* out, float* part
-#define FLASH_CALL qkv, cache, half, tiles, tables, n_heads, n_kv, block_size, scale, max_ctx, out, part
+    const unsigned int* tables, int n_heads, int n_kv, int block_size, float scale, const int* max_ctx, float* out, \
+    float* part, int flags
+#define FLASH_CALL qkv, cache, half, tiles, tables, n_heads, n_kv, block_size, scale, max_ctx, out, part, flags
 #define FLASH_KERNEL(NAME, HD, WS, LDSM) \
     extern "C" __global__ void __launch_bounds__(128) NAME(FLASH_ARGS) { flash_attn_impl<HD, WS, LDSM>(FLASH_CALL); }
 FLASH_KERNEL(flash_attn_f16_d64, 64, false, true)
