@@ -8,6 +8,13 @@
 //! the engine's own time for that request (matched by response id):
 //! - e2e: (client send → `[DONE]` read) − (engine accepted → engine finished)
 //! - first token: (client send → first token chunk read) − (engine accepted → first output)
+//!
+//! split into send → handler start, in the handler, and final bytes ready → `[DONE]`
+//! read. Before each level the client opens its `concurrency` connections (timed apart:
+//! setup is per connection, not per request). The engine runs on `--device` (on a GPU,
+//! the gateway and the client have the host's cores to themselves, as in deployment).
+//! Also reported: the gateway's and the load generator's CPU time per streamed token
+//! and the engine steps each run took.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -164,6 +171,41 @@ where
     all
 }
 
+/// `c` concurrent GET /health requests; each one's round trip in ms.
+async fn health_round(client: &reqwest::Client, url: &str, c: usize) -> anyhow::Result<Vec<f64>> {
+    let reqs = (0..c).map(|_| async move {
+        let t = Instant::now();
+        let r = client.get(url).send().await?;
+        anyhow::ensure!(r.status().is_success(), "GET /health: HTTP {}", r.status());
+        r.bytes().await?;
+        Ok(t.elapsed().as_secs_f64() * 1e3)
+    });
+    futures::future::join_all(reqs).await.into_iter().collect()
+}
+
+fn spawn<B: kernels::Backend + Send + 'static>(core: engine::scheduler::EngineCore<B>) -> (EngineHandle, String) {
+    let backend = core.backend().describe();
+    (EngineHandle::spawn(core, 1 << 20), backend)
+}
+
+/// Seconds on CPU so far of this process's threads, summed by thread name
+/// (`/proc/self/task/*/schedstat`, nanosecond resolution; empty where absent).
+fn thread_cpu_s() -> std::collections::HashMap<String, f64> {
+    let mut out = std::collections::HashMap::new();
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else { return out };
+    for t in tasks.flatten() {
+        let p = t.path();
+        let (Ok(name), Ok(stat)) =
+            (std::fs::read_to_string(p.join("comm")), std::fs::read_to_string(p.join("schedstat")))
+        else {
+            continue;
+        };
+        let Some(ns) = stat.split_whitespace().next().and_then(|x| x.parse::<f64>().ok()) else { continue };
+        *out.entry(name.trim().to_string()).or_insert(0.0) += ns * 1e-9;
+    }
+    out
+}
+
 pub fn run(a: ServeBenchArgs) -> anyhow::Result<()> {
     match a.mode.as_str() {
         "in-process" => {}
@@ -174,12 +216,10 @@ pub fn run(a: ServeBenchArgs) -> anyhow::Result<()> {
     let max_c = a.concurrency.iter().copied().max().unwrap_or(1);
     opts.max_num_seqs = opts.max_num_seqs.max(max_c.min(256));
     opts.max_batched_tokens = opts.max_batched_tokens.max(opts.max_num_seqs);
-    let core = cpu_engine(&opts)?;
-    let backend = {
-        use kernels::Backend;
-        core.backend().describe()
+    let (engine, backend) = match opts.device {
+        engine::load::Device::Cpu => spawn(cpu_engine(&opts)?),
+        engine::load::Device::Cuda(_) => spawn(engine::load::cuda_engine(&opts)?),
     };
-    let engine = EngineHandle::spawn(core, 1 << 20);
     let model = opts.model.clone();
     // The gateway runs on its own runtime, as under `disagg serve`; the load generator
     // on another, so the gateway's tasks never queue behind the client's parsing.
@@ -189,6 +229,7 @@ pub fn run(a: ServeBenchArgs) -> anyhow::Result<()> {
     state.set_engine(engine.clone());
     let listener = server_rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))?;
     let url = format!("http://{}/v1/completions", listener.local_addr()?);
+    let health = format!("http://{}/health", listener.local_addr()?);
     server_rt.spawn(router::serve(listener, state.clone(), std::future::pending()));
     let rt = tokio::runtime::Builder::new_multi_thread().thread_name("load").enable_all().build()?;
     let levels = rt.block_on(async {
@@ -199,7 +240,14 @@ pub fn run(a: ServeBenchArgs) -> anyhow::Result<()> {
         let mut levels = Vec::new();
         for &c in &a.concurrency {
             let n = a.requests.unwrap_or((2 * c).max(32));
+            // Open `c` connections first (as a client's pool holds them in steady state),
+            // timing a /health round trip on each new connection and then on each reused
+            // one: connection setup is per connection, not per request, and reported apart.
+            let new_conn_ms = health_round(&client, &health, c).await?;
+            let reused_conn_ms = health_round(&client, &health, c).await?;
             state.timings.lock().unwrap().clear();
+            let cpu0 = thread_cpu_s();
+            let steps0 = engine.stats().steps;
             let t0 = Instant::now();
             let http = closed_loop(n, c, {
                 let (client, url, model, mt) = (client.clone(), url.clone(), model.clone(), a.max_tokens);
@@ -210,6 +258,8 @@ pub fn run(a: ServeBenchArgs) -> anyhow::Result<()> {
             })
             .await;
             let http_s = t0.elapsed().as_secs_f64();
+            let cpu1 = thread_cpu_s();
+            let steps1 = engine.stats().steps;
             let t1 = Instant::now();
             let direct = closed_loop(n, c, {
                 let (e, mt) = (engine.clone(), a.max_tokens);
@@ -220,6 +270,7 @@ pub fn run(a: ServeBenchArgs) -> anyhow::Result<()> {
             })
             .await;
             let direct_s = t1.elapsed().as_secs_f64();
+            let steps2 = engine.stats().steps;
             let http: Vec<ClientTiming> = http.into_iter().collect::<Result<_, _>>()?;
             let direct: Vec<DirectTiming> = direct.into_iter().collect::<Result<_, _>>()?;
             let timings: std::collections::HashMap<String, router::RequestTiming> =
@@ -227,12 +278,18 @@ pub fn run(a: ServeBenchArgs) -> anyhow::Result<()> {
             let (mut gw_e2e, mut gw_first, mut client_e2e_over, mut client_first_over, mut ttft) =
                 (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
             let (mut gw_in, mut gw_out) = (Vec::new(), Vec::new());
+            // Outside the gateway's handler: client send → handler start, and the
+            // gateway's final bytes ready → the client has read `[DONE]`.
+            let (mut wire_in, mut wire_out, mut engine_ttft) = (Vec::new(), Vec::new(), Vec::new());
             for h in &http {
                 let Some(t) = timings.get(&h.id) else { continue };
                 gw_in.push(t.submitted.duration_since(t.arrival).as_secs_f64() * 1e3);
                 gw_out.push(t.emit_finish.duration_since(t.engine_finish).as_secs_f64() * 1e3);
                 gw_e2e.push(t.gateway_e2e_s() * 1e3);
                 gw_first.push(t.gateway_first_token_s() * 1e3);
+                wire_in.push(t.arrival.saturating_duration_since(h.send).as_secs_f64() * 1e3);
+                wire_out.push(h.done.saturating_duration_since(t.emit_finish).as_secs_f64() * 1e3);
+                engine_ttft.push(t.engine_first_text.duration_since(t.submitted).as_secs_f64() * 1e3);
                 let client_e2e = h.done.duration_since(h.send).as_secs_f64();
                 let engine_e2e = t.engine_finish.duration_since(t.submitted).as_secs_f64();
                 client_e2e_over.push((client_e2e - engine_e2e) * 1e3);
@@ -243,6 +300,10 @@ pub fn run(a: ServeBenchArgs) -> anyhow::Result<()> {
                 }
             }
             let tokens = (n * a.max_tokens) as f64;
+            let cpu_us = |name: &str| {
+                let d = cpu1.get(name).unwrap_or(&0.0) - cpu0.get(name).unwrap_or(&0.0);
+                d * 1e6 / tokens
+            };
             let direct_ttft: Vec<f64> = direct.iter().map(|d| d.first.duration_since(d.send).as_secs_f64() * 1e3).collect();
             let direct_e2e: Vec<f64> = direct.iter().map(|d| d.done.duration_since(d.send).as_secs_f64() * 1e3).collect();
             let http_e2e: Vec<f64> = http.iter().map(|h| h.done.duration_since(h.send).as_secs_f64() * 1e3).collect();
@@ -259,13 +320,25 @@ pub fn run(a: ServeBenchArgs) -> anyhow::Result<()> {
                 "client_observed_overhead_ms": {
                     "e2e_p50": pct(client_e2e_over.clone(), 0.5), "e2e_p99": pct(client_e2e_over, 0.99),
                     "first_token_p50": pct(client_first_over.clone(), 0.5), "first_token_p99": pct(client_first_over, 0.99),
+                    "send_to_handler_p50": pct(wire_in.clone(), 0.5), "send_to_handler_p99": pct(wire_in, 0.99),
+                    "emitted_to_client_done_p50": pct(wire_out.clone(), 0.5), "emitted_to_client_done_p99": pct(wire_out, 0.99),
                 },
+                "health_round_trip_ms": {
+                    "new_connection_p50": pct(new_conn_ms.clone(), 0.5), "new_connection_p99": pct(new_conn_ms, 0.99),
+                    "reused_connection_p50": pct(reused_conn_ms.clone(), 0.5), "reused_connection_p99": pct(reused_conn_ms, 0.99),
+                },
+                "engine_ttft_ms": {"http_p50": pct(engine_ttft.clone(), 0.5), "http_p99": pct(engine_ttft, 0.99)},
                 "http": {"tokens_per_s": tokens / http_s, "ttft_ms_p50": pct(ttft.clone(), 0.5), "ttft_ms_p99": pct(ttft, 0.99),
                          "e2e_ms_p50": pct(http_e2e.clone(), 0.5), "e2e_ms_p99": pct(http_e2e, 0.99),
                          "streamed_chunks_with_text": http.iter().map(|h| h.tokens).sum::<usize>()},
                 "direct": {"tokens_per_s": tokens / direct_s, "ttft_ms_p50": pct(direct_ttft.clone(), 0.5), "ttft_ms_p99": pct(direct_ttft, 0.99),
                            "e2e_ms_p50": pct(direct_e2e.clone(), 0.5), "e2e_ms_p99": pct(direct_e2e, 0.99)},
                 "http_over_direct_tokens_per_s": (tokens / http_s) / (tokens / direct_s),
+                // Engine steps each run took (fewer, fuller steps when requests arrive together).
+                "engine_steps": {"http": steps1 - steps0, "direct": steps2 - steps1},
+                // On-CPU time of the gateway's and the load generator's threads during
+                // the HTTP run, per streamed token (Linux schedstat; null elsewhere).
+                "cpu_us_per_token": {"gateway": cpu_us("gateway"), "load_generator": cpu_us("load")},
             }));
         }
         Ok::<_, anyhow::Error>(levels)
