@@ -171,6 +171,10 @@ where
     all
 }
 
+fn http_client() -> anyhow::Result<reqwest::Client> {
+    Ok(reqwest::Client::builder().pool_max_idle_per_host(1024).tcp_nodelay(true).build()?)
+}
+
 /// `c` concurrent GET /health requests; each one's round trip in ms.
 async fn health_round(client: &reqwest::Client, url: &str, c: usize) -> anyhow::Result<Vec<f64>> {
     let reqs = (0..c).map(|_| async move {
@@ -233,7 +237,7 @@ pub fn run(a: ServeBenchArgs) -> anyhow::Result<()> {
     server_rt.spawn(router::serve(listener, state.clone(), std::future::pending()));
     let rt = tokio::runtime::Builder::new_multi_thread().thread_name("load").enable_all().build()?;
     let levels = rt.block_on(async {
-        let client = reqwest::Client::builder().pool_max_idle_per_host(1024).tcp_nodelay(true).build()?;
+        let client = http_client()?;
         // Warm up both paths.
         http_request(&client, &url, &model, 0, 4).await?;
         direct_request(&engine, 0, 4).await?;
@@ -243,8 +247,13 @@ pub fn run(a: ServeBenchArgs) -> anyhow::Result<()> {
             // Open `c` connections first (as a client's pool holds them in steady state),
             // timing a /health round trip on each new connection and then on each reused
             // one: connection setup is per connection, not per request, and reported apart.
+            // A client of its own per level, so its first round opens exactly `c` connections;
+            // hyper hands a finished connection back to the pool asynchronously, hence the pauses.
+            let client = http_client()?;
             let new_conn_ms = health_round(&client, &health, c).await?;
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
             let reused_conn_ms = health_round(&client, &health, c).await?;
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
             state.timings.lock().unwrap().clear();
             let cpu0 = thread_cpu_s();
             let steps0 = engine.stats().steps;
@@ -300,10 +309,8 @@ pub fn run(a: ServeBenchArgs) -> anyhow::Result<()> {
                 }
             }
             let tokens = (n * a.max_tokens) as f64;
-            let cpu_us = |name: &str| {
-                let d = cpu1.get(name).unwrap_or(&0.0) - cpu0.get(name).unwrap_or(&0.0);
-                d * 1e6 / tokens
-            };
+            // None (JSON null) where the threads' schedstat is not readable.
+            let cpu_us = |name: &str| Some((cpu1.get(name)? - cpu0.get(name)?) * 1e6 / tokens);
             let direct_ttft: Vec<f64> = direct.iter().map(|d| d.first.duration_since(d.send).as_secs_f64() * 1e3).collect();
             let direct_e2e: Vec<f64> = direct.iter().map(|d| d.done.duration_since(d.send).as_secs_f64() * 1e3).collect();
             let http_e2e: Vec<f64> = http.iter().map(|h| h.done.duration_since(h.send).as_secs_f64() * 1e3).collect();

@@ -557,6 +557,7 @@ __device__ void flash_attn_impl(const float* qkv, const unsigned short* cache, l
     constexpr int CH = HD / 8;      // 16-byte chunks per key row
     constexpr int KPP = 128 / CH;   // keys per pass of the block's 128 threads
     constexpr int PASSES = FA_KEYS / KPP;
+    static_assert(128 % CH == 0 && FA_KEYS % KPP == 0, "lean loads: whole passes of the 128 threads");
     // Lean loads: a thread keeps one chunk column and steps over keys, so the per-block
     // parts of the address are computed once, the block table is read once per key (all
     // reads before the copies), and a power-of-two block size costs a shift, not a
