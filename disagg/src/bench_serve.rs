@@ -256,7 +256,7 @@ pub fn run(a: ServeBenchArgs) -> anyhow::Result<()> {
             tokio::time::sleep(std::time::Duration::from_millis(50)).await;
             state.timings.lock().unwrap().clear();
             let cpu0 = thread_cpu_s();
-            let steps0 = engine.stats().steps;
+            let steps0 = engine.stats();
             let t0 = Instant::now();
             let http = closed_loop(n, c, {
                 let (client, url, model, mt) = (client.clone(), url.clone(), model.clone(), a.max_tokens);
@@ -268,7 +268,7 @@ pub fn run(a: ServeBenchArgs) -> anyhow::Result<()> {
             .await;
             let http_s = t0.elapsed().as_secs_f64();
             let cpu1 = thread_cpu_s();
-            let steps1 = engine.stats().steps;
+            let steps1 = engine.stats();
             let t1 = Instant::now();
             let direct = closed_loop(n, c, {
                 let (e, mt) = (engine.clone(), a.max_tokens);
@@ -279,7 +279,7 @@ pub fn run(a: ServeBenchArgs) -> anyhow::Result<()> {
             })
             .await;
             let direct_s = t1.elapsed().as_secs_f64();
-            let steps2 = engine.stats().steps;
+            let steps2 = engine.stats();
             let http: Vec<ClientTiming> = http.into_iter().collect::<Result<_, _>>()?;
             let direct: Vec<DirectTiming> = direct.into_iter().collect::<Result<_, _>>()?;
             let timings: std::collections::HashMap<String, router::RequestTiming> =
@@ -341,8 +341,13 @@ pub fn run(a: ServeBenchArgs) -> anyhow::Result<()> {
                 "direct": {"tokens_per_s": tokens / direct_s, "ttft_ms_p50": pct(direct_ttft.clone(), 0.5), "ttft_ms_p99": pct(direct_ttft, 0.99),
                            "e2e_ms_p50": pct(direct_e2e.clone(), 0.5), "e2e_ms_p99": pct(direct_e2e, 0.99)},
                 "http_over_direct_tokens_per_s": (tokens / http_s) / (tokens / direct_s),
-                // Engine steps each run took (fewer, fuller steps when requests arrive together).
-                "engine_steps": {"http": steps1 - steps0, "direct": steps2 - steps1},
+                // Engine steps each run took, and those that decoded only (no prefill rows):
+                // requests arriving together prefill together.
+                "engine_steps": {"http": steps1.steps - steps0.steps, "direct": steps2.steps - steps1.steps},
+                "engine_decode_only_steps": {
+                    "http": steps1.decode_only_steps - steps0.decode_only_steps,
+                    "direct": steps2.decode_only_steps - steps1.decode_only_steps,
+                },
                 // On-CPU time of the gateway's and the load generator's threads during
                 // the HTTP run, per streamed token (Linux schedstat; null elsewhere).
                 "cpu_us_per_token": {"gateway": cpu_us("gateway"), "load_generator": cpu_us("load")},

@@ -155,6 +155,9 @@ pub struct EngineStats {
     pub running: usize,
     pub waiting: usize,
     pub steps: u64,
+    /// Steps in which every scheduled sequence ran exactly one token (decode only: the
+    /// steps a CUDA backend can replay from a graph); the rest mixed prefill in.
+    pub decode_only_steps: u64,
     pub preemptions: u64,
     /// Tokens run through the model (prefill and decode), recomputation included.
     pub forward_tokens: u64,
@@ -876,6 +879,7 @@ impl<B: Backend> EngineCore<B> {
             "a backend that samples on the device sampled nothing"
         );
         self.stats.steps += 1;
+        self.stats.decode_only_steps += (self.step_tokens.len() == plan.len()) as u64;
         self.stats.forward_tokens += self.step_tokens.len() as u64;
         for &(id, n) in &plan {
             let seq = self.seqs.get_mut(&id).expect("exists");

@@ -46,6 +46,26 @@ fn batched_decoding_equals_one_at_a_time() {
 }
 
 #[test]
+fn stats_count_decode_only_steps() {
+    // One short prompt, 5 tokens: a prefill step (it samples the first) and 4 steps
+    // that decode one token each.
+    let mut core = engine(&test_options());
+    run(&mut core, vec![(prompts()[0].clone(), greedy(5))]);
+    let s = core.stats();
+    assert_eq!((s.steps, s.decode_only_steps), (5, 4), "{s:?}");
+    // Under a 7-token budget a longer prompt takes several prefill steps, none decode-only.
+    let mut opts = test_options();
+    opts.max_batched_tokens = 7;
+    opts.max_num_seqs = 4;
+    let mut core = engine(&opts);
+    let p = prompts().into_iter().find(|p| p.len() > 14).expect("a prompt of over 14 tokens");
+    let prefill_steps = p.len().div_ceil(7) as u64;
+    run(&mut core, vec![(p, greedy(3))]);
+    let s = core.stats();
+    assert_eq!((s.steps, s.decode_only_steps), (prefill_steps + 2, 2), "{s:?}");
+}
+
+#[test]
 fn chunked_prefill_equals_whole_prefill() {
     let ps = prompts();
     let reqs = || ps.iter().map(|p| (p.clone(), greedy(8))).collect::<Vec<_>>();
