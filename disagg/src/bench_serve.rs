@@ -22,7 +22,6 @@ use std::time::Instant;
 
 use clap::Args;
 use engine::handle::EngineHandle;
-use engine::load::cpu_engine;
 use engine::sampling::SamplingParams;
 use futures::StreamExt;
 use router::{AppState, GatewayConfig};
@@ -193,11 +192,6 @@ async fn health_round(client: &reqwest::Client, url: &str, c: usize) -> anyhow::
     futures::future::join_all(reqs).await.into_iter().collect()
 }
 
-fn spawn<B: kernels::Backend + Send + 'static>(core: engine::scheduler::EngineCore<B>) -> (EngineHandle, String) {
-    let backend = core.backend().describe();
-    (EngineHandle::spawn(core, 1 << 20), backend)
-}
-
 /// Seconds on CPU so far of this process's threads, summed by thread name
 /// (`/proc/self/task/*/schedstat`, nanosecond resolution; empty where absent).
 fn thread_cpu_s() -> std::collections::HashMap<String, f64> {
@@ -226,10 +220,8 @@ pub fn run(a: ServeBenchArgs) -> anyhow::Result<()> {
     let max_c = a.concurrency.iter().copied().max().unwrap_or(1);
     opts.max_num_seqs = opts.max_num_seqs.max(max_c.min(256));
     opts.max_batched_tokens = opts.max_batched_tokens.max(opts.max_num_seqs);
-    let (engine, backend) = match opts.device {
-        engine::load::Device::Cpu => spawn(cpu_engine(&opts)?),
-        engine::load::Device::Cuda(_) => spawn(engine::load::cuda_engine(&opts)?),
-    };
+    let engine = engine::load::spawn_engine(&opts, 1 << 20)?;
+    let backend = engine.backend.to_string();
     let model = opts.model.clone();
     // The gateway runs on its own runtime, as under `disagg serve`; the load generator
     // on another, so the gateway's tasks never queue behind the client's parsing.
