@@ -111,6 +111,25 @@ pub const CUDA_FLASH_LEAN_LOADS: &str = "DISAGG_CUDA_FLASH_LEAN_LOADS";
 /// softmaxes instead of all the block's threads (four columns each); for A/B runs.
 pub const CUDA_FLASH_WIDE_MERGE: &str = "DISAGG_CUDA_FLASH_WIDE_MERGE";
 
+/// `0`: the CUDA flash kernels' online softmax calls exp2f (which scales around the
+/// hardware instruction for f32 subnormals) instead of the bare `ex2.approx.ftz`; for
+/// A/B runs.
+pub const CUDA_FLASH_FAST_EXP: &str = "DISAGG_CUDA_FLASH_FAST_EXP";
+
+/// `0`: the CUDA flash kernels address shared memory through generic pointers (64-bit
+/// arithmetic and two conversions per ldmatrix / cp.async) instead of 32-bit offsets
+/// from a base computed once; for A/B runs (only with the fast exp).
+pub const CUDA_FLASH_SMEM32: &str = "DISAGG_CUDA_FLASH_SMEM32";
+
+/// `0`: the head_dim-128 flash prefill kernel as ptxas sizes it (2 blocks per SM by its
+/// registers) instead of held to 3 blocks per SM; for A/B runs (only with the 32-bit
+/// shared addresses).
+pub const CUDA_FLASH_OCC3: &str = "DISAGG_CUDA_FLASH_OCC3";
+
+/// `0`: the CUDA flash kernels apply the causal and end-of-keys mask to every key tile
+/// instead of only to tiles that cross a row's diagonal or the end; for A/B runs.
+pub const CUDA_FLASH_MASK_EDGE: &str = "DISAGG_CUDA_FLASH_MASK_EDGE";
+
 /// `0`: the CUDA RoPE + KV write runs one block per token, walking its heads in rounds,
 /// instead of one thread per rotation pair (all of a step's loads in flight at once) for
 /// steps of up to 1,024 tokens (longer ones always take the block per token); for A/B runs.

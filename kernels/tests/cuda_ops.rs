@@ -171,25 +171,54 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
             be.kv_import(&mut gkv, 0, &blocks, &bytes);
             let dq = be.device().upload(&qkv).unwrap();
             // Each kernel whole and split into key chunks (this step's few tiles split);
-            // the flash kernel with ldmatrix fragments and with scalar shared loads, its
-            // tiles loaded with hoisted (lean) addresses and per-chunk ones, the decode
-            // form's warps merged by all threads (wide) and by warp 0.
-            for (flash, ldsm, chunk, lean, wide) in [
-                (false, false, 0, true, true),
-                (false, false, 64, true, true),
-                (true, true, 0, true, true),
-                (true, true, 64, true, true),
-                (true, false, 0, true, true),
-                (true, false, 64, true, true),
-                (true, true, 0, false, true),
-                (true, true, 64, false, true),
-                (true, true, 0, true, false),
-                (true, true, 64, true, false),
-            ] {
+            // the flash kernel with every switch on, and with each switched off in turn:
+            // ldmatrix fragments (else scalar shared loads), tiles loaded with hoisted
+            // (lean) addresses (else per chunk), the decode form's warps merged by all
+            // threads (else warp 0), the bare ex2 (else exp2f), 32-bit shared addresses
+            // (else generic pointers), the prefill form held to 3 blocks per SM, masks
+            // only on edge tiles (else on all).
+            #[derive(Clone, Copy)]
+            struct Flash {
+                on: bool,
+                ldsm: bool,
+                lean: bool,
+                wide: bool,
+                fast_exp: bool,
+                smem32: bool,
+                occ3: bool,
+                mask_edge: bool,
+            }
+            let all = Flash {
+                on: true,
+                ldsm: true,
+                lean: true,
+                wide: true,
+                fast_exp: true,
+                smem32: true,
+                occ3: true,
+                mask_edge: true,
+            };
+            let cases = [
+                Flash { on: false, ..all },
+                all,
+                Flash { ldsm: false, ..all },
+                Flash { lean: false, ..all },
+                Flash { wide: false, ..all },
+                Flash { fast_exp: false, ..all },
+                Flash { smem32: false, ..all },
+                Flash { occ3: false, ..all },
+                Flash { mask_edge: false, ..all },
+            ];
+            for (f, chunk) in cases.iter().flat_map(|f| [(f, 0), (f, 64)]) {
+                let flash = f.on;
                 be.set_flash(flash);
-                be.set_flash_ldmatrix(ldsm);
-                be.set_flash_lean_loads(lean);
-                be.set_flash_wide_merge(wide);
+                be.set_flash_ldmatrix(f.ldsm);
+                be.set_flash_lean_loads(f.lean);
+                be.set_flash_wide_merge(f.wide);
+                be.set_flash_fast_exp(f.fast_exp);
+                be.set_flash_smem32(f.smem32);
+                be.set_flash_occ3(f.occ3);
+                be.set_flash_mask_edge(f.mask_edge);
                 be.set_attn_chunk(chunk);
                 be.begin_step(&tokens, &batch, &rope, &attn, &[]);
                 let mut out = be.act(n_tokens * attn.q_dim()).unwrap();
@@ -198,8 +227,8 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
                 be.to_host(&out, &mut got);
                 let err = max_abs(&got, &want) / range;
                 println!(
-                    "attention {n_heads}/{n_kv} heads, head_dim {hd}, block {bs}, {} rows, flash {flash} (ldmatrix {ldsm}, lean loads {lean}, wide merge {wide}), split chunk {chunk}: max |GPU − CPU| / range = {err:.2e}",
-                    n_tokens
+                    "attention {n_heads}/{n_kv} heads, head_dim {hd}, block {bs}, {} rows, flash {flash} (ldmatrix {}, lean loads {}, wide merge {}, fast exp {}, 32-bit shared addresses {}, 3 per SM {}, edge masks {}), split chunk {chunk}: max |GPU − CPU| / range = {err:.2e}",
+                    n_tokens, f.ldsm, f.lean, f.wide, f.fast_exp, f.smem32, f.occ3, f.mask_edge
                 );
                 assert!(err < if flash { 5e-3 } else { 1e-4 }, "flash {flash}, chunk {chunk}: {err}");
             }

@@ -217,9 +217,9 @@ pub struct CudaBackend {
     gemv_max_tokens: usize,
     /// Attention key splits chosen by whole waves of resident blocks
     /// (`DISAGG_CUDA_ATTN_WAVES=0`: the earlier rule, two blocks per SM), and the flash
-    /// kernels' resident blocks per SM, [prefill d64, prefill d128, decode d64, decode d128].
+    /// kernels' resident blocks per SM, by kernel name.
     attn_waves: bool,
-    flash_blocks_per_sm: [usize; 4],
+    flash_blocks_per_sm: std::collections::HashMap<&'static str, usize>,
     /// The flash kernels load K and V fragments by ldmatrix (`DISAGG_CUDA_FLASH_LDMATRIX=0`:
     /// by 32- and 16-bit shared loads).
     flash_ldmatrix: bool,
@@ -229,6 +229,18 @@ pub struct CudaBackend {
     /// All of a flash-decode block's threads merge its warps' parts
     /// (`DISAGG_CUDA_FLASH_WIDE_MERGE=0`: warp 0 alone).
     flash_wide_merge: bool,
+    /// The flash kernels' softmax takes the bare ex2 instruction (subnormals flushed)
+    /// rather than exp2f (`DISAGG_CUDA_FLASH_FAST_EXP=0`).
+    flash_fast_exp: bool,
+    /// The flash kernels address shared memory by 32-bit offsets from a base computed
+    /// once (`DISAGG_CUDA_FLASH_SMEM32=0`: generic pointers; with the fast exp only).
+    flash_smem32: bool,
+    /// The head_dim-128 flash prefill kernel is compiled for 3 blocks per SM rather than
+    /// its natural 2 (`DISAGG_CUDA_FLASH_OCC3=0`; with the 32-bit shared addresses only).
+    flash_occ3: bool,
+    /// Only tiles that cross a row's diagonal or the keys' end are masked
+    /// (`DISAGG_CUDA_FLASH_MASK_EDGE=0`: every tile).
+    flash_mask_edge: bool,
     /// RoPE + KV write with one thread per rotation pair (`DISAGG_CUDA_ROPE_PAIRS=0`: one
     /// block per token).
     rope_pairs: bool,
@@ -313,14 +325,9 @@ impl CudaBackend {
             }
         };
         let flash_blocks_per_sm = if dev.arch.0 >= 8 {
-            [
-                flash_occ("flash_attn_f16_d64", 64),
-                flash_occ("flash_attn_f16_d128", 128),
-                flash_occ("flash_decode_f16_d64", 64),
-                flash_occ("flash_decode_f16_d128", 128),
-            ]
+            super::FLASH_KERNELS.iter().map(|&(name, hd)| (name, flash_occ(name, hd))).collect()
         } else {
-            [1; 4]
+            Default::default()
         };
         let n_sms = dev
             .context()
@@ -331,6 +338,10 @@ impl CudaBackend {
             flash_ldmatrix: !off(crate::env::CUDA_FLASH_LDMATRIX),
             flash_lean_loads: !off(crate::env::CUDA_FLASH_LEAN_LOADS),
             flash_wide_merge: !off(crate::env::CUDA_FLASH_WIDE_MERGE),
+            flash_fast_exp: !off(crate::env::CUDA_FLASH_FAST_EXP),
+            flash_smem32: !off(crate::env::CUDA_FLASH_SMEM32),
+            flash_occ3: !off(crate::env::CUDA_FLASH_OCC3),
+            flash_mask_edge: !off(crate::env::CUDA_FLASH_MASK_EDGE),
             rope_pairs: !off(crate::env::CUDA_ROPE_PAIRS),
             gemv_pipe: !off(crate::env::CUDA_GEMV_PIPE),
             norm_cast: !off(crate::env::CUDA_NORM_CAST),
@@ -441,6 +452,63 @@ impl CudaBackend {
     /// `DISAGG_CUDA_FLASH_WIDE_MERGE=0`).
     pub fn set_flash_wide_merge(&mut self, on: bool) {
         self.set_switch(on, |b| &mut b.flash_wide_merge);
+    }
+
+    /// The flash kernels' softmax takes the bare ex2 instruction (default: on unless
+    /// `DISAGG_CUDA_FLASH_FAST_EXP=0`).
+    pub fn set_flash_fast_exp(&mut self, on: bool) {
+        self.set_switch(on, |b| &mut b.flash_fast_exp);
+    }
+
+    /// The flash kernels address shared memory by 32-bit offsets (default: on unless
+    /// `DISAGG_CUDA_FLASH_SMEM32=0`).
+    pub fn set_flash_smem32(&mut self, on: bool) {
+        self.set_switch(on, |b| &mut b.flash_smem32);
+    }
+
+    /// The head_dim-128 flash prefill kernel held to 3 blocks per SM (default: on unless
+    /// `DISAGG_CUDA_FLASH_OCC3=0`).
+    pub fn set_flash_occ3(&mut self, on: bool) {
+        self.set_switch(on, |b| &mut b.flash_occ3);
+    }
+
+    /// The flash kernels mask only tiles that cross a row's diagonal or the keys' end
+    /// (default: on unless `DISAGG_CUDA_FLASH_MASK_EDGE=0`).
+    pub fn set_flash_mask_edge(&mut self, on: bool) {
+        self.set_switch(on, |b| &mut b.flash_mask_edge);
+    }
+
+    /// The flash kernel a step takes (see the switches above and ops.cu's FLASH_KERNEL
+    /// list).
+    fn flash_kernel(&self, head_dim: usize, decode: bool) -> &'static str {
+        // The kernel's form (ops.cu's flash_attn_impl V): each switch off falls back
+        // to the form below it.
+        let form = match (self.flash_ldmatrix, self.flash_fast_exp, self.flash_smem32) {
+            (false, ..) => "lds",
+            (true, false, _) => "",
+            (true, true, false) => "fx",
+            (true, true, true) => "sa",
+        };
+        let d64 = head_dim == 64;
+        match (form, decode, d64) {
+            ("lds", false, true) => "flash_attn_lds_f16_d64",
+            ("lds", true, true) => "flash_decode_lds_f16_d64",
+            ("lds", false, false) => "flash_attn_lds_f16_d128",
+            ("lds", true, false) => "flash_decode_lds_f16_d128",
+            ("", false, true) => "flash_attn_f16_d64",
+            ("", true, true) => "flash_decode_f16_d64",
+            ("", false, false) => "flash_attn_f16_d128",
+            ("", true, false) => "flash_decode_f16_d128",
+            ("fx", false, true) => "flash_attn_fx_f16_d64",
+            ("fx", true, true) => "flash_decode_fx_f16_d64",
+            ("fx", false, false) => "flash_attn_fx_f16_d128",
+            ("fx", true, false) => "flash_decode_fx_f16_d128",
+            (_, false, true) => "flash_attn_sa_f16_d64",
+            (_, true, true) => "flash_decode_sa_f16_d64",
+            (_, false, false) if self.flash_occ3 => "flash_attn_sa3_f16_d128",
+            (_, false, false) => "flash_attn_sa_f16_d128",
+            (_, true, false) => "flash_decode_sa_f16_d128",
+        }
     }
 
     /// RoPE + KV write with one thread per rotation pair for steps of up to 1,024 tokens
@@ -912,8 +980,8 @@ impl CudaBackend {
             self.buffers_moving();
         }
         let (units, per_sm) = if self.step_flash {
-            let i = usize::from(attn.head_dim != 64) + 2 * usize::from(self.step_decode);
-            let per_sm = self.flash_blocks_per_sm[i];
+            let name = self.flash_kernel(attn.head_dim, self.step_decode);
+            let per_sm = self.flash_blocks_per_sm.get(name).copied().unwrap_or(1);
             (tiles.len() * attn.n_kv_heads, per_sm)
         } else {
             (batch.n_tokens * attn.n_heads, 2048 / 256)
@@ -1257,16 +1325,7 @@ impl Backend for CudaBackend {
         }
         match &kv.layers[layer] {
             KvBuf::F16(c) if self.step_flash => {
-                let name = match (attn.head_dim, self.step_decode, self.flash_ldmatrix) {
-                    (64, false, true) => "flash_attn_f16_d64",
-                    (64, true, true) => "flash_decode_f16_d64",
-                    (_, false, true) => "flash_attn_f16_d128",
-                    (_, true, true) => "flash_decode_f16_d128",
-                    (64, false, false) => "flash_attn_lds_f16_d64",
-                    (64, true, false) => "flash_decode_lds_f16_d64",
-                    (_, false, false) => "flash_attn_lds_f16_d128",
-                    (_, true, false) => "flash_decode_lds_f16_d128",
-                };
+                let name = self.flash_kernel(attn.head_dim, self.step_decode);
                 let cfg = LaunchConfig {
                     grid_dim: (self.n_fa_tiles as u32, attn.n_kv_heads as u32, splits as u32),
                     block_dim: (128, 1, 1),
@@ -1276,8 +1335,11 @@ impl Backend for CudaBackend {
                 b.arg(qkv).arg(c).arg(&half).arg(&self.fa_tiles).arg(&self.tables);
                 b.arg(&nh).arg(&nkv).arg(&bs).arg(&scale).arg(&self.max_ctx_dev);
                 // Split: each block writes its partials to the scratch, merged below.
-                // The kernel's switch bits (FLASH_LEAN_LOADS, FLASH_WIDE_MERGE in ops.cu).
-                let flags = self.flash_lean_loads as i32 | (self.flash_wide_merge as i32) << 1;
+                // The kernel's switch bits (FLASH_LEAN_LOADS, FLASH_WIDE_MERGE,
+                // FLASH_MASK_EDGE in ops.cu).
+                let flags = self.flash_lean_loads as i32
+                    | (self.flash_wide_merge as i32) << 1
+                    | (self.flash_mask_edge as i32) << 2;
                 b.arg(&mut *out).arg(&mut self.attn_part).arg(&flags);
                 // SAFETY: argument types match the kernel; the tiles cover this step's
                 // rows and their tables index the cache; the scratch holds every partial.

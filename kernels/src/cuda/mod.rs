@@ -65,14 +65,6 @@ const KERNELS: &[&str] = &[
     "argmax_rows",
     "stream_read",
     "sample_rows",
-    "flash_attn_f16_d64",
-    "flash_attn_f16_d128",
-    "flash_decode_f16_d64",
-    "flash_decode_f16_d128",
-    "flash_attn_lds_f16_d64",
-    "flash_attn_lds_f16_d128",
-    "flash_decode_lds_f16_d64",
-    "flash_decode_lds_f16_d128",
 ];
 
 /// Most tokens the GEMV kernels take (`…_m1` to `…_m8`: one kernel per token count;
@@ -120,7 +112,7 @@ pub(crate) const GEMV_FLAT_M1: [&str; 3] =
     ["gemv_bf16_m1_flat", "gemv_norm_bf16_m1_flat", "gemv_norm_silu_bf16_m1_flat"];
 
 /// The flash-attention kernels and their head_dim.
-const FLASH_KERNELS: [(&str, usize); 8] = [
+pub(crate) const FLASH_KERNELS: [(&str, usize); 17] = [
     ("flash_attn_f16_d64", 64),
     ("flash_attn_f16_d128", 128),
     ("flash_decode_f16_d64", 64),
@@ -129,6 +121,15 @@ const FLASH_KERNELS: [(&str, usize); 8] = [
     ("flash_attn_lds_f16_d128", 128),
     ("flash_decode_lds_f16_d64", 64),
     ("flash_decode_lds_f16_d128", 128),
+    ("flash_attn_fx_f16_d64", 64),
+    ("flash_attn_fx_f16_d128", 128),
+    ("flash_decode_fx_f16_d64", 64),
+    ("flash_decode_fx_f16_d128", 128),
+    ("flash_attn_sa_f16_d64", 64),
+    ("flash_attn_sa_f16_d128", 128),
+    ("flash_attn_sa3_f16_d128", 128),
+    ("flash_decode_sa_f16_d64", 64),
+    ("flash_decode_sa_f16_d128", 128),
 ];
 
 /// Dynamic shared memory of a flash-attention block (`FA_SMEM_BYTES` in ops.cu): two
@@ -202,7 +203,8 @@ impl CudaDevice {
         let f = |n: &str| module.load_function(n).map_err(dev_err);
         let mut funcs = HashMap::new();
         let gemv = [GEMV_BF16, GEMV_NORM_BF16, GEMV_NORM_SILU_BF16];
-        for &k in KERNELS.iter().chain(gemv.iter().flatten()).chain(&GEMV_FLAT_M1) {
+        let flash = FLASH_KERNELS.iter().map(|(k, _)| k);
+        for &k in KERNELS.iter().chain(gemv.iter().flatten()).chain(&GEMV_FLAT_M1).chain(flash) {
             funcs.insert(k, f(k)?);
         }
         // The flash kernels' double-buffered K/V tiles exceed the default 48 KiB of

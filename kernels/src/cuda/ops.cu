@@ -454,6 +454,14 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src, int bytes
     __trap();
 #endif
 }
+// The same with a 32-bit shared address (see the flash kernels' SA form).
+__device__ __forceinline__ void cp_async16_at(unsigned dst, const void* src, int bytes) {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
+#else
+    __trap();
+#endif
+}
 __device__ __forceinline__ void cp_async_commit() {
 #if __CUDA_ARCH__ >= 800
     asm volatile("cp.async.commit_group;\n" ::);
@@ -487,11 +495,37 @@ __device__ __forceinline__ void ldsm_x4(unsigned& r0, unsigned& r1, unsigned& r2
     __trap();
 #endif
 }
+template <bool TRANS>
+__device__ __forceinline__ void ldsm_x4_at(unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3, unsigned a) {
+#if __CUDA_ARCH__ >= 750
+    if (TRANS)
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                     : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                     : "r"(a));
+    else
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                     : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                     : "r"(a));
+#else
+    __trap();
+#endif
+}
 
 #define FA_KEYS 64
 // Bits of the flash kernels' `flags` (switches for A/B runs).
 #define FLASH_LEAN_LOADS 1  // tile loads: addresses once per key, hoisted (else per chunk)
 #define FLASH_WIDE_MERGE 2  // decode: all the block's threads merge its warps' parts (else warp 0)
+#define FLASH_MASK_EDGE 4   // mask only tiles that cross a row's diagonal or the keys' end (else all)
+// 2^x for the online softmax. FX: the bare MUFU instruction, inputs and results below
+// 2^-126 flushed to zero (x ≤ 0 here, and P is rounded to f16 anyway, whose smallest
+// subnormal is 2^-24); else exp2f, which scales around the MUFU for f32 subnormals.
+template <bool FX>
+__device__ __forceinline__ float fa_exp2(float x) {
+    if (!FX) return exp2f(x);
+    float r;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+    return r;
+}
 // Dynamic shared memory of a flash block: two stages (double buffering) of a K and a V
 // tile, FA_KEYS rows of head_dim + 8 halves each.
 #define FA_SMEM_BYTES(HD) (2 * 2 * FA_KEYS * ((HD) + 8) * 2)
@@ -500,7 +534,12 @@ __device__ __forceinline__ void ldsm_x4(unsigned& r0, unsigned& r1, unsigned& r2
 // softmaxes through shared memory, so a decode block computes 4× faster.
 // LDSM: the K and V fragments come from shared memory by ldmatrix (one instruction per
 // four 8×8 matrices, V transposed on the way) instead of 32- and 16-bit loads.
-template <int HD, bool WS, bool LDSM>
+// V, the kernel's form (each level keeps the ones below, for A/B runs): 0 as first
+// written; 1 adds fa_exp2's bare form (FX); 2 adds shared addresses as 32-bit offsets
+// from the tile base computed once (SA), so each ldmatrix and cp.async takes a constant
+// displacement instead of 64-bit pointer arithmetic and two address-space conversions
+// (ALU was the busiest pipe in the prefill kernel's profile).
+template <int HD, bool WS, bool LDSM, int V>
 __device__ void flash_attn_impl(const float* qkv, const unsigned short* cache, long long half, const int* tiles,
                                 const unsigned int* tables, int n_heads, int n_kv, int block_size, float scale,
                                 const int* max_ctx, float* out, float* part, int flags) {
@@ -509,8 +548,11 @@ __device__ void flash_attn_impl(const float* qkv, const unsigned short* cache, l
     constexpr int DT = HD / 8;                // n-tiles of O over head_dim
     constexpr int ST = HD + 8;                // shared row stride in halves (conflict-free fragment loads)
     constexpr int NT = WS ? 2 : FA_KEYS / 8;  // key n-tiles of S per warp and tile
+    constexpr bool FX = V >= 1, SA = V >= 2;
     extern __shared__ __align__(16) unsigned char fa_smem[];
     unsigned short* kvs = (unsigned short*)fa_smem;  // [stage][K | V][FA_KEYS][ST]
+    const unsigned kvs_at = (unsigned)__cvta_generic_to_shared(fa_smem);
+    constexpr unsigned STAGE_BYTES = 2 * FA_KEYS * ST * 2, V_BYTES = FA_KEYS * ST * 2;
     const int* tile = tiles + 4 * blockIdx.x;
     const int row0 = tile[0], ntok = tile[1], pos0 = tile[2];
     const unsigned int* table = tables + tile[3];
@@ -553,6 +595,8 @@ __device__ void flash_attn_impl(const float* qkv, const unsigned short* cache, l
     const int r_first = WS ? 0 : warp * 16;
     const bool idle = r_first >= nrows;  // no row of this warp is in the tile
     const int warp_last = pos0 + min(r_first + 15, nrows - 1) / grp;
+    // Keys before this are in every row's past (rows are in position order).
+    const int warp_first = pos0 + min(r_first, nrows - 1) / grp;
     const int key_off = WS ? 16 * warp : 0;  // this warp's keys within a tile
     constexpr int CH = HD / 8;      // 16-byte chunks per key row
     constexpr int KPP = 128 / CH;   // keys per pass of the block's 128 threads
@@ -583,11 +627,17 @@ __device__ void flash_attn_impl(const float* qkv, const unsigned short* cache, l
                 }
             }
             unsigned short* kp = kd + my_key * ST + my_c;
+            const unsigned kp_at = kvs_at + st * STAGE_BYTES + (my_key * ST + my_c) * 2;
 #pragma unroll
             for (int p = 0; p < PASSES; p++) {
                 const int bytes = src[p] ? 16 : 0;
-                cp_async16(kp + p * KPP * ST, bytes ? src[p] : cache, bytes);
-                cp_async16(kp + FA_KEYS * ST + p * KPP * ST, bytes ? src[p] + half : cache, bytes);
+                if (SA) {
+                    cp_async16_at(kp_at + p * KPP * ST * 2, bytes ? src[p] : cache, bytes);
+                    cp_async16_at(kp_at + V_BYTES + p * KPP * ST * 2, bytes ? src[p] + half : cache, bytes);
+                } else {
+                    cp_async16(kp + p * KPP * ST, bytes ? src[p] : cache, bytes);
+                    cp_async16(kp + FA_KEYS * ST + p * KPP * ST, bytes ? src[p] + half : cache, bytes);
+                }
             }
             cp_async_commit();
             return;
@@ -619,6 +669,7 @@ __device__ void flash_attn_impl(const float* qkv, const unsigned short* cache, l
         __syncthreads();
         const unsigned short* ks = kvs + stage * 2 * FA_KEYS * ST;
         const unsigned short* vs = ks + FA_KEYS * ST;
+        const unsigned ks_at = kvs_at + stage * STAGE_BYTES;
         // Skip when every key of this warp's part comes after its rows.
         if (!idle && kb + key_off <= warp_last) {
             float s[NT][4];
@@ -628,10 +679,14 @@ __device__ void flash_attn_impl(const float* qkv, const unsigned short* cache, l
                 if (LDSM) {
                     // Matrices: keys nt·8.. × dims 16k + 8j, j = 0..3 (two k-steps).
                     const unsigned short* kr = ks + (key_off + nt * 8 + lr) * ST + 8 * lj;
+                    const unsigned kr_at = ks_at + ((key_off + lr) * ST + 8 * lj) * 2 + nt * 8 * ST * 2;
 #pragma unroll
                     for (int k = 0; k < KS; k += 2) {
                         unsigned b0, b1, b2, b3;
-                        ldsm_x4<false>(b0, b1, b2, b3, kr + 16 * k);
+                        if (SA)
+                            ldsm_x4_at<false>(b0, b1, b2, b3, kr_at + 16 * k * 2);
+                        else
+                            ldsm_x4<false>(b0, b1, b2, b3, kr + 16 * k);
                         mma_f16_16816(s[nt], qf[k], b0, b1);
                         mma_f16_16816(s[nt], qf[k + 1], b2, b3);
                     }
@@ -646,14 +701,24 @@ __device__ void flash_attn_impl(const float* qkv, const unsigned short* cache, l
                 }
             }
             // Causal mask and the split's end (this also hides the zero keys), row maxima.
+            // A tile whose keys all precede the warp's first row and the end needs none.
+            const bool edge = !(flags & FLASH_MASK_EDGE) || kb + key_off + NT * 8 > min(warp_first + 1, k1);
+            if (edge) {
+#pragma unroll
+                for (int nt = 0; nt < NT; nt++) {
+#pragma unroll
+                    for (int e = 0; e < 2; e++) {
+                        const int j = kb + key_off + nt * 8 + 2 * t4 + e;
+                        if (j > pa || j >= k1) s[nt][e] = NEG_INF;
+                        if (j > pb || j >= k1) s[nt][2 + e] = NEG_INF;
+                    }
+                }
+            }
             float mx0 = NEG_INF, mx1 = NEG_INF;
 #pragma unroll
             for (int nt = 0; nt < NT; nt++) {
 #pragma unroll
                 for (int e = 0; e < 2; e++) {
-                    const int j = kb + key_off + nt * 8 + 2 * t4 + e;
-                    if (j > pa || j >= k1) s[nt][e] = NEG_INF;
-                    if (j > pb || j >= k1) s[nt][2 + e] = NEG_INF;
                     mx0 = fmaxf(mx0, s[nt][e]);
                     mx1 = fmaxf(mx1, s[nt][2 + e]);
                 }
@@ -665,16 +730,16 @@ __device__ void flash_attn_impl(const float* qkv, const unsigned short* cache, l
             const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
             // A row may have no key yet (a split or a warp's part before its position).
             const float r0 = n0 == NEG_INF ? 0.f : n0, r1 = n1 == NEG_INF ? 0.f : n1;
-            const float a0 = exp2f(m0 - r0), a1 = exp2f(m1 - r1);
+            const float a0 = fa_exp2<FX>(m0 - r0), a1 = fa_exp2<FX>(m1 - r1);
             m0 = n0;
             m1 = n1;
             float rs0 = 0.f, rs1 = 0.f;
 #pragma unroll
             for (int nt = 0; nt < NT; nt++) {
-                s[nt][0] = exp2f(s[nt][0] - r0);
-                s[nt][1] = exp2f(s[nt][1] - r0);
-                s[nt][2] = exp2f(s[nt][2] - r1);
-                s[nt][3] = exp2f(s[nt][3] - r1);
+                s[nt][0] = fa_exp2<FX>(s[nt][0] - r0);
+                s[nt][1] = fa_exp2<FX>(s[nt][1] - r0);
+                s[nt][2] = fa_exp2<FX>(s[nt][2] - r1);
+                s[nt][3] = fa_exp2<FX>(s[nt][3] - r1);
                 rs0 += s[nt][0] + s[nt][1];
                 rs1 += s[nt][2] + s[nt][3];
             }
@@ -698,10 +763,15 @@ __device__ void flash_attn_impl(const float* qkv, const unsigned short* cache, l
                 if (LDSM) {
                     // Matrices (transposed): keys 16kk + 8(j & 1).. × dims 8(d + (j >> 1))..
                     const unsigned short* vr = vs + (key_off + 16 * kk + lr + 8 * (lj & 1)) * ST + 8 * (lj >> 1);
+                    const unsigned vr_at =
+                        ks_at + V_BYTES + ((key_off + lr + 8 * (lj & 1)) * ST + 8 * (lj >> 1)) * 2 + 16 * kk * ST * 2;
 #pragma unroll
                     for (int d = 0; d < DT; d += 2) {
                         unsigned b0, b1, b2, b3;
-                        ldsm_x4<true>(b0, b1, b2, b3, vr + d * 8);
+                        if (SA)
+                            ldsm_x4_at<true>(b0, b1, b2, b3, vr_at + d * 8 * 2);
+                        else
+                            ldsm_x4<true>(b0, b1, b2, b3, vr + d * 8);
                         mma_f16_16816(o[d], pf, b0, b1);
                         mma_f16_16816(o[d + 1], pf, b2, b3);
                     }
@@ -754,7 +824,7 @@ __device__ void flash_attn_impl(const float* qkv, const unsigned short* cache, l
 #pragma unroll
             for (int v = 0; v < 4; v++) {
                 const float mv = ml[(v * 16 + r) * 2];
-                const float wv = mv == NEG_INF ? 0.f : exp2f(mv - M);
+                const float wv = mv == NEG_INF ? 0.f : fa_exp2<FX>(mv - M);
                 L += wv * ml[(v * 16 + r) * 2 + 1];
                 const float4 x = *(const float4*)&acc[(v * 16 + r) * RA + c];
                 a.x += wv * x.x;
@@ -807,7 +877,7 @@ __device__ void flash_attn_impl(const float* qkv, const unsigned short* cache, l
             float wv[4], L = 0.f;
             for (int v = 0; v < 4; v++) {
                 const float mv = mo[(v * 16 + r) * RW];
-                wv[v] = mv == NEG_INF ? 0.f : exp2f(mv - M);
+                wv[v] = mv == NEG_INF ? 0.f : fa_exp2<FX>(mv - M);
                 L += wv[v] * mo[(v * 16 + r) * RW + 1];
             }
 #pragma unroll
@@ -862,16 +932,31 @@ __device__ void flash_attn_impl(const float* qkv, const unsigned short* cache, l
     const unsigned int* tables, int n_heads, int n_kv, int block_size, float scale, const int* max_ctx, float* out, \
     float* part, int flags
 #define FLASH_CALL qkv, cache, half, tiles, tables, n_heads, n_kv, block_size, scale, max_ctx, out, part, flags
-#define FLASH_KERNEL(NAME, HD, WS, LDSM) \
-    extern "C" __global__ void __launch_bounds__(128) NAME(FLASH_ARGS) { flash_attn_impl<HD, WS, LDSM>(FLASH_CALL); }
-FLASH_KERNEL(flash_attn_f16_d64, 64, false, true)
-FLASH_KERNEL(flash_attn_f16_d128, 128, false, true)
-FLASH_KERNEL(flash_decode_f16_d64, 64, true, true)
-FLASH_KERNEL(flash_decode_f16_d128, 128, true, true)
-FLASH_KERNEL(flash_attn_lds_f16_d64, 64, false, false)
-FLASH_KERNEL(flash_attn_lds_f16_d128, 128, false, false)
-FLASH_KERNEL(flash_decode_lds_f16_d64, 64, true, false)
-FLASH_KERNEL(flash_decode_lds_f16_d128, 128, true, false)
+// LB: the launch bounds, (128) or (128, blocks per SM the registers must allow): a
+// stated 1 lets ptxas spend registers freely (224 here against 174 without it).
+#define FLASH_KERNEL(NAME, HD, WS, LDSM, V, LB) \
+    extern "C" __global__ void __launch_bounds__ LB NAME(FLASH_ARGS) { \
+        flash_attn_impl<HD, WS, LDSM, V>(FLASH_CALL); \
+    }
+FLASH_KERNEL(flash_attn_f16_d64, 64, false, true, 0, (128))
+FLASH_KERNEL(flash_attn_f16_d128, 128, false, true, 0, (128))
+FLASH_KERNEL(flash_decode_f16_d64, 64, true, true, 0, (128))
+FLASH_KERNEL(flash_decode_f16_d128, 128, true, true, 0, (128))
+FLASH_KERNEL(flash_attn_lds_f16_d64, 64, false, false, 0, (128))
+FLASH_KERNEL(flash_attn_lds_f16_d128, 128, false, false, 0, (128))
+FLASH_KERNEL(flash_decode_lds_f16_d64, 64, true, false, 0, (128))
+FLASH_KERNEL(flash_decode_lds_f16_d128, 128, true, false, 0, (128))
+// Form 1 (fast exp2) and form 2 (+ 32-bit shared addresses); the d128 prefill kernel of
+// form 2 also held to 3 blocks per SM (≤ 168 registers).
+FLASH_KERNEL(flash_attn_fx_f16_d64, 64, false, true, 1, (128))
+FLASH_KERNEL(flash_attn_fx_f16_d128, 128, false, true, 1, (128))
+FLASH_KERNEL(flash_decode_fx_f16_d64, 64, true, true, 1, (128))
+FLASH_KERNEL(flash_decode_fx_f16_d128, 128, true, true, 1, (128))
+FLASH_KERNEL(flash_attn_sa_f16_d64, 64, false, true, 2, (128))
+FLASH_KERNEL(flash_attn_sa_f16_d128, 128, false, true, 2, (128))
+FLASH_KERNEL(flash_attn_sa3_f16_d128, 128, false, true, 2, (128, 3))
+FLASH_KERNEL(flash_decode_sa_f16_d64, 64, true, true, 2, (128))
+FLASH_KERNEL(flash_decode_sa_f16_d128, 128, true, true, 2, (128))
 
 // ---- Small-batch GEMM (decode): out[m][n] (+)= Σ_k x[m][k] · W[n][k] ----
 // W: bf16 [rows][k] row-major (k a multiple of 8), x: f32 [M][k], out: f32 [M][n_out].
