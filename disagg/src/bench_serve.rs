@@ -2,9 +2,13 @@
 //!
 //! One process holds the engine, the gateway on a loopback socket and the load
 //! generator, so every timestamp comes from the same clock. At each concurrency level
-//! the same load (streaming completions, distinct prompts, fixed length) runs twice:
+//! the same load (streaming completions, distinct prompts, fixed length) runs once
+//! unmeasured (warm-up) and then in `--rounds` rounds of two runs, in alternating order:
 //! through HTTP (reqwest client → axum gateway → engine) and straight into the engine
-//! handle. Per HTTP request, the gateway overhead is the client-observed time minus
+//! handle. Tokens/s are medians over rounds (an engine step's time varies from run to
+//! run more than the gateway costs, so one run each cannot tell them apart); the
+//! engine's idle time per run (wall time outside its steps) isolates what the path in
+//! front of the engine costs in throughput. Per HTTP request, the gateway overhead is the client-observed time minus
 //! the engine's own time for that request (matched by response id):
 //! - e2e: (client send → `[DONE]` read) − (engine accepted → engine finished)
 //! - first token: (client send → first token chunk read) − (engine accepted → first output)
@@ -43,6 +47,15 @@ pub struct ServeBenchArgs {
     /// Requests per level (default: twice the concurrency, at least 32).
     #[arg(long)]
     pub requests: Option<usize>,
+    /// Skip each level's unmeasured warm-up pass (the same load straight into the
+    /// engine, so that both measured runs meet only batch shapes it has seen).
+    #[arg(long)]
+    pub no_level_warmup: bool,
+    /// Measured rounds per level, each one HTTP run and one direct run, in alternating
+    /// order (HTTP first in even rounds); tokens/s are the medians over the rounds and
+    /// latencies pool every round's requests.
+    #[arg(long, default_value_t = 3)]
+    pub rounds: usize,
     /// `in-process`: gateway overhead, gateway and engine in this process. `up`: the
     /// same streaming load against `disagg serve` and then `disagg up` processes,
     /// client-side TTFT and inter-token latency.
@@ -252,32 +265,72 @@ pub fn run(a: ServeBenchArgs) -> anyhow::Result<()> {
             tokio::time::sleep(std::time::Duration::from_millis(50)).await;
             let reused_conn_ms = health_round(&client, &health, c).await?;
             tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+            // The measured runs come after one unmeasured pass of the same load, so the
+            // first of them does not pay alone for what a new batch shape costs once
+            // (a CUDA graph capture, a cuBLAS plan).
+            let warmup_s = if a.no_level_warmup {
+                None
+            } else {
+                let t = Instant::now();
+                let w = closed_loop(n, c, {
+                    let (e, mt) = (engine.clone(), a.max_tokens);
+                    move |i| {
+                        let e = e.clone();
+                        async move { direct_request(&e, i, mt).await }
+                    }
+                })
+                .await;
+                w.into_iter().collect::<Result<Vec<_>, _>>()?;
+                Some(t.elapsed().as_secs_f64())
+            };
             state.timings.lock().unwrap().clear();
-            let cpu0 = thread_cpu_s();
-            let steps0 = engine.stats();
-            let t0 = Instant::now();
-            let http = closed_loop(n, c, {
-                let (client, url, model, mt) = (client.clone(), url.clone(), model.clone(), a.max_tokens);
-                move |i| {
-                    let (client, url, model) = (client.clone(), url.clone(), model.clone());
-                    async move { http_request(&client, &url, &model, i, mt).await }
+            // Per run: (wall s, engine step s, steps, decode-only steps).
+            let (mut http_runs, mut direct_runs) = (Vec::new(), Vec::new());
+            let (mut http, mut direct) = (Vec::new(), Vec::new());
+            let mut cpu_s: std::collections::HashMap<String, f64> = Default::default();
+            for r in 0..a.rounds {
+                for is_http in if r % 2 == 0 { [true, false] } else { [false, true] } {
+                    let (cpu0, s0, t0) = (thread_cpu_s(), engine.stats(), Instant::now());
+                    if is_http {
+                        http.extend(
+                            closed_loop(n, c, {
+                                let (client, url, model, mt) =
+                                    (client.clone(), url.clone(), model.clone(), a.max_tokens);
+                                move |i| {
+                                    let (client, url, model) = (client.clone(), url.clone(), model.clone());
+                                    async move { http_request(&client, &url, &model, i, mt).await }
+                                }
+                            })
+                            .await,
+                        );
+                    } else {
+                        direct.extend(
+                            closed_loop(n, c, {
+                                let (e, mt) = (engine.clone(), a.max_tokens);
+                                move |i| {
+                                    let e = e.clone();
+                                    async move { direct_request(&e, i, mt).await }
+                                }
+                            })
+                            .await,
+                        );
+                    }
+                    let wall = t0.elapsed().as_secs_f64();
+                    let s1 = engine.stats();
+                    let run = (wall, s1.step_s - s0.step_s, s1.steps - s0.steps, s1.decode_only_steps - s0.decode_only_steps);
+                    if is_http {
+                        http_runs.push(run);
+                        let cpu1 = thread_cpu_s();
+                        for (name, v) in cpu1 {
+                            if let Some(v0) = cpu0.get(&name) {
+                                *cpu_s.entry(name).or_default() += v - v0;
+                            }
+                        }
+                    } else {
+                        direct_runs.push(run);
+                    }
                 }
-            })
-            .await;
-            let http_s = t0.elapsed().as_secs_f64();
-            let cpu1 = thread_cpu_s();
-            let steps1 = engine.stats();
-            let t1 = Instant::now();
-            let direct = closed_loop(n, c, {
-                let (e, mt) = (engine.clone(), a.max_tokens);
-                move |i| {
-                    let e = e.clone();
-                    async move { direct_request(&e, i, mt).await }
-                }
-            })
-            .await;
-            let direct_s = t1.elapsed().as_secs_f64();
-            let steps2 = engine.stats();
+            }
             let http: Vec<ClientTiming> = http.into_iter().collect::<Result<_, _>>()?;
             let direct: Vec<DirectTiming> = direct.into_iter().collect::<Result<_, _>>()?;
             let timings: std::collections::HashMap<String, router::RequestTiming> =
@@ -308,7 +361,14 @@ pub fn run(a: ServeBenchArgs) -> anyhow::Result<()> {
             }
             let tokens = (n * a.max_tokens) as f64;
             // None (JSON null) where the threads' schedstat is not readable.
-            let cpu_us = |name: &str| Some((cpu1.get(name)? - cpu0.get(name)?) * 1e6 / tokens);
+            let cpu_us = |name: &str| Some(cpu_s.get(name)? * 1e6 / (tokens * a.rounds as f64));
+            let tok_s = |runs: &[(f64, f64, u64, u64)]| runs.iter().map(|r| tokens / r.0).collect::<Vec<f64>>();
+            let (http_tok_s, direct_tok_s) = (pct(tok_s(&http_runs), 0.5), pct(tok_s(&direct_runs), 0.5));
+            // The engine's wall time outside its steps, per run: what the path in front
+            // of it (gateway or direct) leaves it waiting, apart from the step times'
+            // run-to-run spread.
+            let idle_ms = |runs: &[(f64, f64, u64, u64)]| pct(runs.iter().map(|r| (r.0 - r.1) * 1e3).collect(), 0.5);
+            let sum = |runs: &[(f64, f64, u64, u64)], f: fn(&(f64, f64, u64, u64)) -> u64| runs.iter().map(f).sum::<u64>();
             let direct_text_ttft: Vec<f64> =
                 direct.iter().map(|d| d.first_text.duration_since(d.send).as_secs_f64() * 1e3).collect();
             let direct_ttft: Vec<f64> = direct.iter().map(|d| d.first.duration_since(d.send).as_secs_f64() * 1e3).collect();
@@ -337,21 +397,26 @@ pub fn run(a: ServeBenchArgs) -> anyhow::Result<()> {
                 // Engine accepted → first output with text (HTTP), submit → the same (direct).
                 "engine_ttft_ms": {"http_p50": pct(engine_ttft.clone(), 0.5), "http_p99": pct(engine_ttft, 0.99),
                                    "direct_p50": pct(direct_text_ttft.clone(), 0.5), "direct_p99": pct(direct_text_ttft, 0.99)},
-                "http": {"tokens_per_s": tokens / http_s, "ttft_ms_p50": pct(ttft.clone(), 0.5), "ttft_ms_p99": pct(ttft, 0.99),
+                "rounds": a.rounds,
+                "http": {"tokens_per_s": http_tok_s, "tokens_per_s_runs": tok_s(&http_runs), "ttft_ms_p50": pct(ttft.clone(), 0.5), "ttft_ms_p99": pct(ttft, 0.99),
                          "e2e_ms_p50": pct(http_e2e.clone(), 0.5), "e2e_ms_p99": pct(http_e2e, 0.99),
                          "streamed_chunks_with_text": http.iter().map(|h| h.tokens).sum::<usize>()},
-                "direct": {"tokens_per_s": tokens / direct_s, "ttft_ms_p50": pct(direct_ttft.clone(), 0.5), "ttft_ms_p99": pct(direct_ttft, 0.99),
+                "direct": {"tokens_per_s": direct_tok_s, "tokens_per_s_runs": tok_s(&direct_runs), "ttft_ms_p50": pct(direct_ttft.clone(), 0.5), "ttft_ms_p99": pct(direct_ttft, 0.99),
                            "e2e_ms_p50": pct(direct_e2e.clone(), 0.5), "e2e_ms_p99": pct(direct_e2e, 0.99)},
-                "http_over_direct_tokens_per_s": (tokens / http_s) / (tokens / direct_s),
-                // Engine steps each run took, and those that decoded only (no prefill rows):
-                // requests arriving together prefill together.
-                "engine_steps": {"http": steps1.steps - steps0.steps, "direct": steps2.steps - steps1.steps},
-                "engine_decode_only_steps": {
-                    "http": steps1.decode_only_steps - steps0.decode_only_steps,
-                    "direct": steps2.decode_only_steps - steps1.decode_only_steps,
-                },
+                "http_over_direct_tokens_per_s": http_tok_s / direct_tok_s,
+                // Wall time of each run, and the engine's time in steps during it (the
+                // rest it waited for requests); the warm-up pass's wall time (null: none).
+                "wall_s": {"http": http_runs.iter().map(|r| r.0).collect::<Vec<_>>(),
+                           "direct": direct_runs.iter().map(|r| r.0).collect::<Vec<_>>(), "warmup": warmup_s},
+                "engine_step_s": {"http": http_runs.iter().map(|r| r.1).collect::<Vec<_>>(),
+                                  "direct": direct_runs.iter().map(|r| r.1).collect::<Vec<_>>()},
+                "engine_idle_ms_p50": {"http": idle_ms(&http_runs), "direct": idle_ms(&direct_runs)},
+                // Engine steps the runs took in all, and those that decoded only (no prefill
+                // rows): requests arriving together prefill together.
+                "engine_steps": {"http": sum(&http_runs, |r| r.2), "direct": sum(&direct_runs, |r| r.2)},
+                "engine_decode_only_steps": {"http": sum(&http_runs, |r| r.3), "direct": sum(&direct_runs, |r| r.3)},
                 // On-CPU time of the gateway's and the load generator's threads during
-                // the HTTP run, per streamed token (Linux schedstat; null elsewhere).
+                // the HTTP runs, per streamed token (Linux schedstat; null elsewhere).
                 "cpu_us_per_token": {"gateway": cpu_us("gateway"), "load_generator": cpu_us("load")},
             }));
         }

@@ -158,6 +158,9 @@ pub struct EngineStats {
     /// Steps in which every scheduled sequence ran exactly one token (decode only: the
     /// steps a CUDA backend can replay from a graph); the rest mixed prefill in.
     pub decode_only_steps: u64,
+    /// Seconds spent in the steps that ran, from scheduling to their outputs (host work
+    /// and the forward pass); the rest of an engine's wall time it waited for work.
+    pub step_s: f64,
     pub preemptions: u64,
     /// Tokens run through the model (prefill and decode), recomputation included.
     pub forward_tokens: u64,
@@ -793,6 +796,7 @@ impl<B: Backend> EngineCore<B> {
 
     /// Runs one step of continuous batching. Returns what each request produced.
     pub fn step(&mut self) -> Vec<RequestOutput> {
+        let t0 = std::time::Instant::now();
         let plan = self.schedule();
         if plan.is_empty() {
             return Vec::new();
@@ -918,6 +922,7 @@ impl<B: Backend> EngineCore<B> {
             outputs.push(out);
         }
         self.sync_cache();
+        self.stats.step_s += t0.elapsed().as_secs_f64();
         outputs
     }
 
