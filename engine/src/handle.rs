@@ -569,6 +569,9 @@ fn engine_loop<B: Backend>(mut core: EngineCore<B>, rx: Receiver<Command>, share
                 }
                 continue;
             }
+            // Stats (and prefix-cache events) first: whoever reads the stats after their
+            // request's last output then sees the step that produced it.
+            publish(&mut core, &mut subs);
             let at = Instant::now();
             for out in outs {
                 let id = out.id;

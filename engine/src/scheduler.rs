@@ -159,7 +159,8 @@ pub struct EngineStats {
     /// steps a CUDA backend can replay from a graph); the rest mixed prefill in.
     pub decode_only_steps: u64,
     /// Seconds spent in the steps that ran, from scheduling to their outputs (host work
-    /// and the forward pass); the rest of an engine's wall time it waited for work.
+    /// and the forward pass); the rest of an engine's wall time it waited for work or
+    /// handled commands and delivered outputs.
     pub step_s: f64,
     pub preemptions: u64,
     /// Tokens run through the model (prefill and decode), recomputation included.

@@ -66,6 +66,22 @@ fn stats_count_decode_only_steps() {
 }
 
 #[test]
+fn handle_stats_include_the_step_of_each_delivered_output() {
+    // Through the engine thread: as soon as a request's last output arrives, the stats
+    // already count the step that produced it (benchmarks read them right then).
+    let h = engine::handle::EngineHandle::spawn(engine(&test_options()), 16);
+    for round in 1..=8u64 {
+        let mut st = h.submit(prompts()[0].clone(), greedy(3)).unwrap();
+        while st.blocking_next().is_some() {}
+        assert!(st.error().is_none(), "{:?}", st.error());
+        let s = h.stats();
+        // Per request: a prefill step (it samples the first token) and two decode steps.
+        assert_eq!((s.steps, s.decode_only_steps), (3 * round, 2 * round), "{s:?}");
+        assert!(s.step_s > 0.0, "{s:?}");
+    }
+}
+
+#[test]
 fn chunked_prefill_equals_whole_prefill() {
     let ps = prompts();
     let reqs = || ps.iter().map(|p| (p.clone(), greedy(8))).collect::<Vec<_>>();
