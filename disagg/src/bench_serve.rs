@@ -48,12 +48,13 @@ pub struct ServeBenchArgs {
     #[arg(long)]
     pub requests: Option<usize>,
     /// Skip each level's unmeasured warm-up pass (the same load straight into the
-    /// engine, so that both measured runs meet only batch shapes it has seen).
+    /// engine, so that both measured runs meet only batch shapes it has seen; in-process
+    /// mode).
     #[arg(long)]
     pub no_level_warmup: bool,
     /// Measured rounds per level, each one HTTP run and one direct run, in alternating
     /// order (HTTP first in even rounds); tokens/s are the medians over the rounds and
-    /// latencies pool every round's requests.
+    /// latencies pool every round's requests (in-process mode).
     #[arg(long, default_value_t = 3)]
     pub rounds: usize,
     /// `in-process`: gateway overhead, gateway and engine in this process. `up`: the
@@ -159,6 +160,16 @@ async fn direct_request(e: &EngineHandle, i: usize, max_tokens: usize) -> anyhow
     Ok(DirectTiming { send, first, first_text: first_text.unwrap_or(first), done: Instant::now() })
 }
 
+/// The median, the middle two averaged for an even count (NaN when empty).
+fn median_of(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    match v.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => v[n / 2],
+        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+    }
+}
+
 /// Runs `n` jobs with at most `c` in flight; returns results in completion order.
 async fn closed_loop<T, F, Fut>(n: usize, c: usize, job: F) -> Vec<T>
 where
@@ -229,6 +240,7 @@ pub fn run(a: ServeBenchArgs) -> anyhow::Result<()> {
         "up" => return crate::bench_up::run(a),
         m => anyhow::bail!("--mode must be in-process or up, got {m:?}"),
     }
+    anyhow::ensure!(a.rounds >= 1, "--rounds {} measures nothing: give at least 1", a.rounds);
     let mut opts = a.engine.options()?;
     let max_c = a.concurrency.iter().copied().max().unwrap_or(1);
     opts.max_num_seqs = opts.max_num_seqs.max(max_c.min(256));
@@ -363,11 +375,11 @@ pub fn run(a: ServeBenchArgs) -> anyhow::Result<()> {
             // None (JSON null) where the threads' schedstat is not readable.
             let cpu_us = |name: &str| Some(cpu_s.get(name)? * 1e6 / (tokens * a.rounds as f64));
             let tok_s = |runs: &[(f64, f64, u64, u64)]| runs.iter().map(|r| tokens / r.0).collect::<Vec<f64>>();
-            let (http_tok_s, direct_tok_s) = (pct(tok_s(&http_runs), 0.5), pct(tok_s(&direct_runs), 0.5));
+            let (http_tok_s, direct_tok_s) = (median_of(tok_s(&http_runs)), median_of(tok_s(&direct_runs)));
             // The engine's wall time outside its steps, per run: what the path in front
             // of it (gateway or direct) leaves it waiting, apart from the step times'
             // run-to-run spread.
-            let idle_ms = |runs: &[(f64, f64, u64, u64)]| pct(runs.iter().map(|r| (r.0 - r.1) * 1e3).collect(), 0.5);
+            let idle_ms = |runs: &[(f64, f64, u64, u64)]| median_of(runs.iter().map(|r| (r.0 - r.1) * 1e3).collect());
             let sum = |runs: &[(f64, f64, u64, u64)], f: fn(&(f64, f64, u64, u64)) -> u64| runs.iter().map(f).sum::<u64>();
             let direct_text_ttft: Vec<f64> =
                 direct.iter().map(|d| d.first_text.duration_since(d.send).as_secs_f64() * 1e3).collect();
@@ -376,7 +388,9 @@ pub fn run(a: ServeBenchArgs) -> anyhow::Result<()> {
             let http_e2e: Vec<f64> = http.iter().map(|h| h.done.duration_since(h.send).as_secs_f64() * 1e3).collect();
             levels.push(json!({
                 "concurrency": c,
+                // Per run; latencies and chunk counts cover all rounds' requests.
                 "requests": n,
+                "requests_measured": n * a.rounds,
                 "matched_timings": gw_e2e.len(),
                 "gateway_overhead_ms": {
                     "e2e_p50": pct(gw_e2e.clone(), 0.5), "e2e_p99": pct(gw_e2e.clone(), 0.99), "e2e_max": pct(gw_e2e, 1.0),
