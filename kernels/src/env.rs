@@ -113,7 +113,9 @@ pub const CUDA_FLASH_WIDE_MERGE: &str = "DISAGG_CUDA_FLASH_WIDE_MERGE";
 
 /// `0`: the CUDA flash kernels' online softmax calls exp2f (which scales around the
 /// hardware instruction for f32 subnormals) instead of the bare `ex2.approx.ftz`; for
-/// A/B runs.
+/// A/B runs. The kernel forms are cumulative: this one, `CUDA_FLASH_SMEM32` and
+/// `CUDA_FLASH_OCC3` apply only with ldmatrix on (`CUDA_FLASH_LDMATRIX`), each of them
+/// only with the ones before it on.
 pub const CUDA_FLASH_FAST_EXP: &str = "DISAGG_CUDA_FLASH_FAST_EXP";
 
 /// `0`: the CUDA flash kernels address shared memory through generic pointers (64-bit

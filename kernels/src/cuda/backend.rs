@@ -914,7 +914,7 @@ impl CudaBackend {
         {
             let t = self.tic();
             self.gemm_bf16_scratch(w, n_tokens, out, false);
-            self.toc("matmul", t);
+            self.toc(gemm_op_name(t.is_some(), w), t);
         } else {
             self.rms_norm(x, norm, eps, n_tokens, h);
             self.matmul(w, h, n_tokens, out, false);
@@ -990,6 +990,23 @@ impl CudaBackend {
         let kernel = u8::from(self.step_flash) | (u8::from(self.step_decode && self.step_flash) << 1);
         self.step_key = (batch.n_tokens, logit_rows.len(), self.step_splits, kernel);
     }
+}
+
+/// The profile's name for a GEMM: "matmul", and while profiling "matmul ROWSxCOLS" so
+/// that each weight shape's time shows apart (a few shapes per model, named once).
+fn gemm_op_name(profiling: bool, w: &CudaLinear) -> &'static str {
+    if !profiling {
+        return "matmul";
+    }
+    static NAMES: std::sync::Mutex<Vec<((usize, usize), &'static str)>> = std::sync::Mutex::new(Vec::new());
+    let shape = (w.rows(), w.cols());
+    let mut names = NAMES.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(&(_, n)) = names.iter().find(|(s, _)| *s == shape) {
+        return n;
+    }
+    let n: &'static str = Box::leak(format!("matmul {}x{}", shape.0, shape.1).into_boxed_str());
+    names.push((shape, n));
+    n
 }
 
 /// Hands every row of the stacked `parts` (each `cols` wide), dequantized to f32, to
@@ -1246,7 +1263,7 @@ impl Backend for CudaBackend {
                 self.gemm_bf16_scratch(w, n_tokens, out, accumulate);
             }
         }
-        self.toc(if self.takes_gemv(w, n_tokens) { "gemv" } else { "matmul" }, t);
+        self.toc(if self.takes_gemv(w, n_tokens) { "gemv" } else { gemm_op_name(t.is_some(), w) }, t);
     }
 
     fn rope_write_kv(

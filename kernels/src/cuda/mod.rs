@@ -339,7 +339,7 @@ impl CudaDevice {
         &self.stream
     }
 
-    /// A kernel of `ops.cu` (one of [`KERNELS`]).
+    /// A kernel of `ops.cu` (one of [`KERNELS`], the GEMV lists or [`FLASH_KERNELS`]).
     pub(crate) fn func(&self, name: &str) -> &CudaFunction {
         self.funcs.get(name).unwrap_or_else(|| panic!("kernel {name} is not in ops.cu"))
     }

@@ -445,22 +445,17 @@ __device__ __forceinline__ unsigned smem_u32(const void* p) {
     return d;
 }
 
-// Asynchronous 16-byte global → shared copies (sm_80+): `bytes` 0 fills zeros.
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, int bytes) {
-#if __CUDA_ARCH__ >= 800
-    const unsigned d = smem_u32(dst);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(bytes));
-#else
-    __trap();
-#endif
-}
-// The same with a 32-bit shared address (see the flash kernels' SA form).
+// Asynchronous 16-byte global → shared copies (sm_80+): `bytes` 0 fills zeros. `_at`
+// takes the 32-bit shared address (see the flash kernels' SA form), the other a pointer.
 __device__ __forceinline__ void cp_async16_at(unsigned dst, const void* src, int bytes) {
 #if __CUDA_ARCH__ >= 800
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
 #else
     __trap();
 #endif
+}
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, int bytes) {
+    cp_async16_at(smem_u32(dst), src, bytes);
 }
 __device__ __forceinline__ void cp_async_commit() {
 #if __CUDA_ARCH__ >= 800
@@ -480,22 +475,6 @@ __device__ __forceinline__ void cp_async_wait() {
 // lane / 4): exactly an mma.m16n8k16 B fragment half.
 // Older GPUs never launch the flash kernels, but the module must still load there.
 template <bool TRANS>
-__device__ __forceinline__ void ldsm_x4(unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3, const void* p) {
-#if __CUDA_ARCH__ >= 750
-    const unsigned a = smem_u32(p);
-    if (TRANS)
-        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
-                     : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-                     : "r"(a));
-    else
-        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-                     : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-                     : "r"(a));
-#else
-    __trap();
-#endif
-}
-template <bool TRANS>
 __device__ __forceinline__ void ldsm_x4_at(unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3, unsigned a) {
 #if __CUDA_ARCH__ >= 750
     if (TRANS)
@@ -509,6 +488,10 @@ __device__ __forceinline__ void ldsm_x4_at(unsigned& r0, unsigned& r1, unsigned&
 #else
     __trap();
 #endif
+}
+template <bool TRANS>
+__device__ __forceinline__ void ldsm_x4(unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3, const void* p) {
+    ldsm_x4_at<TRANS>(r0, r1, r2, r3, smem_u32(p));
 }
 
 #define FA_KEYS 64
