@@ -160,6 +160,25 @@ async fn direct_request(e: &EngineHandle, i: usize, max_tokens: usize) -> anyhow
     Ok(DirectTiming { send, first, first_text: first_text.unwrap_or(first), done: Instant::now() })
 }
 
+/// `n` direct requests, `c` at a time, straight into the engine handle.
+async fn direct_load(e: &EngineHandle, n: usize, c: usize, max_tokens: usize) -> Vec<anyhow::Result<DirectTiming>> {
+    let e = e.clone();
+    closed_loop(n, c, move |i| {
+        let e = e.clone();
+        async move { direct_request(&e, i, max_tokens).await }
+    })
+    .await
+}
+
+/// One measured run: wall time, the engine's time in steps, its steps and decode-only
+/// steps.
+struct Run {
+    wall_s: f64,
+    step_s: f64,
+    steps: u64,
+    decode_only_steps: u64,
+}
+
 /// The median, the middle two averaged for an even count (NaN when empty).
 fn median_of(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
@@ -284,20 +303,11 @@ pub fn run(a: ServeBenchArgs) -> anyhow::Result<()> {
                 None
             } else {
                 let t = Instant::now();
-                let w = closed_loop(n, c, {
-                    let (e, mt) = (engine.clone(), a.max_tokens);
-                    move |i| {
-                        let e = e.clone();
-                        async move { direct_request(&e, i, mt).await }
-                    }
-                })
-                .await;
-                w.into_iter().collect::<Result<Vec<_>, _>>()?;
+                direct_load(&engine, n, c, a.max_tokens).await.into_iter().collect::<Result<Vec<_>, _>>()?;
                 Some(t.elapsed().as_secs_f64())
             };
             state.timings.lock().unwrap().clear();
-            // Per run: (wall s, engine step s, steps, decode-only steps).
-            let (mut http_runs, mut direct_runs) = (Vec::new(), Vec::new());
+            let (mut http_runs, mut direct_runs): (Vec<Run>, Vec<Run>) = (Vec::new(), Vec::new());
             let (mut http, mut direct) = (Vec::new(), Vec::new());
             let mut cpu_s: std::collections::HashMap<String, f64> = Default::default();
             for r in 0..a.rounds {
@@ -316,20 +326,16 @@ pub fn run(a: ServeBenchArgs) -> anyhow::Result<()> {
                             .await,
                         );
                     } else {
-                        direct.extend(
-                            closed_loop(n, c, {
-                                let (e, mt) = (engine.clone(), a.max_tokens);
-                                move |i| {
-                                    let e = e.clone();
-                                    async move { direct_request(&e, i, mt).await }
-                                }
-                            })
-                            .await,
-                        );
+                        direct.extend(direct_load(&engine, n, c, a.max_tokens).await);
                     }
-                    let wall = t0.elapsed().as_secs_f64();
+                    let wall_s = t0.elapsed().as_secs_f64();
                     let s1 = engine.stats();
-                    let run = (wall, s1.step_s - s0.step_s, s1.steps - s0.steps, s1.decode_only_steps - s0.decode_only_steps);
+                    let run = Run {
+                        wall_s,
+                        step_s: s1.step_s - s0.step_s,
+                        steps: s1.steps - s0.steps,
+                        decode_only_steps: s1.decode_only_steps - s0.decode_only_steps,
+                    };
                     if is_http {
                         http_runs.push(run);
                         let cpu1 = thread_cpu_s();
@@ -374,13 +380,13 @@ pub fn run(a: ServeBenchArgs) -> anyhow::Result<()> {
             let tokens = (n * a.max_tokens) as f64;
             // None (JSON null) where the threads' schedstat is not readable.
             let cpu_us = |name: &str| Some(cpu_s.get(name)? * 1e6 / (tokens * a.rounds as f64));
-            let tok_s = |runs: &[(f64, f64, u64, u64)]| runs.iter().map(|r| tokens / r.0).collect::<Vec<f64>>();
+            let tok_s = |runs: &[Run]| runs.iter().map(|r| tokens / r.wall_s).collect::<Vec<f64>>();
             let (http_tok_s, direct_tok_s) = (median_of(tok_s(&http_runs)), median_of(tok_s(&direct_runs)));
             // The engine's wall time outside its steps, per run: what the path in front
             // of it (gateway or direct) leaves it waiting, apart from the step times'
             // run-to-run spread.
-            let idle_ms = |runs: &[(f64, f64, u64, u64)]| median_of(runs.iter().map(|r| (r.0 - r.1) * 1e3).collect());
-            let sum = |runs: &[(f64, f64, u64, u64)], f: fn(&(f64, f64, u64, u64)) -> u64| runs.iter().map(f).sum::<u64>();
+            let idle_ms = |runs: &[Run]| median_of(runs.iter().map(|r| (r.wall_s - r.step_s) * 1e3).collect());
+            let sum = |runs: &[Run], f: fn(&Run) -> u64| runs.iter().map(f).sum::<u64>();
             let direct_text_ttft: Vec<f64> =
                 direct.iter().map(|d| d.first_text.duration_since(d.send).as_secs_f64() * 1e3).collect();
             let direct_ttft: Vec<f64> = direct.iter().map(|d| d.first.duration_since(d.send).as_secs_f64() * 1e3).collect();
@@ -420,15 +426,18 @@ pub fn run(a: ServeBenchArgs) -> anyhow::Result<()> {
                 "http_over_direct_tokens_per_s": http_tok_s / direct_tok_s,
                 // Wall time of each run, and the engine's time in steps during it (the
                 // rest it waited for requests); the warm-up pass's wall time (null: none).
-                "wall_s": {"http": http_runs.iter().map(|r| r.0).collect::<Vec<_>>(),
-                           "direct": direct_runs.iter().map(|r| r.0).collect::<Vec<_>>(), "warmup": warmup_s},
-                "engine_step_s": {"http": http_runs.iter().map(|r| r.1).collect::<Vec<_>>(),
-                                  "direct": direct_runs.iter().map(|r| r.1).collect::<Vec<_>>()},
+                "wall_s": {"http": http_runs.iter().map(|r| r.wall_s).collect::<Vec<_>>(),
+                           "direct": direct_runs.iter().map(|r| r.wall_s).collect::<Vec<_>>(), "warmup": warmup_s},
+                "engine_step_s": {"http": http_runs.iter().map(|r| r.step_s).collect::<Vec<_>>(),
+                                  "direct": direct_runs.iter().map(|r| r.step_s).collect::<Vec<_>>()},
                 "engine_idle_ms_p50": {"http": idle_ms(&http_runs), "direct": idle_ms(&direct_runs)},
                 // Engine steps the runs took in all, and those that decoded only (no prefill
                 // rows): requests arriving together prefill together.
-                "engine_steps": {"http": sum(&http_runs, |r| r.2), "direct": sum(&direct_runs, |r| r.2)},
-                "engine_decode_only_steps": {"http": sum(&http_runs, |r| r.3), "direct": sum(&direct_runs, |r| r.3)},
+                "engine_steps": {"http": sum(&http_runs, |r| r.steps), "direct": sum(&direct_runs, |r| r.steps)},
+                "engine_decode_only_steps": {
+                    "http": sum(&http_runs, |r| r.decode_only_steps),
+                    "direct": sum(&direct_runs, |r| r.decode_only_steps),
+                },
                 // On-CPU time of the gateway's and the load generator's threads during
                 // the HTTP runs, per streamed token (Linux schedstat; null elsewhere).
                 "cpu_us_per_token": {"gateway": cpu_us("gateway"), "load_generator": cpu_us("load")},

@@ -573,6 +573,7 @@ fn engine_loop<B: Backend>(mut core: EngineCore<B>, rx: Receiver<Command>, share
             // request's last output then sees the step that produced it.
             publish(&mut core, &mut subs);
             let at = Instant::now();
+            let mut aborted = false;
             for out in outs {
                 let id = out.id;
                 let done = out.finish.is_some();
@@ -581,9 +582,13 @@ fn engine_loop<B: Backend>(mut core: EngineCore<B>, rx: Receiver<Command>, share
                     // The client is gone: stop spending compute and KV on it.
                     core.abort(id);
                     senders.remove(&id);
+                    aborted = true;
                 } else if done {
                     senders.remove(&id);
                 }
+            }
+            if !aborted {
+                continue; // published above, nothing changed since
             }
         }
         publish(&mut core, &mut subs);

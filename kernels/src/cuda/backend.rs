@@ -200,6 +200,8 @@ pub struct CudaBackend {
     /// tiles, and the step's key splits (either kernel).
     flash: bool,
     step_flash: bool,
+    /// The flash kernel this step launches (chosen once in `prepare_step`).
+    step_flash_kernel: &'static str,
     /// This step's tiles all have ≤ 16 rows (decode): the warps split the keys instead
     /// (`flash_decode`: allowed; `DISAGG_CUDA_FLASH_DECODE=0`: never).
     step_decode: bool,
@@ -361,6 +363,7 @@ impl CudaBackend {
             max_ctx_dev: stream.alloc_zeros::<i32>(1).map_err(dev_err)?,
             kv_f16: Default::default(),
             step_flash: false,
+            step_flash_kernel: "",
             step_decode: false,
             flash_decode: !off(crate::env::CUDA_FLASH_DECODE),
             step_splits: 1,
@@ -980,8 +983,8 @@ impl CudaBackend {
             self.buffers_moving();
         }
         let (units, per_sm) = if self.step_flash {
-            let name = self.flash_kernel(attn.head_dim, self.step_decode);
-            let per_sm = self.flash_blocks_per_sm.get(name).copied().unwrap_or(1);
+            self.step_flash_kernel = self.flash_kernel(attn.head_dim, self.step_decode);
+            let per_sm = self.flash_blocks_per_sm.get(self.step_flash_kernel).copied().unwrap_or(1);
             (tiles.len() * attn.n_kv_heads, per_sm)
         } else {
             (batch.n_tokens * attn.n_heads, 2048 / 256)
@@ -1342,7 +1345,7 @@ impl Backend for CudaBackend {
         }
         match &kv.layers[layer] {
             KvBuf::F16(c) if self.step_flash => {
-                let name = self.flash_kernel(attn.head_dim, self.step_decode);
+                let name = self.step_flash_kernel;
                 let cfg = LaunchConfig {
                     grid_dim: (self.n_fa_tiles as u32, attn.n_kv_heads as u32, splits as u32),
                     block_dim: (128, 1, 1),
