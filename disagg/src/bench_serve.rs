@@ -3,7 +3,9 @@
 //! One process holds the engine, the gateway on a loopback socket and the load
 //! generator, so every timestamp comes from the same clock. At each concurrency level
 //! the same load (streaming completions, distinct prompts, fixed length) runs once
-//! unmeasured (warm-up) and then in `--rounds` rounds of two runs, in alternating order:
+//! unmeasured (warm-up; unless `--requests` is given, its rate sets the request count so
+//! that a run lasts `--min-run-s`) and then in `--rounds` rounds of two runs, in
+//! alternating order:
 //! through HTTP (reqwest client → axum gateway → engine) and straight into the engine
 //! handle. Tokens/s are medians over rounds (an engine step's time varies from run to
 //! run more than the gateway costs, so one run each cannot tell them apart); the
@@ -44,9 +46,15 @@ pub struct ServeBenchArgs {
     /// Tokens generated per request.
     #[arg(long, default_value_t = 32)]
     pub max_tokens: usize,
-    /// Requests per level (default: twice the concurrency, at least 32).
+    /// Requests per run (default: twice the concurrency, at least 32, and raised after
+    /// the level's warm-up until a run lasts `--min-run-s` at the warm-up's rate).
     #[arg(long)]
     pub requests: Option<usize>,
+    /// Shortest run the default request count aims at, in seconds: runs of a fraction of
+    /// a second measure the GPU's clock ramp and the load's start and drain, not the
+    /// steady state (in-process mode, with the level warm-up).
+    #[arg(long, default_value_t = 2.0)]
+    pub min_run_s: f64,
     /// Skip each level's unmeasured warm-up pass (the same load straight into the
     /// engine, so that both measured runs meet only batch shapes it has seen; in-process
     /// mode).
@@ -260,6 +268,11 @@ pub fn run(a: ServeBenchArgs) -> anyhow::Result<()> {
         m => anyhow::bail!("--mode must be in-process or up, got {m:?}"),
     }
     anyhow::ensure!(a.rounds >= 1, "--rounds {} measures nothing: give at least 1", a.rounds);
+    anyhow::ensure!(
+        a.min_run_s.is_finite() && a.min_run_s >= 0.0,
+        "--min-run-s {} is not a duration: give seconds, 0 or more",
+        a.min_run_s
+    );
     let mut opts = a.engine.options()?;
     let max_c = a.concurrency.iter().copied().max().unwrap_or(1);
     opts.max_num_seqs = opts.max_num_seqs.max(max_c.min(256));
@@ -285,7 +298,7 @@ pub fn run(a: ServeBenchArgs) -> anyhow::Result<()> {
         direct_request(&engine, 0, 4).await?;
         let mut levels = Vec::new();
         for &c in &a.concurrency {
-            let n = a.requests.unwrap_or((2 * c).max(32));
+            let mut n = a.requests.unwrap_or((2 * c).max(32));
             // Open `c` connections first (as a client's pool holds them in steady state),
             // timing a /health round trip on each new connection and then on each reused
             // one: connection setup is per connection, not per request, and reported apart.
@@ -304,7 +317,11 @@ pub fn run(a: ServeBenchArgs) -> anyhow::Result<()> {
             } else {
                 let t = Instant::now();
                 direct_load(&engine, n, c, a.max_tokens).await.into_iter().collect::<Result<Vec<_>, _>>()?;
-                Some(t.elapsed().as_secs_f64())
+                let s = t.elapsed().as_secs_f64();
+                if a.requests.is_none() {
+                    n = n.max((a.min_run_s / s * n as f64).ceil() as usize);
+                }
+                Some(s)
             };
             state.timings.lock().unwrap().clear();
             let (mut http_runs, mut direct_runs): (Vec<Run>, Vec<Run>) = (Vec::new(), Vec::new());
