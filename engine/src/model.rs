@@ -332,10 +332,9 @@ impl<B: Backend> Model<B> {
             for (l, layer) in self.layers.iter().enumerate() {
                 be.norm_matmul(&ws.x, &layer.attn_norm, c.rms_eps, n, &mut ws.h, &layer.qkv, &mut ws.qkv);
                 be.rope_write_kv(&mut ws.qkv, l, batch, &self.rope, &self.attn, kv);
-                be.attention(&ws.qkv, l, batch, &self.attn, kv, &mut ws.attn);
-                be.matmul(&layer.attn_out, &ws.attn, n, &mut ws.x, true);
-                be.norm_matmul_silu(
-                    &ws.x,
+                be.attention_residual(&ws.qkv, l, batch, &self.attn, kv, &mut ws.attn, &layer.attn_out, &mut ws.x);
+                be.mlp_residual(
+                    &mut ws.x,
                     &layer.ffn_norm,
                     c.rms_eps,
                     n,
@@ -344,8 +343,8 @@ impl<B: Backend> Model<B> {
                     &mut ws.gu,
                     c.ffn,
                     &mut ws.act,
+                    &layer.down,
                 );
-                be.matmul(&layer.down, &ws.act, n, &mut ws.x, true);
                 if let Some(hook) = after_layer.as_mut() {
                     hook(be, kv, l);
                 }

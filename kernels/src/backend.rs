@@ -276,6 +276,23 @@ pub trait Backend {
         kv: &Self::Kv,
         out: &mut Self::Act,
     );
+    /// `x[t] += W_o · attention(t)`: the attention and the output projection with its
+    /// residual add, which a backend may fuse (`out` is scratch it may leave unwritten).
+    #[allow(clippy::too_many_arguments)]
+    fn attention_residual(
+        &mut self,
+        qkv: &Self::Act,
+        layer: usize,
+        batch: &StepBatch,
+        attn: &AttnShape,
+        kv: &Self::Kv,
+        out: &mut Self::Act,
+        w_o: &Self::Linear,
+        x: &mut Self::Act,
+    ) {
+        self.attention(qkv, layer, batch, attn, kv, out);
+        self.matmul(w_o, out, batch.n_tokens, x, true);
+    }
     /// `out = silu(g) ⊙ u` for rows `[g | u]` of width `2 * ff`.
     fn silu_mul(&mut self, gu: &Self::Act, n_tokens: usize, ff: usize, out: &mut Self::Act);
     /// `out[t] = W · rms_norm(x[t], norm)`: the step's norm and the matmul after it, which
@@ -314,6 +331,27 @@ pub trait Backend {
         self.rms_norm(x, norm, eps, n_tokens, h);
         self.matmul(w, h, n_tokens, gu, false);
         self.silu_mul(gu, n_tokens, ff, out);
+    }
+    /// `x[t] += W_down · (silu(g) ⊙ u)` where `[g | u] = W_gu · rms_norm(x[t], norm)`:
+    /// the whole SwiGLU block with its residual add, which a backend may fuse further
+    /// than [`Backend::norm_matmul_silu`] (`h`, `gu` and `act` are scratch it may leave
+    /// unwritten).
+    #[allow(clippy::too_many_arguments)]
+    fn mlp_residual(
+        &mut self,
+        x: &mut Self::Act,
+        norm: &Self::Vector,
+        eps: f32,
+        n_tokens: usize,
+        h: &mut Self::Act,
+        gate_up: &Self::Linear,
+        gu: &mut Self::Act,
+        ff: usize,
+        act: &mut Self::Act,
+        down: &Self::Linear,
+    ) {
+        self.norm_matmul_silu(x, norm, eps, n_tokens, h, gate_up, gu, ff, act);
+        self.matmul(down, act, n_tokens, x, true);
     }
     /// `out[i] = x[rows[i]]`, rows of width `dim`.
     fn gather_rows(&mut self, x: &Self::Act, rows: &[u32], dim: usize, out: &mut Self::Act);

@@ -147,6 +147,16 @@ pub const CUDA_GEMV_PIPE: &str = "DISAGG_CUDA_GEMV_PIPE";
 /// input; for A/B runs.
 pub const CUDA_NORM_CAST: &str = "DISAGG_CUDA_NORM_CAST";
 
+/// `0`: past the GEMV, the CUDA SiLU·gate writes f32 and a separate kernel casts it to
+/// the down projection's bf16 GEMM input, instead of SiLU·gate writing bf16 itself; for
+/// A/B runs.
+pub const CUDA_SILU_BF16: &str = "DISAGG_CUDA_SILU_BF16";
+
+/// `0`: past the GEMV, the CUDA flash prefill kernel (unsplit) writes f32 and a separate
+/// kernel casts it to the output projection's bf16 GEMM input, instead of writing bf16
+/// itself; for A/B runs.
+pub const CUDA_ATTN_BF16: &str = "DISAGG_CUDA_ATTN_BF16";
+
 /// `0`: the CUDA SiLU·gate runs one element per thread over the flat index (a 64-bit
 /// division each) instead of 4 columns per thread on a (columns, rows) grid; for A/B runs.
 pub const CUDA_SILU_ROWS4: &str = "DISAGG_CUDA_SILU_ROWS4";

@@ -18,7 +18,8 @@ fn main() {
         Ok(())
     })];
     if std::env::var_os(kernels::env::TEST_CUDA).is_some() {
-        let gpu_tests: [(&str, fn()); 7] = [
+        let gpu_tests: [(&str, fn()); 8] = [
+            ("mlp_residual_matches_cpu_fused_or_not", mlp_residual_matches_cpu_fused_or_not),
             ("rope_write_kv_matches_cpu", rope_write_kv_matches_cpu),
             ("fused_gemv_matches_cpu_norm_matmul_silu", fused_gemv_matches_cpu_norm_matmul_silu),
             ("bf16_matmul_matches_cpu_with_and_without_gemv", bf16_matmul_matches_cpu_with_and_without_gemv),
@@ -232,8 +233,66 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
                 );
                 assert!(err < if flash { 5e-3 } else { 1e-4 }, "flash {flash}, chunk {chunk}: {err}");
             }
+            attention_residual_case(&mut be, &dq, &batch, &attn, &gkv, &want, &tokens, &rope);
         }
     }
+}
+
+/// The attention with the output projection and its residual add (`attention_residual`),
+/// every switch on, unsplit: the flash prefill kernel writing the GEMM's bf16 input
+/// itself gives the same bits as writing f32 and a cast (the same values, rounded once,
+/// into the same GEMM); both match x + W_o · bf16(the CPU attention) to the attention's
+/// error (held to 1e-2 of Σ|w·a|). The decode-only step takes the unfused path.
+#[allow(clippy::too_many_arguments)]
+fn attention_residual_case(
+    be: &mut kernels::cuda::CudaBackend,
+    dq: &cudarc::driver::CudaSlice<f32>,
+    batch: &kernels::StepBatch,
+    attn: &kernels::AttnShape,
+    gkv: &kernels::cuda::CudaKv,
+    want: &[f32],
+    tokens: &[u32],
+    rope: &kernels::Rope,
+) {
+    use kernels::quant::GgmlType;
+    use kernels::{Backend, WeightPart};
+    let (rows, cols, n) = (96usize, attn.q_dim(), batch.n_tokens);
+    let wo = data(rows * cols, 13);
+    let bytes: Vec<u8> = wo.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let lin = be.linear(&[WeightPart { ty: GgmlType::F32, rows, cols, bytes: &bytes }]).unwrap();
+    let x0 = data(n * rows, 14);
+    let bf = |v: f32| half::bf16::from_f32(v).to_f64();
+    let (mut reference, mut scale) = (vec![0f64; n * rows], vec![0f64; n * rows]);
+    for t in 0..n {
+        for r in 0..rows {
+            let (mut s, mut a) = (x0[t * rows + r] as f64, 0f64);
+            for c in 0..cols {
+                let p = bf(wo[r * cols + c]) * bf(want[t * cols + c]);
+                s += p;
+                a += p.abs();
+            }
+            reference[t * rows + r] = s;
+            scale[t * rows + r] = a;
+        }
+    }
+    be.set_flash(true);
+    be.set_flash_mask_edge(true);
+    be.set_attn_chunk(0);
+    let mut runs: Vec<Vec<f32>> = Vec::new();
+    for on in [true, false] {
+        be.set_attn_bf16(on);
+        be.begin_step(tokens, batch, rope, attn, &[]);
+        let mut x = be.device().upload(&x0).unwrap();
+        let mut out = be.act(n * cols).unwrap();
+        be.attention_residual(dq, 0, batch, attn, gkv, &mut out, &lin, &mut x);
+        let mut got = vec![0f32; n * rows];
+        be.to_host(&x, &mut got);
+        let err = (0..n * rows).map(|i| (got[i] as f64 - reference[i]).abs() / scale[i].max(1e-6)).fold(0f64, f64::max);
+        println!("attention_residual {n} rows, → {rows}, flash output to bf16 {on}: max |err| / Σ|w·a| = {err:.2e}");
+        assert!(err < 1e-2, "attention_residual, bf16 output {on}: {err}");
+        runs.push(got);
+    }
+    assert!(runs[0] == runs[1], "the flash kernel's bf16 output changed the result");
 }
 
 /// RoPE on q and k in place and the k/v write into the paged cache, both CUDA forms (one
@@ -419,6 +478,69 @@ fn fused_gemv_matches_cpu_norm_matmul_silu() {
             fused_gemv_case(&mut be, hidden);
         }
     }
+}
+
+/// The whole SwiGLU block with its residual add (`mlp_residual`) past the GEMV: SiLU·gate
+/// writing the down projection's bf16 input itself gives the same bits as SiLU·gate in
+/// f32 and a cast (the same f32 values, rounded once, into the same GEMM), and both match
+/// an f64 reference over the bf16-rounded weights and GEMM inputs (the GPU's f32 sums
+/// may round an input to the neighbouring bf16: held to 1e-2 of Σ|w·a|). One token
+/// takes the GEMV kernels instead (also checked against the reference).
+fn mlp_residual_matches_cpu_fused_or_not() {
+    use kernels::quant::GgmlType;
+    use kernels::{Backend, WeightPart};
+    let mut be = kernels::cuda::CudaBackend::new(0, true).expect("cuda:0 opens");
+    let (hidden, ff, eps) = (512usize, 1024usize, 1e-5f32);
+    let bf = |v: f64| half::bf16::from_f64(v).to_f64();
+    let bytes = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+    let (wgu, wd) = (data(2 * ff * hidden, 41), data(hidden * ff, 42));
+    let (bgu, bd) = (bytes(&wgu), bytes(&wd));
+    let gate_up = be.linear(&[WeightPart { ty: GgmlType::F32, rows: 2 * ff, cols: hidden, bytes: &bgu }]).unwrap();
+    let down = be.linear(&[WeightPart { ty: GgmlType::F32, rows: hidden, cols: ff, bytes: &bd }]).unwrap();
+    let nw = data(hidden, 43);
+    let dnw = be.vector(&nw);
+    for n in [1usize, 12, 40] {
+        let x = data(n * hidden, 50 + n as u32);
+        // The reference: bf16 GEMM inputs past the GEMV (the GEMV reads f32 activations).
+        let gemm_in = |v: f64| if n == 1 { v } else { bf(v) };
+        let (mut want, mut scale) = (x.iter().map(|&v| v as f64).collect::<Vec<f64>>(), vec![0f64; n * hidden]);
+        for t in 0..n {
+            let mut h = vec![0f32; hidden];
+            rms_norm_rows(&x[t * hidden..(t + 1) * hidden], &nw, eps, &mut h);
+            let dot =
+                |r: usize| (0..hidden).map(|c| bf(wgu[r * hidden + c] as f64) * gemm_in(h[c] as f64)).sum::<f64>();
+            let a: Vec<f64> = (0..ff)
+                .map(|j| {
+                    let (g, u) = (dot(j), dot(ff + j));
+                    gemm_in(g / (1.0 + (-g).exp()) * u)
+                })
+                .collect();
+            for r in 0..hidden {
+                for (j, aj) in a.iter().enumerate() {
+                    let p = bf(wd[r * ff + j] as f64) * aj;
+                    want[t * hidden + r] += p;
+                    scale[t * hidden + r] += p.abs();
+                }
+            }
+        }
+        let mut runs: Vec<Vec<f32>> = Vec::new();
+        for fused in [true, false] {
+            be.set_silu_bf16(fused);
+            let mut dx = be.device().upload(&x).unwrap();
+            let (mut h, mut gu, mut act) =
+                (be.act(n * hidden).unwrap(), be.act(n * 2 * ff).unwrap(), be.act(n * ff).unwrap());
+            be.mlp_residual(&mut dx, &dnw, eps, n, &mut h, &gate_up, &mut gu, ff, &mut act, &down);
+            let mut got = vec![0f32; n * hidden];
+            be.to_host(&dx, &mut got);
+            let err =
+                (0..n * hidden).map(|i| (got[i] as f64 - want[i]).abs() / scale[i].max(1e-6)).fold(0f64, f64::max);
+            println!("mlp_residual {hidden}→{ff}→{hidden}, {n} tokens, SiLU·gate to bf16 {fused}: max |err| / Σ|w·a| = {err:.2e}");
+            assert!(err < 1e-2, "mlp_residual, {n} tokens, fused {fused}: {err}");
+            runs.push(got);
+        }
+        assert!(runs[0] == runs[1], "{n} tokens: SiLU·gate to bf16 changed the result");
+    }
+    be.set_silu_bf16(true);
 }
 
 fn fused_gemv_case(be: &mut kernels::cuda::CudaBackend, hidden: usize) {

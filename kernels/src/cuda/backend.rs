@@ -255,6 +255,12 @@ pub struct CudaBackend {
     /// SiLU·gate 4 columns per thread on a (columns, rows) grid
     /// (`DISAGG_CUDA_SILU_ROWS4=0`: one element per thread, a 64-bit division each).
     silu_rows4: bool,
+    /// Past the GEMV, SiLU·gate writes the down projection's bf16 GEMM input itself
+    /// (`DISAGG_CUDA_SILU_BF16=0`: f32, then a cast).
+    silu_bf16: bool,
+    /// Past the GEMV, the unsplit flash prefill kernel writes the output projection's
+    /// bf16 input itself (`DISAGG_CUDA_ATTN_BF16=0`: f32, then a cast).
+    attn_bf16: bool,
     /// cuBLAS's workspace, fixed so that captured GEMMs never allocate.
     _blas_ws: CudaSlice<u8>,
 }
@@ -348,6 +354,8 @@ impl CudaBackend {
             gemv_pipe: !off(crate::env::CUDA_GEMV_PIPE),
             norm_cast: !off(crate::env::CUDA_NORM_CAST),
             silu_rows4: !off(crate::env::CUDA_SILU_ROWS4),
+            silu_bf16: !off(crate::env::CUDA_SILU_BF16),
+            attn_bf16: !off(crate::env::CUDA_ATTN_BF16),
             flash_blocks_per_sm,
             graphs_on: !off(crate::env::CUDA_GRAPHS) && profile.is_none(),
             // mma.sync m16n8k16 and cp.async need sm_80 or newer.
@@ -524,6 +532,18 @@ impl CudaBackend {
     /// `DISAGG_CUDA_GEMV_PIPE=0`).
     pub fn set_gemv_pipe(&mut self, on: bool) {
         self.set_switch(on, |b| &mut b.gemv_pipe);
+    }
+
+    /// SiLU·gate past the GEMV writes the down projection's bf16 input itself (default:
+    /// on unless `DISAGG_CUDA_SILU_BF16=0`).
+    pub fn set_silu_bf16(&mut self, on: bool) {
+        self.set_switch(on, |b| &mut b.silu_bf16);
+    }
+
+    /// The flash prefill kernel writes the output projection's bf16 input itself
+    /// (default: on unless `DISAGG_CUDA_ATTN_BF16=0`).
+    pub fn set_attn_bf16(&mut self, on: bool) {
+        self.set_switch(on, |b| &mut b.attn_bf16);
     }
 
     /// RMSNorm straight to the bf16 GEMM input (default: on unless
@@ -922,6 +942,117 @@ impl CudaBackend {
             self.rms_norm(x, norm, eps, n_tokens, h);
             self.matmul(w, h, n_tokens, out, false);
         }
+    }
+
+    /// The attention into `out` (f32), or with `bf16_out` (the flash prefill kernel,
+    /// unsplit) into the bf16 GEMM scratch as the output projection's input.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_to(
+        &mut self,
+        qkv: &CudaSlice<f32>,
+        layer: usize,
+        batch: &StepBatch,
+        attn: &AttnShape,
+        kv: &CudaKv,
+        out: &mut CudaSlice<f32>,
+        bf16_out: bool,
+    ) {
+        if batch.n_tokens == 0 {
+            return;
+        }
+        assert!(attn.head_dim <= 256 && attn.n_heads.is_multiple_of(attn.n_kv_heads));
+        assert!(
+            !bf16_out || (self.step_flash && self.step_splits == 1 && !self.step_decode),
+            "bf16 attention output: the unsplit flash prefill form only"
+        );
+        let t = self.tic();
+        let st = self.dev.stream().clone();
+        let half = kv.half() as i64;
+        let (nh, nkv, hd) = (attn.n_heads as i32, attn.n_kv_heads as i32, attn.head_dim as i32);
+        let (bs, scale) = (batch.block_size as i32, attn.scale);
+        let splits = self.step_splits;
+        let split = splits > 1;
+        if split {
+            let need = batch.n_tokens * attn.n_heads * splits * (attn.head_dim + 2);
+            if self.attn_part.len() < need {
+                self.buffers_moving();
+                self.attn_part = st.alloc_zeros::<f32>(need.next_power_of_two()).expect("CUDA: attention scratch");
+            }
+        }
+        match &kv.layers[layer] {
+            KvBuf::F16(c) if self.step_flash => {
+                let name = self.step_flash_kernel;
+                let cfg = LaunchConfig {
+                    grid_dim: (self.n_fa_tiles as u32, attn.n_kv_heads as u32, splits as u32),
+                    block_dim: (128, 1, 1),
+                    shared_mem_bytes: super::flash_smem_bytes(attn.head_dim) as u32,
+                };
+                let mut b = st.launch_builder(self.dev.func(name));
+                b.arg(qkv).arg(c).arg(&half).arg(&self.fa_tiles).arg(&self.tables);
+                b.arg(&nh).arg(&nkv).arg(&bs).arg(&scale).arg(&self.max_ctx_dev);
+                // Split: each block writes its partials to the scratch, merged below.
+                // The kernel's switch bits (FLASH_LEAN_LOADS, FLASH_WIDE_MERGE,
+                // FLASH_MASK_EDGE in ops.cu), and FLASH_OUT_BF16: the bf16 GEMM
+                // scratch in place of `out`.
+                let flags = self.flash_lean_loads as i32
+                    | (self.flash_wide_merge as i32) << 1
+                    | (self.flash_mask_edge as i32) << 2
+                    | (bf16_out as i32) << 3;
+                if bf16_out {
+                    assert!(self.x_bf16.len() >= batch.n_tokens * attn.n_heads * attn.head_dim, "bf16 scratch");
+                    b.arg(&mut self.x_bf16);
+                } else {
+                    b.arg(&mut *out);
+                }
+                b.arg(&mut self.attn_part).arg(&flags);
+                // SAFETY: argument types match the kernel; the tiles cover this step's
+                // rows and their tables index the cache; the scratch holds every partial.
+                unsafe { b.launch(cfg) }.expect("CUDA: flash attention");
+            }
+            layer_kv => {
+                let name = match (layer_kv, split) {
+                    (KvBuf::F16(_), false) => "attention_f16",
+                    (KvBuf::F32(_), false) => "attention_f32",
+                    (KvBuf::F16(_), true) => "attention_split_f16",
+                    (KvBuf::F32(_), true) => "attention_split_f32",
+                };
+                let cfg = LaunchConfig {
+                    grid_dim: (batch.n_tokens as u32, attn.n_heads as u32, splits as u32),
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                let mut b = st.launch_builder(self.dev.func(name));
+                b.arg(qkv);
+                match layer_kv {
+                    KvBuf::F16(c) => b.arg(c),
+                    KvBuf::F32(c) => b.arg(c),
+                };
+                b.arg(&half).arg(&self.pos).arg(&self.table_off).arg(&self.tables);
+                b.arg(&nh).arg(&nkv).arg(&hd).arg(&bs).arg(&scale).arg(&self.max_ctx_dev);
+                // Split: each block writes its partial to the scratch, merged below.
+                if split {
+                    b.arg(&mut self.attn_part);
+                } else {
+                    b.arg(&mut *out);
+                }
+                // SAFETY: argument types match the kernel; tables index the cache; the
+                // scratch holds every partial.
+                unsafe { b.launch(cfg) }.expect("CUDA: attention");
+            }
+        }
+        if split {
+            let sp = splits as i32;
+            let mcfg = LaunchConfig {
+                grid_dim: (batch.n_tokens as u32, attn.n_heads as u32, 1),
+                block_dim: (attn.head_dim.min(256) as u32, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut b = st.launch_builder(self.dev.func("attention_merge"));
+            b.arg(&self.attn_part).arg(&sp).arg(&nh).arg(&hd).arg(out);
+            // SAFETY: the partials were written just above for these tokens and heads.
+            unsafe { b.launch(mcfg) }.expect("CUDA: attention merge");
+        }
+        self.toc(if self.step_flash { "attention_flash" } else { "attention" }, t);
     }
 
     /// Per-step metadata: token ids and logit rows, the RoPE frequencies when they
@@ -1325,90 +1456,40 @@ impl Backend for CudaBackend {
         kv: &CudaKv,
         out: &mut CudaSlice<f32>,
     ) {
-        if batch.n_tokens == 0 {
+        self.attention_to(qkv, layer, batch, attn, kv, out, false);
+    }
+
+    fn attention_residual(
+        &mut self,
+        qkv: &CudaSlice<f32>,
+        layer: usize,
+        batch: &StepBatch,
+        attn: &AttnShape,
+        kv: &CudaKv,
+        out: &mut CudaSlice<f32>,
+        w_o: &CudaLinear,
+        x: &mut CudaSlice<f32>,
+    ) {
+        let n = batch.n_tokens;
+        let fused = self.attn_bf16
+            && self.step_flash
+            && !self.step_decode
+            && self.step_splits == 1
+            && n > 0
+            && matches!(w_o, CudaLinear::Bf16 { .. })
+            && w_o.cols() == attn.n_heads * attn.head_dim
+            && !self.takes_gemv(w_o, n);
+        if !fused {
+            self.attention(qkv, layer, batch, attn, kv, out);
+            self.matmul(w_o, out, n, x, true);
             return;
         }
-        assert!(attn.head_dim <= 256 && attn.n_heads.is_multiple_of(attn.n_kv_heads));
+        self.grow_x_bf16(n * w_o.cols());
+        self.attention_to(qkv, layer, batch, attn, kv, out, true);
         let t = self.tic();
-        let st = self.dev.stream().clone();
-        let half = kv.half() as i64;
-        let (nh, nkv, hd) = (attn.n_heads as i32, attn.n_kv_heads as i32, attn.head_dim as i32);
-        let (bs, scale) = (batch.block_size as i32, attn.scale);
-        let splits = self.step_splits;
-        let split = splits > 1;
-        if split {
-            let need = batch.n_tokens * attn.n_heads * splits * (attn.head_dim + 2);
-            if self.attn_part.len() < need {
-                self.buffers_moving();
-                self.attn_part = st.alloc_zeros::<f32>(need.next_power_of_two()).expect("CUDA: attention scratch");
-            }
-        }
-        match &kv.layers[layer] {
-            KvBuf::F16(c) if self.step_flash => {
-                let name = self.step_flash_kernel;
-                let cfg = LaunchConfig {
-                    grid_dim: (self.n_fa_tiles as u32, attn.n_kv_heads as u32, splits as u32),
-                    block_dim: (128, 1, 1),
-                    shared_mem_bytes: super::flash_smem_bytes(attn.head_dim) as u32,
-                };
-                let mut b = st.launch_builder(self.dev.func(name));
-                b.arg(qkv).arg(c).arg(&half).arg(&self.fa_tiles).arg(&self.tables);
-                b.arg(&nh).arg(&nkv).arg(&bs).arg(&scale).arg(&self.max_ctx_dev);
-                // Split: each block writes its partials to the scratch, merged below.
-                // The kernel's switch bits (FLASH_LEAN_LOADS, FLASH_WIDE_MERGE,
-                // FLASH_MASK_EDGE in ops.cu).
-                let flags = self.flash_lean_loads as i32
-                    | (self.flash_wide_merge as i32) << 1
-                    | (self.flash_mask_edge as i32) << 2;
-                b.arg(&mut *out).arg(&mut self.attn_part).arg(&flags);
-                // SAFETY: argument types match the kernel; the tiles cover this step's
-                // rows and their tables index the cache; the scratch holds every partial.
-                unsafe { b.launch(cfg) }.expect("CUDA: flash attention");
-            }
-            layer_kv => {
-                let name = match (layer_kv, split) {
-                    (KvBuf::F16(_), false) => "attention_f16",
-                    (KvBuf::F32(_), false) => "attention_f32",
-                    (KvBuf::F16(_), true) => "attention_split_f16",
-                    (KvBuf::F32(_), true) => "attention_split_f32",
-                };
-                let cfg = LaunchConfig {
-                    grid_dim: (batch.n_tokens as u32, attn.n_heads as u32, splits as u32),
-                    block_dim: (256, 1, 1),
-                    shared_mem_bytes: 0,
-                };
-                let mut b = st.launch_builder(self.dev.func(name));
-                b.arg(qkv);
-                match layer_kv {
-                    KvBuf::F16(c) => b.arg(c),
-                    KvBuf::F32(c) => b.arg(c),
-                };
-                b.arg(&half).arg(&self.pos).arg(&self.table_off).arg(&self.tables);
-                b.arg(&nh).arg(&nkv).arg(&hd).arg(&bs).arg(&scale).arg(&self.max_ctx_dev);
-                // Split: each block writes its partial to the scratch, merged below.
-                if split {
-                    b.arg(&mut self.attn_part);
-                } else {
-                    b.arg(&mut *out);
-                }
-                // SAFETY: argument types match the kernel; tables index the cache; the
-                // scratch holds every partial.
-                unsafe { b.launch(cfg) }.expect("CUDA: attention");
-            }
-        }
-        if split {
-            let sp = splits as i32;
-            let mcfg = LaunchConfig {
-                grid_dim: (batch.n_tokens as u32, attn.n_heads as u32, 1),
-                block_dim: (attn.head_dim.min(256) as u32, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            let mut b = st.launch_builder(self.dev.func("attention_merge"));
-            b.arg(&self.attn_part).arg(&sp).arg(&nh).arg(&hd).arg(out);
-            // SAFETY: the partials were written just above for these tokens and heads.
-            unsafe { b.launch(mcfg) }.expect("CUDA: attention merge");
-        }
-        self.toc(if self.step_flash { "attention_flash" } else { "attention" }, t);
+        assert!(x.len() >= n * w_o.rows(), "matmul buffers");
+        self.gemm_bf16_scratch(w_o, n, x, true);
+        self.toc(gemm_op_name(t.is_some(), w_o), t);
     }
 
     fn silu_mul(&mut self, gu: &CudaSlice<f32>, n_tokens: usize, ff: usize, out: &mut CudaSlice<f32>) {
@@ -1458,6 +1539,59 @@ impl Backend for CudaBackend {
             self.norm_then_gemm(x, norm, eps, n_tokens, h, w, gu);
             self.silu_mul(gu, n_tokens, ff, out);
         }
+    }
+
+    fn mlp_residual(
+        &mut self,
+        x: &mut CudaSlice<f32>,
+        norm: &CudaSlice<f32>,
+        eps: f32,
+        n_tokens: usize,
+        h: &mut CudaSlice<f32>,
+        gate_up: &CudaLinear,
+        gu: &mut CudaSlice<f32>,
+        ff: usize,
+        act: &mut CudaSlice<f32>,
+        down: &CudaLinear,
+    ) {
+        let bf16 = |w: &CudaLinear| matches!(w, CudaLinear::Bf16 { .. });
+        let fused = self.silu_bf16
+            && self.silu_rows4
+            && n_tokens > 0
+            && n_tokens <= 65535
+            && ff.is_multiple_of(4)
+            && bf16(gate_up)
+            && bf16(down)
+            && gate_up.rows() == 2 * ff
+            && down.cols() == ff
+            && !self.takes_gemv(gate_up, n_tokens)
+            && !self.takes_gemv(down, n_tokens);
+        if !fused {
+            self.norm_matmul_silu(x, norm, eps, n_tokens, h, gate_up, gu, ff, act);
+            self.matmul(down, act, n_tokens, x, true);
+            return;
+        }
+        self.norm_then_gemm(x, norm, eps, n_tokens, h, gate_up, gu);
+        let t = self.tic();
+        self.grow_x_bf16(n_tokens * ff);
+        let st = self.dev.stream().clone();
+        let cfg = LaunchConfig {
+            grid_dim: (ff.div_ceil(1024) as u32, n_tokens as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let ff32 = ff as i32;
+        let mut b = st.launch_builder(self.dev.func("silu_mul_rows4_bf16"));
+        b.arg(&*gu).arg(&ff32).arg(&mut self.x_bf16);
+        assert!(gu.len() >= 2 * n_tokens * ff, "SiLU·gate buffers");
+        // SAFETY: gu holds n_tokens rows of 2·ff, the scratch at least n_tokens·ff; rows are
+        // 16-byte (gu) and 8-byte (scratch) aligned since ff is a multiple of 4.
+        unsafe { b.launch(cfg) }.expect("CUDA: SiLU·gate to bf16");
+        self.toc("silu_mul_bf16", t);
+        let t = self.tic();
+        assert!(x.len() >= n_tokens * down.rows(), "matmul buffers");
+        self.gemm_bf16_scratch(down, n_tokens, x, true);
+        self.toc(gemm_op_name(t.is_some(), down), t);
     }
 
     fn gather_rows(&mut self, x: &CudaSlice<f32>, rows: &[u32], dim: usize, out: &mut CudaSlice<f32>) {

@@ -49,6 +49,7 @@ const KERNELS: &[&str] = &[
     "rms_norm_bf16_rows",
     "silu_mul_rows",
     "silu_mul_rows4",
+    "silu_mul_rows4_bf16",
     "embed_rows",
     "embed_rows_bf16",
     "cast_f32_bf16",

@@ -134,6 +134,19 @@ extern "C" __global__ void cast_f32_bf16(const float* x, unsigned short* y, long
     if (i < n) y[i] = f32_to_bf16(x[i]);
 }
 
+// silu_mul_rows4 writing bf16 (the down projection's GEMM input): the same f32 value,
+// rounded once as cast_f32_bf16 would round it, without the f32 round trip.
+extern "C" __global__ void silu_mul_rows4_bf16(const float* gu, int ff, unsigned short* out) {
+    const int r = blockIdx.y, c = (blockIdx.x * blockDim.x + threadIdx.x) * 4;
+    if (c >= ff) return;
+    const float4 g = *reinterpret_cast<const float4*>(gu + (size_t)r * 2 * ff + c);
+    const float4 u = *reinterpret_cast<const float4*>(gu + (size_t)r * 2 * ff + ff + c);
+    uint2 o;
+    o.x = (unsigned)f32_to_bf16(silu_gate(g.x, u.x)) | ((unsigned)f32_to_bf16(silu_gate(g.y, u.y)) << 16);
+    o.y = (unsigned)f32_to_bf16(silu_gate(g.z, u.z)) | ((unsigned)f32_to_bf16(silu_gate(g.w, u.w)) << 16);
+    *reinterpret_cast<uint2*>(out + (size_t)r * ff + c) = o;
+}
+
 extern "C" __global__ void gather_rows(const float* x, const unsigned int* rows, int dim, int n, float* out) {
     size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (size_t)n * dim) return;
@@ -499,6 +512,7 @@ __device__ __forceinline__ void ldsm_x4(unsigned& r0, unsigned& r1, unsigned& r2
 #define FLASH_LEAN_LOADS 1  // tile loads: addresses once per key, hoisted (else per chunk)
 #define FLASH_WIDE_MERGE 2  // decode: all the block's threads merge its warps' parts (else warp 0)
 #define FLASH_MASK_EDGE 4   // mask only tiles that cross a row's diagonal or the keys' end (else all)
+#define FLASH_OUT_BF16 8    // prefill form, unsplit: `out` is the next GEMM's bf16 input (else f32)
 // 2^x for the online softmax. FX: the bare MUFU instruction, inputs and results below
 // 2^-126 flushed to zero (x ≤ 0 here, and P is rounded to f16 anyway, whose smallest
 // subnormal is 2^-24); else exp2f, which scales around the MUFU for f32 subnormals.
@@ -889,11 +903,21 @@ __device__ void flash_attn_impl(const float* qkv, const unsigned short* cache, l
         const float m = half_row ? m1 : m0, l = half_row ? l1 : l0;
         if (splits == 1) {
             // Key 0 is in every row's past, so l > 0.
-            float* op = out + (size_t)t * n_heads * HD + h * HD + 2 * t4;
+            const size_t at = (size_t)t * n_heads * HD + h * HD + 2 * t4;
+            if (flags & FLASH_OUT_BF16) {
+                // The same f32 values, rounded once as cast_f32_bf16 rounds them.
+                unsigned* ob = (unsigned*)((unsigned short*)out + at);
 #pragma unroll
-            for (int d = 0; d < DT; d++) {
-                op[d * 8] = o[d][2 * half_row] / l;
-                op[d * 8 + 1] = o[d][2 * half_row + 1] / l;
+                for (int d = 0; d < DT; d++)
+                    ob[d * 4] = (unsigned)f32_to_bf16(o[d][2 * half_row] / l) |
+                                ((unsigned)f32_to_bf16(o[d][2 * half_row + 1] / l) << 16);
+            } else {
+                float* op = out + at;
+#pragma unroll
+                for (int d = 0; d < DT; d++) {
+                    op[d * 8] = o[d][2 * half_row] / l;
+                    op[d * 8 + 1] = o[d][2 * half_row + 1] / l;
+                }
             }
         } else {
             // attention_merge's partial (natural-log max, sum, unnormalised acc).
