@@ -1574,19 +1574,7 @@ impl Backend for CudaBackend {
         self.norm_then_gemm(x, norm, eps, n_tokens, h, gate_up, gu);
         let t = self.tic();
         self.grow_x_bf16(n_tokens * ff);
-        let st = self.dev.stream().clone();
-        let cfg = LaunchConfig {
-            grid_dim: (ff.div_ceil(1024) as u32, n_tokens as u32, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let ff32 = ff as i32;
-        let mut b = st.launch_builder(self.dev.func("silu_mul_rows4_bf16"));
-        b.arg(&*gu).arg(&ff32).arg(&mut self.x_bf16);
-        assert!(gu.len() >= 2 * n_tokens * ff, "SiLU·gate buffers");
-        // SAFETY: gu holds n_tokens rows of 2·ff, the scratch at least n_tokens·ff; rows are
-        // 16-byte (gu) and 8-byte (scratch) aligned since ff is a multiple of 4.
-        unsafe { b.launch(cfg) }.expect("CUDA: SiLU·gate to bf16");
+        self.dev.silu_mul_to_bf16(gu, n_tokens, ff, &mut self.x_bf16).expect("CUDA: SiLU·gate to bf16");
         self.toc("silu_mul_bf16", t);
         let t = self.tic();
         assert!(x.len() >= n_tokens * down.rows(), "matmul buffers");

@@ -289,16 +289,11 @@ impl CudaDevice {
     ) -> Result<(), KernelError> {
         Self::check(gu.len() >= 2 * n * ff && out.len() >= n * ff, "silu_mul buffers")?;
         if rows4 && ff.is_multiple_of(4) && n <= 65535 {
-            let cfg = LaunchConfig {
-                grid_dim: (ff.div_ceil(1024) as u32, n as u32, 1),
-                block_dim: (256, 1, 1),
-                shared_mem_bytes: 0,
-            };
             let ff = ff as i32;
             let mut b = self.stream.launch_builder(self.func("silu_mul_rows4"));
             b.arg(gu).arg(&ff).arg(out);
             // SAFETY: as above; rows are 16-byte aligned since ff is a multiple of 4.
-            return unsafe { b.launch(cfg) }.map(|_| ()).map_err(dev_err);
+            return unsafe { b.launch(Self::rows4_cfg(n, ff as usize)) }.map(|_| ()).map_err(dev_err);
         }
         let cfg = LaunchConfig::for_num_elems((n * ff) as u32);
         let (ff, n) = (ff as i32, n as i32);
@@ -306,6 +301,30 @@ impl CudaDevice {
         b.arg(gu).arg(&ff).arg(&n).arg(out);
         // SAFETY: as above.
         unsafe { b.launch(cfg) }.map(|_| ()).map_err(dev_err)
+    }
+
+    /// `silu_mul`'s 4-columns-per-thread form writing bf16 bits (the next GEMM's input):
+    /// `ff` a multiple of 4, at most 65,535 rows.
+    pub fn silu_mul_to_bf16(
+        &self,
+        gu: &CudaSlice<f32>,
+        n: usize,
+        ff: usize,
+        out: &mut CudaSlice<u16>,
+    ) -> Result<(), KernelError> {
+        Self::check(gu.len() >= 2 * n * ff && out.len() >= n * ff, "silu_mul buffers")?;
+        Self::check(ff.is_multiple_of(4) && n <= 65535, "silu_mul to bf16: ff a multiple of 4, ≤ 65,535 rows")?;
+        let ff32 = ff as i32;
+        let mut b = self.stream.launch_builder(self.func("silu_mul_rows4_bf16"));
+        b.arg(gu).arg(&ff32).arg(out);
+        // SAFETY: as above; rows are 16-byte (gu) and 8-byte (out) aligned since ff is a
+        // multiple of 4.
+        unsafe { b.launch(Self::rows4_cfg(n, ff)) }.map(|_| ()).map_err(dev_err)
+    }
+
+    /// The SiLU·gate kernels' 4-columns-per-thread grid: (columns / 1024, rows).
+    fn rows4_cfg(n: usize, ff: usize) -> LaunchConfig {
+        LaunchConfig { grid_dim: (ff.div_ceil(1024) as u32, n as u32, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }
     }
 
     /// `out[t] = table[ids[t]]`, rows of `dim`. Ids are checked on the host first.
