@@ -1,0 +1,35 @@
+# Every kernel of one engine step, timed by Nsight Compute (docs/PERF.md, ninth session:
+# "Where the 8k prefill step goes"). nsys is not on the GPU machine; ncu is. On the GPU
+# machine, with the release binary at $D:
+#   DISAGG_CUDA_GRAPHS=0 ncu --metrics gpu__time_duration.sum --cache-control none \
+#     --clock-control none --launch-count 2700 --csv --page raw --print-units base \
+#     --log-file step.csv $D bench engine --device cuda:0 --model random:llama3-8b --json \
+#     --kv-cache-mib 24000 --max-num-seqs 64 --context 64 --gen-tokens 2 --batch 1 \
+#     --prompt-tokens 8192 --repeat 1
+#   python3 tools/gpu-lab/ncu_step.py step.csv
+# The bench's warm-up (a 64-token prompt, 8 tokens) comes first; the step reported is the
+# one holding the first kernel longer than --min-us (the 8k prefill), from its
+# embedding kernel to the next. Kernels are timed one at a time (ncu serializes them),
+# so their sum leaves out launch gaps and the host's share of the step.
+import argparse, collections, csv
+
+ap = argparse.ArgumentParser()
+ap.add_argument("csv")
+ap.add_argument("--min-us", type=float, default=300.0, help="a kernel this long marks the step")
+a = ap.parse_args()
+rows = list(csv.reader(l for l in open(a.csv) if l.startswith('"')))
+head = rows[0]
+name, dur = head.index("Kernel Name"), head.index("gpu__time_duration.sum")
+ks = [(r[name], float(r[dur].replace(",", "")) / 1e3) for r in rows[2:]]  # µs
+big = next(i for i, (_, us) in enumerate(ks) if us > a.min_us)
+start = max(i for i in range(big + 1) if ks[i][0].startswith("embed"))
+end = next((i for i in range(big, len(ks)) if ks[i][0].startswith("embed")), len(ks))
+step = ks[start:end]
+agg = collections.defaultdict(lambda: [0.0, 0])
+for n, us in step:
+    agg[n][0] += us
+    agg[n][1] += 1
+total = sum(us for _, us in step)
+print(f"{len(step)} kernels, {total / 1e3:.2f} ms")
+for n, (us, c) in sorted(agg.items(), key=lambda x: -x[1][0]):
+    print(f"{us / 1e3:9.2f} ms {100 * us / total:5.1f}% {c:5d} x {us / c:9.1f} us  {n[:70]}")
