@@ -1010,6 +1010,8 @@ impl CudaBackend {
                 unsafe { b.launch(cfg) }.expect("CUDA: flash attention");
             }
             layer_kv => {
+                // (The flag follows the last cache made; a layer's own cache is checked.)
+                assert!(!bf16_out, "bf16 attention output: the flash kernel, on an f16 cache, only");
                 let name = match (layer_kv, split) {
                     (KvBuf::F16(_), false) => "attention_f16",
                     (KvBuf::F32(_), false) => "attention_f32",
