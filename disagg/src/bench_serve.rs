@@ -285,7 +285,8 @@ pub fn run(a: ServeBenchArgs) -> anyhow::Result<()> {
     let server_rt = tokio::runtime::Builder::new_multi_thread().thread_name("gateway").enable_all().build()?;
     let cfg = GatewayConfig { served_model_name: model.clone(), record_timings: true, ..GatewayConfig::default() };
     let state = AppState::new(cfg);
-    state.set_engine(engine.clone());
+    // In the gateway's runtime, where a delivery task (DISAGG_OUTPUT_TASK=1) would run.
+    server_rt.block_on(async { state.set_engine(engine.clone()) });
     let listener = server_rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))?;
     let url = format!("http://{}/v1/completions", listener.local_addr()?);
     let health = format!("http://{}/health", listener.local_addr()?);

@@ -9,6 +9,10 @@
 //!   are freed in the engine's next loop iteration, without waiting for a step.
 //! - At most `max_in_flight` requests are accepted at once; beyond that `submit` says
 //!   the engine is over capacity instead of queueing without bound.
+//! - A step's outputs reach their streams in order. By default the engine thread sends
+//!   each one itself (a cross-thread wake per stream); after
+//!   [`EngineHandle::deliver_on`] it hands each step's outputs to one task on a tokio
+//!   runtime in a single message, and that task sends them (wakes local to the runtime).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -39,6 +43,19 @@ pub struct StreamItem {
 
 /// Where a request's outputs go: each item, or the error that ended the request.
 pub type Outputs = UnboundedSender<Result<StreamItem, String>>;
+
+/// `1`: the gateway has engine outputs delivered by a task on its runtime
+/// ([`EngineHandle::deliver_on`]); otherwise the engine thread sends each itself. Off by
+/// default until measured where it matters (a GPU engine at hundreds of streams).
+pub const OUTPUT_TASK_ENV: &str = "DISAGG_OUTPUT_TASK";
+
+/// Whether [`OUTPUT_TASK_ENV`] asks for the delivery task.
+pub fn output_task_wanted() -> bool {
+    std::env::var(OUTPUT_TASK_ENV).is_ok_and(|v| v == "1")
+}
+
+/// One step's outputs, each with the stream it goes to.
+type Batch = Vec<(Outputs, StreamItem)>;
 
 /// Prefix-cache events of one engine step, numbered: a subscriber that sees a gap in
 /// `seq` has missed events and should subscribe again (which starts with a snapshot).
@@ -111,6 +128,8 @@ enum Command {
         reply: oneshot::Sender<Result<(), EngineError>>,
     },
     SubscribeKv(UnboundedSender<KvEventBatch>),
+    /// From now on, hand each step's outputs to this delivery task.
+    Deliver(UnboundedSender<Batch>),
     Abort(RequestId),
     Shutdown,
 }
@@ -363,6 +382,25 @@ impl EngineHandle {
         self.shared.in_flight.load(Ordering::SeqCst)
     }
 
+    /// Has each engine step's outputs delivered by one task on `rt`: the engine thread
+    /// sends a single message per step instead of waking every stream itself, and the
+    /// task's wakes are local to the runtime. Per request the order stays as it was.
+    /// Nothing changes for an engine in another process.
+    pub fn deliver_on(&self, rt: &tokio::runtime::Handle) {
+        if let Link::Local(tx) = &self.link {
+            let (btx, mut brx) = unbounded_channel::<Batch>();
+            rt.spawn(async move {
+                while let Some(batch) = brx.recv().await {
+                    for (tx, item) in batch {
+                        // A stream dropped meanwhile has asked the engine to abort it.
+                        let _ = tx.send(Ok(item));
+                    }
+                }
+            });
+            let _ = tx.send(Command::Deliver(btx));
+        }
+    }
+
     /// Stops the engine thread (requests in flight end without a finish reason).
     pub fn shutdown(&self) {
         if let Link::Local(tx) = &self.link {
@@ -457,6 +495,8 @@ impl Drop for RequestStream {
 
 fn engine_loop<B: Backend>(mut core: EngineCore<B>, rx: Receiver<Command>, shared: Arc<Shared>) {
     let mut senders: HashMap<RequestId, Outputs> = HashMap::new();
+    // The delivery task, once asked for (`EngineHandle::deliver_on`).
+    let mut deliver: Option<UnboundedSender<Batch>> = None;
     // Prefix-cache event subscribers, and the number of the last batch sent.
     let mut subs: (Vec<UnboundedSender<KvEventBatch>>, u64) = (Vec::new(), 0);
     core.record_kv_events(true);
@@ -547,6 +587,7 @@ fn engine_loop<B: Backend>(mut core: EngineCore<B>, rx: Receiver<Command>, share
                         subs.0.push(tx);
                     }
                 }
+                Command::Deliver(tx) => deliver = Some(tx),
                 Command::Abort(id) => {
                     core.abort(id);
                     senders.remove(&id);
@@ -574,10 +615,20 @@ fn engine_loop<B: Backend>(mut core: EngineCore<B>, rx: Receiver<Command>, share
             publish(&mut core, &mut subs);
             let at = Instant::now();
             let mut aborted = false;
+            let mut batch: Batch = Vec::new();
             for out in outs {
                 let id = out.id;
                 let done = out.finish.is_some();
-                let delivered = senders.get(&id).is_some_and(|tx| tx.send(Ok(StreamItem { out, at })).is_ok());
+                let item = StreamItem { out, at };
+                let delivered = match (senders.get(&id), &deliver) {
+                    // The delivery task sends it; a stream already closed is not.
+                    (Some(tx), Some(_)) if !tx.is_closed() => {
+                        batch.push((tx.clone(), item));
+                        true
+                    }
+                    (Some(tx), None) => tx.send(Ok(item)).is_ok(),
+                    _ => false,
+                };
                 if !delivered {
                     // The client is gone: stop spending compute and KV on it.
                     core.abort(id);
@@ -585,6 +636,16 @@ fn engine_loop<B: Backend>(mut core: EngineCore<B>, rx: Receiver<Command>, share
                     aborted = true;
                 } else if done {
                     senders.remove(&id);
+                }
+            }
+            if let Some(d) = deliver.as_ref().filter(|_| !batch.is_empty()) {
+                if let Err(e) = d.send(batch) {
+                    // The task's runtime is gone: send this step's outputs here, and
+                    // every later step's too.
+                    for (tx, item) in e.0 {
+                        let _ = tx.send(Ok(item));
+                    }
+                    deliver = None;
                 }
             }
             if !aborted {

@@ -82,6 +82,65 @@ fn handle_stats_include_the_step_of_each_delivered_output() {
 }
 
 #[test]
+fn outputs_through_a_delivery_task_arrive_whole_and_in_order() {
+    // The same concurrent requests with outputs sent by the engine thread and by a task
+    // on a runtime (`deliver_on`): the same tokens and text, item by item in order; and
+    // with the task, a stream dropped part-way still frees its blocks.
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let run = |task: bool| {
+        let h = engine::handle::EngineHandle::spawn(engine(&test_options()), 64);
+        if task {
+            h.deliver_on(rt.handle());
+        }
+        let outs = rt.block_on(async {
+            let jobs: Vec<_> = prompts()
+                .into_iter()
+                .map(|p| {
+                    let h = h.clone();
+                    tokio::spawn(async move {
+                        let mut st = h.submit(p, greedy(12)).unwrap();
+                        let mut items = Vec::new();
+                        while let Some(i) = st.next().await {
+                            items.push((i.out.new_token_ids.clone(), i.out.new_text.clone(), i.out.finish.is_some()));
+                        }
+                        assert!(st.error().is_none(), "{:?}", st.error());
+                        items
+                    })
+                })
+                .collect();
+            let mut all = Vec::new();
+            for j in jobs {
+                let within = tokio::time::timeout(std::time::Duration::from_secs(60), j).await;
+                all.push(within.expect("outputs stopped arriving").unwrap());
+            }
+            all
+        });
+        // A long request dropped after its first outputs.
+        rt.block_on(async {
+            let mut st = h.submit(prompts()[0].clone(), greedy(500)).unwrap();
+            for _ in 0..3 {
+                let next = tokio::time::timeout(std::time::Duration::from_secs(60), st.next()).await;
+                next.expect("outputs stopped arriving").expect("an output");
+            }
+        });
+        let t0 = std::time::Instant::now();
+        while h.stats().kv_blocks_used > 0 || h.in_flight() > 0 {
+            assert!(t0.elapsed().as_secs() < 10, "a dropped stream kept its blocks: {:?}", h.stats());
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        h.shutdown();
+        outs
+    };
+    let (direct, task) = (run(false), run(true));
+    assert_eq!(direct.len(), prompts().len());
+    for (i, (a, b)) in direct.iter().zip(&task).enumerate() {
+        assert!(a.last().is_some_and(|l| l.2), "request {i} did not finish");
+        assert_eq!(a.iter().map(|x| x.0.len()).sum::<usize>(), 12);
+        assert_eq!(a, b, "request {i}: outputs differ through the delivery task");
+    }
+}
+
+#[test]
 fn chunked_prefill_equals_whole_prefill() {
     let ps = prompts();
     let reqs = || ps.iter().map(|p| (p.clone(), greedy(8))).collect::<Vec<_>>();
