@@ -138,6 +138,10 @@ struct Shared {
     stats: Mutex<EngineStats>,
     in_flight: AtomicUsize,
     next_id: AtomicU64,
+    /// A delivery task has been started ([`EngineHandle::deliver_on`]), and the steps'
+    /// output batches it has sent on.
+    delivering: std::sync::atomic::AtomicBool,
+    delivered_batches: AtomicU64,
 }
 
 /// A cheap, cloneable handle to an engine running on its own thread.
@@ -178,6 +182,8 @@ impl EngineHandle {
             stats: Mutex::new(core.stats()),
             in_flight: AtomicUsize::new(0),
             next_id: AtomicU64::new(1),
+            delivering: Default::default(),
+            delivered_batches: AtomicU64::new(0),
         });
         let handle = EngineHandle {
             link: Link::Local(tx),
@@ -213,6 +219,8 @@ impl EngineHandle {
                 stats: Mutex::new(EngineStats::default()),
                 in_flight: AtomicUsize::new(0),
                 next_id: AtomicU64::new(1),
+                delivering: Default::default(),
+                delivered_batches: AtomicU64::new(0),
             }),
             tokenizer,
             model,
@@ -385,20 +393,32 @@ impl EngineHandle {
     /// Has each engine step's outputs delivered by one task on `rt`: the engine thread
     /// sends a single message per step instead of waking every stream itself, and the
     /// task's wakes are local to the runtime. Per request the order stays as it was.
-    /// Nothing changes for an engine in another process.
+    /// Only the first call per engine starts a task (two would race each other); nothing
+    /// changes for an engine in another process. `rt` must keep running while the
+    /// engine serves.
     pub fn deliver_on(&self, rt: &tokio::runtime::Handle) {
         if let Link::Local(tx) = &self.link {
+            if self.shared.delivering.swap(true, Ordering::SeqCst) {
+                return;
+            }
             let (btx, mut brx) = unbounded_channel::<Batch>();
+            let shared = self.shared.clone();
             rt.spawn(async move {
                 while let Some(batch) = brx.recv().await {
                     for (tx, item) in batch {
                         // A stream dropped meanwhile has asked the engine to abort it.
                         let _ = tx.send(Ok(item));
                     }
+                    shared.delivered_batches.fetch_add(1, Ordering::Relaxed);
                 }
             });
             let _ = tx.send(Command::Deliver(btx));
         }
+    }
+
+    /// Steps' output batches a delivery task has sent on (0 without one).
+    pub fn delivered_batches(&self) -> u64 {
+        self.shared.delivered_batches.load(Ordering::Relaxed)
     }
 
     /// Stops the engine thread (requests in flight end without a finish reason).

@@ -111,17 +111,15 @@ impl AppState {
         })
     }
 
-    /// Makes the gateway ready: from now on requests go to `engine`.
-    /// The engine behind the gateway. With `DISAGG_OUTPUT_TASK=1`, its outputs are
-    /// delivered by a task on the runtime this is called in
-    /// ([`EngineHandle::deliver_on`]).
+    /// Makes the gateway ready: from now on requests go to `engine` (the first one set).
+    /// With `DISAGG_OUTPUT_TASK=1`, its outputs are delivered by a task on the runtime
+    /// this is called in ([`EngineHandle::deliver_on`]).
     pub fn set_engine(&self, engine: EngineHandle) {
-        if engine::handle::output_task_wanted() {
-            if let Ok(rt) = tokio::runtime::Handle::try_current() {
-                engine.deliver_on(&rt);
+        if self.engine.set(engine).is_ok() && engine::handle::output_task_wanted() {
+            if let (Ok(rt), Some(e)) = (tokio::runtime::Handle::try_current(), self.engine.get()) {
+                e.deliver_on(&rt);
             }
         }
-        let _ = self.engine.set(engine);
     }
 
     pub fn engine(&self) -> Result<&EngineHandle, ApiError> {

@@ -84,12 +84,14 @@ fn handle_stats_include_the_step_of_each_delivered_output() {
 #[test]
 fn outputs_through_a_delivery_task_arrive_whole_and_in_order() {
     // The same concurrent requests with outputs sent by the engine thread and by a task
-    // on a runtime (`deliver_on`): the same tokens and text, item by item in order; and
-    // with the task, a stream dropped part-way still frees its blocks.
+    // on a runtime (`deliver_on`, called twice: one task): the same tokens and text,
+    // item by item in order; and with the task, a stream dropped part-way still frees
+    // its blocks (through the abort its drop sends).
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
     let run = |task: bool| {
         let h = engine::handle::EngineHandle::spawn(engine(&test_options()), 64);
         if task {
+            h.deliver_on(rt.handle());
             h.deliver_on(rt.handle());
         }
         let outs = rt.block_on(async {
@@ -123,6 +125,8 @@ fn outputs_through_a_delivery_task_arrive_whole_and_in_order() {
                 next.expect("outputs stopped arriving").expect("an output");
             }
         });
+        // The outputs went through the task (or not at all through one).
+        assert_eq!(h.delivered_batches() > 0, task, "batches sent on by a delivery task");
         let t0 = std::time::Instant::now();
         while h.stats().kv_blocks_used > 0 || h.in_flight() > 0 {
             assert!(t0.elapsed().as_secs() < 10, "a dropped stream kept its blocks: {:?}", h.stats());
