@@ -15,7 +15,7 @@
 //!   runtime in a single message, and that task sends them (wakes local to the runtime).
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -140,7 +140,7 @@ struct Shared {
     next_id: AtomicU64,
     /// A delivery task has been started ([`EngineHandle::deliver_on`]), and the steps'
     /// output batches it has sent on.
-    delivering: std::sync::atomic::AtomicBool,
+    delivering: AtomicBool,
     delivered_batches: AtomicU64,
 }
 
@@ -635,7 +635,7 @@ fn engine_loop<B: Backend>(mut core: EngineCore<B>, rx: Receiver<Command>, share
             publish(&mut core, &mut subs);
             let at = Instant::now();
             let mut aborted = false;
-            let mut batch: Batch = Vec::new();
+            let mut batch: Batch = Vec::with_capacity(if deliver.is_some() { outs.len() } else { 0 });
             for out in outs {
                 let id = out.id;
                 let done = out.finish.is_some();
