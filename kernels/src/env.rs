@@ -128,6 +128,11 @@ pub const CUDA_FLASH_SMEM32: &str = "DISAGG_CUDA_FLASH_SMEM32";
 /// shared addresses).
 pub const CUDA_FLASH_OCC3: &str = "DISAGG_CUDA_FLASH_OCC3";
 
+/// `0`: on sm_90 the CUDA flash prefill kernel (head_dim 128) computes S = Q·Kᵀ and O += P·V with
+/// mma.sync per warp instead of warpgroup MMAs (wgmma, K and V read from shared memory
+/// once per four warps); for A/B runs (only with the 32-bit shared addresses).
+pub const CUDA_FLASH_WGMMA: &str = "DISAGG_CUDA_FLASH_WGMMA";
+
 /// `0`: the CUDA flash kernels apply the causal and end-of-keys mask to every key tile
 /// instead of only to tiles that cross a row's diagonal or the end; for A/B runs.
 pub const CUDA_FLASH_MASK_EDGE: &str = "DISAGG_CUDA_FLASH_MASK_EDGE";

@@ -240,6 +240,10 @@ pub struct CudaBackend {
     /// The head_dim-128 flash prefill kernel is compiled for 3 blocks per SM rather than
     /// its natural 2 (`DISAGG_CUDA_FLASH_OCC3=0`; with the 32-bit shared addresses only).
     flash_occ3: bool,
+    /// On sm_90 the head_dim-128 flash prefill kernel computes on warpgroup MMAs (form 3,
+    /// ops.cu) (`DISAGG_CUDA_FLASH_WGMMA=0`: mma.sync per warp; with the 32-bit shared
+    /// addresses only).
+    flash_wgmma: bool,
     /// Only tiles that cross a row's diagonal or the keys' end are masked
     /// (`DISAGG_CUDA_FLASH_MASK_EDGE=0`: every tile).
     flash_mask_edge: bool,
@@ -349,6 +353,8 @@ impl CudaBackend {
             flash_fast_exp: !off(crate::env::CUDA_FLASH_FAST_EXP),
             flash_smem32: !off(crate::env::CUDA_FLASH_SMEM32),
             flash_occ3: !off(crate::env::CUDA_FLASH_OCC3),
+            // wgmma exists on sm_90 alone (the module is built for sm_90a there).
+            flash_wgmma: !off(crate::env::CUDA_FLASH_WGMMA) && dev.arch == (9, 0),
             flash_mask_edge: !off(crate::env::CUDA_FLASH_MASK_EDGE),
             rope_pairs: !off(crate::env::CUDA_ROPE_PAIRS),
             gemv_pipe: !off(crate::env::CUDA_GEMV_PIPE),
@@ -483,6 +489,13 @@ impl CudaBackend {
         self.set_switch(on, |b| &mut b.flash_occ3);
     }
 
+    /// The flash prefill kernel on warpgroup MMAs, where the GPU has them (sm_90;
+    /// default: on unless `DISAGG_CUDA_FLASH_WGMMA=0`).
+    pub fn set_flash_wgmma(&mut self, on: bool) {
+        let on = on && self.dev.arch == (9, 0);
+        self.set_switch(on, |b| &mut b.flash_wgmma);
+    }
+
     /// The flash kernels mask only tiles that cross a row's diagonal or the keys' end
     /// (default: on unless `DISAGG_CUDA_FLASH_MASK_EDGE=0`).
     pub fn set_flash_mask_edge(&mut self, on: bool) {
@@ -516,6 +529,8 @@ impl CudaBackend {
             ("fx", true, false) => "flash_decode_fx_f16_d128",
             (_, false, true) => "flash_attn_sa_f16_d64",
             (_, true, true) => "flash_decode_sa_f16_d64",
+            (_, false, false) if self.flash_wgmma && self.flash_occ3 => "flash_attn_wg3_f16_d128",
+            (_, false, false) if self.flash_wgmma => "flash_attn_wg_f16_d128",
             (_, false, false) if self.flash_occ3 => "flash_attn_sa3_f16_d128",
             (_, false, false) => "flash_attn_sa_f16_d128",
             (_, true, false) => "flash_decode_sa_f16_d128",

@@ -113,7 +113,7 @@ pub(crate) const GEMV_FLAT_M1: [&str; 3] =
     ["gemv_bf16_m1_flat", "gemv_norm_bf16_m1_flat", "gemv_norm_silu_bf16_m1_flat"];
 
 /// The flash-attention kernels and their head_dim.
-pub(crate) const FLASH_KERNELS: [(&str, usize); 17] = [
+pub(crate) const FLASH_KERNELS: [(&str, usize); 19] = [
     ("flash_attn_f16_d64", 64),
     ("flash_attn_f16_d128", 128),
     ("flash_decode_f16_d64", 64),
@@ -131,6 +131,8 @@ pub(crate) const FLASH_KERNELS: [(&str, usize); 17] = [
     ("flash_attn_sa3_f16_d128", 128),
     ("flash_decode_sa_f16_d64", 64),
     ("flash_decode_sa_f16_d128", 128),
+    ("flash_attn_wg_f16_d128", 128),
+    ("flash_attn_wg3_f16_d128", 128),
 ];
 
 /// Dynamic shared memory of a flash-attention block (`FA_SMEM_BYTES` in ops.cu): two
@@ -149,7 +151,10 @@ fn ptx_cache_dir() -> PathBuf {
 
 /// PTX for `src` on `arch`, from the cache or compiled by NVRTC (and cached).
 fn ptx_for(src: &str, arch: (i32, i32)) -> Result<Ptx, KernelError> {
-    let arch_name: &'static str = Box::leak(format!("sm_{}{}", arch.0, arch.1).into_boxed_str());
+    // sm_90 takes its arch-specific target, sm_90a: the warpgroup MMAs (wgmma) of the flash
+    // prefill kernel exist only there.
+    let suffix = if arch == (9, 0) { "a" } else { "" };
+    let arch_name: &'static str = Box::leak(format!("sm_{}{}{suffix}", arch.0, arch.1).into_boxed_str());
     let mut h = sha2::Sha256::new();
     h.update(src.as_bytes());
     h.update(arch_name.as_bytes());
