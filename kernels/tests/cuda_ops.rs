@@ -51,7 +51,7 @@ fn data(n: usize, seed: u32) -> Vec<f32> {
 }
 
 fn max_rel(a: &[f32], b: &[f32]) -> f32 {
-    a.iter().zip(b).map(|(x, y)| (x - y).abs() / y.abs().max(1e-3)).fold(0.0, f32::max)
+    a.iter().zip(b).map(|(x, y)| (x - y).abs() / y.abs().max(1e-3)).fold(0.0, worst32)
 }
 
 fn without_a_driver_asking_for_cuda_is_a_clear_error() {
@@ -243,7 +243,7 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
                     "attention {n_heads}/{n_kv} heads, head_dim {hd}, block {bs}, {} rows, flash {flash} (ldmatrix {}, lean loads {}, wide merge {}, fast exp {}, 32-bit shared addresses {}, 3 per SM {}, edge masks {}, wgmma {}), split chunk {chunk}: max |GPU − CPU| / range = {err:.2e}",
                     n_tokens, f.ldsm, f.lean, f.wide, f.fast_exp, f.smem32, f.occ3, f.mask_edge, f.wgmma
                 );
-                if err >= if flash { 5e-3 } else { 1e-4 } {
+                if err.is_nan() || err >= if flash { 5e-3 } else { 1e-4 } {
                     failed.push(format!(
                         "{n_heads}/{n_kv} heads, head_dim {hd}, block {bs}, {n_tokens} rows, flash {flash}, wgmma {}, \
                          chunk {chunk}: {err:.2e}",
@@ -298,6 +298,7 @@ fn attention_residual_case(
     }
     be.set_flash(true);
     be.set_flash_mask_edge(true);
+    be.set_flash_wgmma(true);
     be.set_attn_chunk(0);
     let mut runs: Vec<Vec<f32>> = Vec::new();
     for on in [true, false] {
@@ -308,9 +309,9 @@ fn attention_residual_case(
         be.attention_residual(dq, 0, batch, attn, gkv, &mut out, &lin, &mut x);
         let mut got = vec![0f32; n * rows];
         be.to_host(&x, &mut got);
-        let err = (0..n * rows).map(|i| (got[i] as f64 - reference[i]).abs() / scale[i].max(1e-6)).fold(0f64, f64::max);
+        let err = (0..n * rows).map(|i| (got[i] as f64 - reference[i]).abs() / scale[i].max(1e-6)).fold(0f64, worst64);
         println!("attention_residual {n} rows, → {rows}, flash output to bf16 {on}: max |err| / Σ|w·a| = {err:.2e}");
-        if err >= 1e-2 {
+        if err.is_nan() || err >= 1e-2 {
             return Err(format!("attention_residual, bf16 output {on}: {err:.2e}"));
         }
         runs.push(got);
@@ -415,9 +416,27 @@ fn spans_of<'a>(seqs: &[(usize, usize)], tables: &'a [Vec<u32>]) -> Vec<kernels:
         .collect()
 }
 
+/// The larger error, NaN if either is (`f32::max` would drop a NaN, and a kernel that
+/// writes NaN must fail its test).
+fn worst32(m: f32, v: f32) -> f32 {
+    if m.is_nan() || v.is_nan() {
+        f32::NAN
+    } else {
+        m.max(v)
+    }
+}
+
+fn worst64(m: f64, v: f64) -> f64 {
+    if m.is_nan() || v.is_nan() {
+        f64::NAN
+    } else {
+        m.max(v)
+    }
+}
+
 fn max_abs(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, worst32)
 }
 
 /// bf16 weights times f32 activations, against an f64 sum over the same bf16-rounded
@@ -467,7 +486,7 @@ fn bf16_matmul_matches_cpu_with_and_without_gemv() {
                             let base = if accumulate { prior[i] } else { 0.0 };
                             ((got[i] - base - want[i]).abs() / scale[i].max(1e-3)) as f64
                         })
-                        .fold(0f64, f64::max);
+                        .fold(0f64, worst64);
                     let by_gemv = gemv >= n && cols % 8 == 0;
                     println!(
                         "matmul {rows}×{cols}, {n} tokens, gemv {by_gemv} (pipelined {pipe}), accumulate {accumulate}: max |err| / Σ|w·x| = {err:.2e}"
@@ -558,8 +577,7 @@ fn mlp_residual_matches_cpu_fused_or_not() {
             be.mlp_residual(&mut dx, &dnw, eps, n, &mut h, &gate_up, &mut gu, ff, &mut act, &down);
             let mut got = vec![0f32; n * hidden];
             be.to_host(&dx, &mut got);
-            let err =
-                (0..n * hidden).map(|i| (got[i] as f64 - want[i]).abs() / scale[i].max(1e-6)).fold(0f64, f64::max);
+            let err = (0..n * hidden).map(|i| (got[i] as f64 - want[i]).abs() / scale[i].max(1e-6)).fold(0f64, worst64);
             println!("mlp_residual {hidden}→{ff}→{hidden}, {n} tokens, SiLU·gate to bf16 {fused}: max |err| / Σ|w·a| = {err:.2e}");
             assert!(err < 1e-2, "mlp_residual, {n} tokens, fused {fused}: {err}");
             runs.push(got);
@@ -611,7 +629,7 @@ fn fused_gemv_case(be: &mut kernels::cuda::CudaBackend, hidden: usize) {
         for t in 0..n {
             for r in 0..hidden {
                 let (s, a) = dot(&wq_b, r, t);
-                err = err.max((got[t * hidden + r] as f64 - s).abs() / a);
+                err = worst64(err, (got[t * hidden + r] as f64 - s).abs() / a);
             }
         }
         // The GEMV takes rows whose width is a multiple of 8 (else cuBLAS on bf16 inputs).
@@ -629,7 +647,7 @@ fn fused_gemv_case(be: &mut kernels::cuda::CudaBackend, hidden: usize) {
                 let ((g, ga), (u, ua)) = (dot(&wgu_b, r, t), dot(&wgu_b, ff + r, t));
                 let want = g / (1.0 + (-g).exp()) * u;
                 let scale = (ga * (u.abs() + ua)).max(1e-6);
-                err = err.max((got[t * ff + r] as f64 - want).abs() / scale);
+                err = worst64(err, (got[t * ff + r] as f64 - want).abs() / scale);
             }
         }
         println!("norm_matmul_silu {hidden} wide, {n} tokens (fused {fused}): max |err| / scale = {err:.2e}");

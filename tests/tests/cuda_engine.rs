@@ -27,8 +27,18 @@ fn cpu_f32() -> EngineCore<kernels::cpu::CpuBackend> {
     engine(&EngineOptions { cpu_matmul: MatmulMode::F32, ..test_options() })
 }
 
+/// The larger of two errors, NaN if either is: `f32::max` would drop a NaN, and GPU
+/// logits with NaN must fail.
+fn worse(m: f32, d: f32) -> f32 {
+    if m.is_nan() || d.is_nan() {
+        f32::NAN
+    } else {
+        m.max(d)
+    }
+}
+
 fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, worse)
 }
 
 fn greedy_matches_cpu_with_f32_weights() {
@@ -41,7 +51,7 @@ fn greedy_matches_cpu_with_f32_weights() {
         let g = gpu.score(&case.prompt_ids).unwrap();
         let c = cpu.score(&case.prompt_ids).unwrap();
         let range = c.iter().copied().fold(f32::MIN, f32::max) - c.iter().copied().fold(f32::MAX, f32::min);
-        worst = worst.max(max_abs_diff(&g, &c) / range);
+        worst = worse(worst, max_abs_diff(&g, &c) / range);
         let go = run_to_completion(&mut gpu, vec![(case.prompt_ids.clone(), greedy(16))], 1).unwrap().remove(0);
         let co = run_to_completion(&mut cpu, vec![(case.prompt_ids.clone(), greedy(16))], 1).unwrap().remove(0);
         assert_eq!(go.output_ids, co.output_ids, "case {}", case.name);
@@ -85,7 +95,7 @@ fn bf16_weights_stay_close_to_cpu() {
         let g = gpu.score(&case.prompt_ids).unwrap();
         let c = cpu.score(&case.prompt_ids).unwrap();
         let range = c.iter().copied().fold(f32::MIN, f32::max) - c.iter().copied().fold(f32::MAX, f32::min);
-        worst_rel = worst_rel.max(max_abs_diff(&g, &c) / range);
+        worst_rel = worse(worst_rel, max_abs_diff(&g, &c) / range);
         let go = run_to_completion(&mut gpu, vec![(case.prompt_ids.clone(), greedy(16))], 1).unwrap().remove(0);
         let co = run_to_completion(&mut cpu, vec![(case.prompt_ids.clone(), greedy(16))], 1).unwrap().remove(0);
         equal += usize::from(go.output_ids == co.output_ids);
@@ -158,7 +168,7 @@ fn graphs_replay_exactly_and_flash_prefill_stays_close() {
         gpu.backend_mut().set_flash(true);
         let b = gpu.score(&case.prompt_ids).unwrap();
         let range = a.iter().copied().fold(f32::MIN, f32::max) - a.iter().copied().fold(f32::MAX, f32::min);
-        worst = worst.max(max_abs_diff(&a, &b) / range);
+        worst = worse(worst, max_abs_diff(&a, &b) / range);
     }
     println!("flash vs per-token attention: last-position logits max diff / range = {worst:.3e}");
     assert!(worst < 1e-2, "flash prefill moved logits by {worst} of their range");
@@ -253,10 +263,10 @@ fn device_sampling_matches_the_host_sampler() {
                 continue;
             }
             if let (Some(g), Some(w)) = (&got.1, &want.1) {
-                worst_lp = worst_lp.max((g.logprob - w.logprob).abs());
+                worst_lp = worse(worst_lp, (g.logprob - w.logprob).abs());
                 for (a, b) in g.top.iter().zip(&w.top) {
                     assert_eq!(a.0, b.0, "top logprob ids, row {r}, step {step}");
-                    worst_lp = worst_lp.max((a.1 - b.1).abs());
+                    worst_lp = worse(worst_lp, (a.1 - b.1).abs());
                 }
             }
         }
