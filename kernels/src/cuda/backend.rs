@@ -353,8 +353,8 @@ impl CudaBackend {
             flash_fast_exp: !off(crate::env::CUDA_FLASH_FAST_EXP),
             flash_smem32: !off(crate::env::CUDA_FLASH_SMEM32),
             flash_occ3: !off(crate::env::CUDA_FLASH_OCC3),
-            // wgmma exists on sm_90 alone (the module is built for sm_90a there).
-            flash_wgmma: !off(crate::env::CUDA_FLASH_WGMMA) && dev.arch == (9, 0),
+            // wgmma exists on sm_90 alone, where the module is built for sm_90a.
+            flash_wgmma: !off(crate::env::CUDA_FLASH_WGMMA) && dev.wgmma,
             flash_mask_edge: !off(crate::env::CUDA_FLASH_MASK_EDGE),
             rope_pairs: !off(crate::env::CUDA_ROPE_PAIRS),
             gemv_pipe: !off(crate::env::CUDA_GEMV_PIPE),
@@ -492,7 +492,7 @@ impl CudaBackend {
     /// The flash prefill kernel on warpgroup MMAs, where the GPU has them (sm_90;
     /// default: on unless `DISAGG_CUDA_FLASH_WGMMA=0`).
     pub fn set_flash_wgmma(&mut self, on: bool) {
-        let on = on && self.dev.arch == (9, 0);
+        let on = on && self.dev.wgmma;
         self.set_switch(on, |b| &mut b.flash_wgmma);
     }
 

@@ -34,6 +34,8 @@ pub struct CudaDevice {
     pub name: String,
     /// Compute capability (major, minor).
     pub arch: (i32, i32),
+    /// The module was built for sm_90a, so the warpgroup-MMA (wgmma) kernels can run.
+    pub wgmma: bool,
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     rms_norm: CudaFunction,
@@ -149,11 +151,11 @@ fn ptx_cache_dir() -> PathBuf {
     base.join("ptx")
 }
 
-/// PTX for `src` on `arch`, from the cache or compiled by NVRTC (and cached).
-fn ptx_for(src: &str, arch: (i32, i32)) -> Result<Ptx, KernelError> {
-    // sm_90 takes its arch-specific target, sm_90a: the warpgroup MMAs (wgmma) of the flash
-    // prefill kernel exist only there.
-    let suffix = if arch == (9, 0) { "a" } else { "" };
+/// PTX for `src` on `arch`, from the cache or compiled by NVRTC (and cached); with
+/// `specific`, for the arch-specific target (`sm_90a`: the warpgroup MMAs of the flash
+/// prefill kernel exist only there).
+fn ptx_for(src: &str, arch: (i32, i32), specific: bool) -> Result<Ptx, KernelError> {
+    let suffix = if specific { "a" } else { "" };
     let arch_name: &'static str = Box::leak(format!("sm_{}{}{suffix}", arch.0, arch.1).into_boxed_str());
     let mut h = sha2::Sha256::new();
     h.update(src.as_bytes());
@@ -199,7 +201,19 @@ impl CudaDevice {
         let ctx = CudaContext::new(ordinal).map_err(dev_err)?;
         let arch = ctx.compute_capability().map_err(dev_err)?;
         let name = ctx.name().map_err(dev_err)?;
-        let module = ctx.load_module(ptx_for(OPS_SRC, arch)?).map_err(dev_err)?;
+        // sm_90 builds for sm_90a (wgmma); an NVRTC older than CUDA 12.0 does not know that
+        // target, and then the module is built for sm_90 and the wgmma kernels stay unused.
+        let (ptx, wgmma) = match arch {
+            (9, 0) => match ptx_for(OPS_SRC, arch, true) {
+                Ok(p) => (p, true),
+                Err(e) => {
+                    tracing::warn!(error = %e, "sm_90a kernels did not compile; building for sm_90 without wgmma");
+                    (ptx_for(OPS_SRC, arch, false)?, false)
+                }
+            },
+            _ => (ptx_for(OPS_SRC, arch, false)?, false),
+        };
+        let module = ctx.load_module(ptx).map_err(dev_err)?;
         // All work goes through one created stream (the legacy default stream cannot be
         // captured into a graph), so cudarc's cross-stream event tracking has nothing to
         // order; off, it records no events that a graph capture would trip on.
@@ -230,6 +244,7 @@ impl CudaDevice {
             ordinal,
             name,
             arch,
+            wgmma,
             stream,
             rms_norm: f("rms_norm_rows")?,
             silu_mul: f("silu_mul_rows")?,

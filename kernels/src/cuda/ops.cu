@@ -643,6 +643,7 @@ __device__ void flash_attn_impl(const float* qkv, const unsigned short* cache, l
     const unsigned kvs_at = WG ? ((unsigned)__cvta_generic_to_shared(fa_smem) + 1023u) & ~1023u
                                : (unsigned)__cvta_generic_to_shared(fa_smem);
     constexpr unsigned STAGE_BYTES = 2 * FA_KEYS * (WG ? HD : ST) * 2, V_BYTES = FA_KEYS * (WG ? HD : ST) * 2;
+    static_assert(!WG || 2 * STAGE_BYTES + 1008 <= FA_SMEM_BYTES(HD), "WG: two stages and the alignment fit");
     const int* tile = tiles + 4 * blockIdx.x;
     const int row0 = tile[0], ntok = tile[1], pos0 = tile[2];
     const unsigned int* table = tables + tile[3];
@@ -1105,7 +1106,7 @@ FLASH_KERNEL(flash_decode_sa_f16_d128, 128, true, true, 2, (128))
 // Form 3: warpgroup MMAs (launched on sm_90 only, where the module is built for sm_90a),
 // head_dim 128 only: the head_dim-64 instance (9/3 heads in the attention test) was
 // wrong by 0.82 of the value range, with either shared layout tried, cause not found.
-// Also held to 3 blocks per SM (≤ 168 registers, a few bytes spilled).
+// wg3 is also held to 3 blocks per SM (≤ 168 registers, a few bytes spilled).
 FLASH_KERNEL(flash_attn_wg_f16_d128, 128, false, true, 3, (128))
 FLASH_KERNEL(flash_attn_wg3_f16_d128, 128, false, true, 3, (128, 3))
 
