@@ -133,6 +133,11 @@ pub const CUDA_FLASH_OCC3: &str = "DISAGG_CUDA_FLASH_OCC3";
 /// once per four warps); for A/B runs (only with the 32-bit shared addresses).
 pub const CUDA_FLASH_WGMMA: &str = "DISAGG_CUDA_FLASH_WGMMA";
 
+/// `0`: the CUDA flash kernels' lean tile loads read the block table and form a 64-bit
+/// address for every key a thread copies, instead of once per pair of keys that share a
+/// cache block; for A/B runs.
+pub const CUDA_FLASH_PAIR_LOADS: &str = "DISAGG_CUDA_FLASH_PAIR_LOADS";
+
 /// `0`: the CUDA flash kernels apply the causal and end-of-keys mask to every key tile
 /// instead of only to tiles that cross a row's diagonal or the end; for A/B runs.
 pub const CUDA_FLASH_MASK_EDGE: &str = "DISAGG_CUDA_FLASH_MASK_EDGE";

@@ -185,7 +185,8 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
             // (lean) addresses (else per chunk), the decode form's warps merged by all
             // threads (else warp 0), the bare ex2 (else exp2f), 32-bit shared addresses
             // (else generic pointers), the prefill form held to 3 blocks per SM, masks
-            // only on edge tiles (else on all), warpgroup MMAs on sm_90 (else mma.sync).
+            // only on edge tiles (else on all), warpgroup MMAs on sm_90 (else mma.sync),
+            // one table read per key pair (else per key).
             #[derive(Clone, Copy)]
             struct Flash {
                 on: bool,
@@ -197,6 +198,7 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
                 occ3: bool,
                 mask_edge: bool,
                 wgmma: bool,
+                pair: bool,
             }
             let all = Flash {
                 on: true,
@@ -208,6 +210,7 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
                 occ3: true,
                 mask_edge: true,
                 wgmma: true,
+                pair: true,
             };
             let cases = [
                 Flash { on: false, ..all },
@@ -220,6 +223,7 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
                 Flash { occ3: false, ..all },
                 Flash { mask_edge: false, ..all },
                 Flash { wgmma: false, ..all },
+                Flash { pair: false, ..all },
             ];
             for (f, chunk) in cases.iter().flat_map(|f| [(f, 0), (f, 64)]) {
                 let flash = f.on;
@@ -232,6 +236,7 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
                 be.set_flash_occ3(f.occ3);
                 be.set_flash_mask_edge(f.mask_edge);
                 be.set_flash_wgmma(f.wgmma);
+                be.set_flash_pair_loads(f.pair);
                 be.set_attn_chunk(chunk);
                 be.begin_step(&tokens, &batch, &rope, &attn, &[]);
                 let mut out = be.act(n_tokens * attn.q_dim()).unwrap();
@@ -240,8 +245,8 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
                 be.to_host(&out, &mut got);
                 let err = max_abs(&got, &want) / range;
                 println!(
-                    "attention {n_heads}/{n_kv} heads, head_dim {hd}, block {bs}, {} rows, flash {flash} (ldmatrix {}, lean loads {}, wide merge {}, fast exp {}, 32-bit shared addresses {}, 3 per SM {}, edge masks {}, wgmma {}), split chunk {chunk}: max |GPU − CPU| / range = {err:.2e}",
-                    n_tokens, f.ldsm, f.lean, f.wide, f.fast_exp, f.smem32, f.occ3, f.mask_edge, f.wgmma
+                    "attention {n_heads}/{n_kv} heads, head_dim {hd}, block {bs}, {} rows, flash {flash} (ldmatrix {}, lean loads {}, wide merge {}, fast exp {}, 32-bit shared addresses {}, 3 per SM {}, edge masks {}, wgmma {}, pair loads {}), split chunk {chunk}: max |GPU − CPU| / range = {err:.2e}",
+                    n_tokens, f.ldsm, f.lean, f.wide, f.fast_exp, f.smem32, f.occ3, f.mask_edge, f.wgmma, f.pair
                 );
                 if err.is_nan() || err >= if flash { 5e-3 } else { 1e-4 } {
                     failed.push(format!(

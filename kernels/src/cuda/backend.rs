@@ -244,6 +244,9 @@ pub struct CudaBackend {
     /// ops.cu) (`DISAGG_CUDA_FLASH_WGMMA=0`: mma.sync per warp; with the 32-bit shared
     /// addresses only).
     flash_wgmma: bool,
+    /// Lean tile loads read the block table once per pair of keys in one cache block
+    /// (`DISAGG_CUDA_FLASH_PAIR_LOADS=0`: once per key).
+    flash_pair_loads: bool,
     /// Only tiles that cross a row's diagonal or the keys' end are masked
     /// (`DISAGG_CUDA_FLASH_MASK_EDGE=0`: every tile).
     flash_mask_edge: bool,
@@ -355,6 +358,7 @@ impl CudaBackend {
             flash_occ3: !off(crate::env::CUDA_FLASH_OCC3),
             // wgmma exists on sm_90 alone, where the module is built for sm_90a.
             flash_wgmma: !off(crate::env::CUDA_FLASH_WGMMA) && dev.wgmma,
+            flash_pair_loads: !off(crate::env::CUDA_FLASH_PAIR_LOADS),
             flash_mask_edge: !off(crate::env::CUDA_FLASH_MASK_EDGE),
             rope_pairs: !off(crate::env::CUDA_ROPE_PAIRS),
             gemv_pipe: !off(crate::env::CUDA_GEMV_PIPE),
@@ -494,6 +498,12 @@ impl CudaBackend {
     pub fn set_flash_wgmma(&mut self, on: bool) {
         let on = on && self.dev.wgmma;
         self.set_switch(on, |b| &mut b.flash_wgmma);
+    }
+
+    /// The flash kernels' lean loads read the block table once per pair of keys
+    /// (default: on unless `DISAGG_CUDA_FLASH_PAIR_LOADS=0`).
+    pub fn set_flash_pair_loads(&mut self, on: bool) {
+        self.set_switch(on, |b| &mut b.flash_pair_loads);
     }
 
     /// The flash kernels mask only tiles that cross a row's diagonal or the keys' end
@@ -1007,12 +1017,13 @@ impl CudaBackend {
                 b.arg(&nh).arg(&nkv).arg(&bs).arg(&scale).arg(&self.max_ctx_dev);
                 // Split: each block writes its partials to the scratch, merged below.
                 // The kernel's switch bits (FLASH_LEAN_LOADS, FLASH_WIDE_MERGE,
-                // FLASH_MASK_EDGE in ops.cu), and FLASH_OUT_BF16: the bf16 GEMM
-                // scratch in place of `out`.
+                // FLASH_MASK_EDGE, FLASH_PAIR_LOADS in ops.cu), and
+                // FLASH_OUT_BF16: the bf16 GEMM scratch in place of `out`.
                 let flags = self.flash_lean_loads as i32
                     | (self.flash_wide_merge as i32) << 1
                     | (self.flash_mask_edge as i32) << 2
-                    | (bf16_out as i32) << 3;
+                    | (bf16_out as i32) << 3
+                    | (self.flash_pair_loads as i32) << 4;
                 if bf16_out {
                     assert!(self.x_bf16.len() >= batch.n_tokens * attn.n_heads * attn.head_dim, "bf16 scratch");
                     b.arg(&mut self.x_bf16);

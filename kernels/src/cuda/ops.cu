@@ -551,7 +551,7 @@ __device__ __forceinline__ void fence_proxy_async() {
 // D(64×N, f32) += A(64×16, f16 registers) · B(16×N, f16 in shared memory by descriptor);
 // TB: B is N-major (its rows of 16 bytes run along N, as V's keys × dims), else K-major.
 template <int TB>
-__device__ __forceinline__ void wgmma_rs_m64n64(float* d, const unsigned* a, unsigned long long b) {
+__device__ __forceinline__ void wgmma_rs_m64n64(float* d, const unsigned* a, unsigned long long b, int sd) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
@@ -560,13 +560,13 @@ __device__ __forceinline__ void wgmma_rs_m64n64(float* d, const unsigned* a, uns
           "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
           "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
           "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1), "n"(TB));
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(sd), "n"(TB));
 #else
     __trap();
 #endif
 }
 template <int TB>
-__device__ __forceinline__ void wgmma_rs_m64n128(float* d, const unsigned* a, unsigned long long b) {
+__device__ __forceinline__ void wgmma_rs_m64n128(float* d, const unsigned* a, unsigned long long b, int sd) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
@@ -579,17 +579,28 @@ __device__ __forceinline__ void wgmma_rs_m64n128(float* d, const unsigned* a, un
           "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
           "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
           "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1), "n"(TB));
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(sd), "n"(TB));
 #else
     __trap();
 #endif
 }
 template <int N, int TB>
-__device__ __forceinline__ void wgmma_rs(float* d, const unsigned* a, unsigned long long b) {
+__device__ __forceinline__ void wgmma_rs(float* d, const unsigned* a, unsigned long long b, int sd = 1) {
     if constexpr (N == 64)
-        wgmma_rs_m64n64<TB>(d, a, b);
+        wgmma_rs_m64n64<TB>(d, a, b, sd);
     else
-        wgmma_rs_m64n128<TB>(d, a, b);
+        wgmma_rs_m64n128<TB>(d, a, b, sd);
+}
+// Pins registers before wg_fence, so the compiler keeps their ordinary writes ahead of it.
+template <int N>
+__device__ __forceinline__ void wg_pin(float* r) {
+#pragma unroll
+    for (int i = 0; i < N; i++) asm volatile("" : "+f"(r[i])::"memory");
+}
+template <int N>
+__device__ __forceinline__ void wg_pin_u(unsigned* r) {
+#pragma unroll
+    for (int i = 0; i < N; i++) asm volatile("" : "+r"(r[i])::"memory");
 }
 
 #define FA_KEYS 64
@@ -598,6 +609,7 @@ __device__ __forceinline__ void wgmma_rs(float* d, const unsigned* a, unsigned l
 #define FLASH_WIDE_MERGE 2  // decode: all the block's threads merge its warps' parts (else warp 0)
 #define FLASH_MASK_EDGE 4   // mask only tiles that cross a row's diagonal or the keys' end (else all)
 #define FLASH_OUT_BF16 8    // prefill form, unsplit: `out` is the next GEMM's bf16 input (else f32)
+#define FLASH_PAIR_LOADS 16    // lean loads: a key 8 (16) on in the same cache block reuses the address
 // 2^x for the online softmax. FX: the bare MUFU instruction, inputs and results below
 // 2^-126 flushed to zero (x ≤ 0 here, and P is rounded to f16 anyway, whose smallest
 // subnormal is 2^-24); else exp2f, which scales around the MUFU for f32 subnormals.
@@ -715,13 +727,21 @@ __device__ void flash_attn_impl(const float* qkv, const unsigned short* cache, l
         unsigned short* vd = kd + FA_KEYS * ST;
         if (WG || (flags & FLASH_LEAN_LOADS)) {
             const unsigned short* src[PASSES];
+            // Pair loads: tiles start at multiples of 64 keys, so with power-of-two blocks
+            // of at least 2·KPP keys, an odd pass's key is KPP slots on from the previous
+            // pass's in the same block: one block-table read and 64-bit product per pair.
+            const bool pair = (flags & FLASH_PAIR_LOADS) && bs_pow2 && block_size >= 2 * KPP;
 #pragma unroll
             for (int p = 0; p < PASSES; p++) {
                 const int j = kb + my_key + p * KPP;
                 src[p] = nullptr;
                 if (j < k1) {
-                    const int bi = bs_pow2 ? j >> bs_shift : j / block_size;
-                    src[p] = my_src + table[bi] * blk_stride + (size_t)(j - bi * block_size) * HD;
+                    if (pair && (p & 1)) {
+                        src[p] = src[p - 1] + KPP * HD;  // key j − KPP < k1: set
+                    } else {
+                        const int bi = bs_pow2 ? j >> bs_shift : j / block_size;
+                        src[p] = my_src + table[bi] * blk_stride + (size_t)(j - bi * block_size) * HD;
+                    }
                 }
             }
             unsigned short* kp = kd + my_key * ST + my_c;
@@ -777,15 +797,14 @@ __device__ void flash_attn_impl(const float* qkv, const unsigned short* cache, l
         if (WG || (!idle && kb + key_off <= warp_last)) {
             float s[NT][4];
             if constexpr (WG) {
-#pragma unroll
-                for (int nt = 0; nt < NT; nt++) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+                // The first k-step overwrites S (scale-d 0): no register writes before it.
                 wg_fence();
                 // K-major B: a k-step's 32 bytes of each key row (16 dims) inside its
                 // 64-dim half; rows in groups of 8 (1024 bytes) along N.
 #pragma unroll
                 for (int k = 0; k < KS; k++) {
                     const unsigned at = ks_at + (k / 4) * (FA_KEYS * 128) + (k % 4) * 32;
-                    wgmma_rs<FA_KEYS, 0>(&s[0][0], qf[k], wg_desc_sw128(at, 16, 1024));
+                    wgmma_rs<FA_KEYS, 0>(&s[0][0], qf[k], wg_desc_sw128(at, 16, 1024), k != 0);
                 }
                 wg_commit();
                 if (kb + FA_KEYS < k1) load_tile(kb + FA_KEYS, stage ^ 1);
@@ -879,6 +898,8 @@ __device__ void flash_attn_impl(const float* qkv, const unsigned short* cache, l
                     pf[kk][2] = pack_f16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
                     pf[kk][3] = pack_f16x2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
                 }
+                wg_pin<DT * 4>(&o[0][0]);
+                wg_pin_u<NT * 2>(&pf[0][0]);
                 wg_fence();
                 // N-major B: 16 keys (two groups of 8 rows, 1024 bytes apart) along K, the
                 // dims along N in 64-dim halves FA_KEYS · 128 bytes apart.
@@ -1105,7 +1126,9 @@ FLASH_KERNEL(flash_decode_sa_f16_d64, 64, true, true, 2, (128))
 FLASH_KERNEL(flash_decode_sa_f16_d128, 128, true, true, 2, (128))
 // Form 3: warpgroup MMAs (launched on sm_90 only, where the module is built for sm_90a),
 // head_dim 128 only: the head_dim-64 instance (9/3 heads in the attention test) was
-// wrong by 0.82 of the value range, with either shared layout tried, cause not found.
+// wrong by 0.82 of the value range (16/4 and 9/3 heads), with either shared layout
+// tried, and still with the operands pinned before wgmma.fence and S's first k-step at
+// scale-d 0; cause not found.
 // wg3 is also held to 3 blocks per SM (≤ 168 registers, a few bytes spilled).
 FLASH_KERNEL(flash_attn_wg_f16_d128, 128, false, true, 3, (128))
 FLASH_KERNEL(flash_attn_wg3_f16_d128, 128, false, true, 3, (128, 3))
