@@ -16,7 +16,8 @@
 //! - first token: (client send → first token chunk read) − (engine accepted → first output)
 //!
 //! split into send → handler start, in the handler, and final bytes ready → `[DONE]`
-//! read. Before each level the client opens its `concurrency` connections (timed apart:
+//! read; the gateway's own delivery (engine output → its bytes ready) is given for a
+//! request's first, second and last outputs with text. Before each level the client opens its `concurrency` connections (timed apart:
 //! setup is per connection, not per request). The engine runs on `--device` (on a GPU,
 //! the gateway and the client have the host's cores to themselves, as in deployment).
 //! Also reported: the gateway's and the load generator's CPU time per streamed token
@@ -374,6 +375,9 @@ pub fn run(a: ServeBenchArgs) -> anyhow::Result<()> {
             let (mut gw_e2e, mut gw_first, mut client_e2e_over, mut client_first_over, mut ttft) =
                 (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
             let (mut gw_in, mut gw_out) = (Vec::new(), Vec::new());
+            // Engine output → gateway bytes ready, for a request's first and second
+            // outputs with text (`out` above is its last).
+            let (mut gw_first_out, mut gw_second_out) = (Vec::new(), Vec::new());
             // Outside the gateway's handler: client send → handler start, and the
             // gateway's final bytes ready → the client has read `[DONE]`.
             let (mut wire_in, mut wire_out, mut engine_ttft) = (Vec::new(), Vec::new(), Vec::new());
@@ -381,6 +385,10 @@ pub fn run(a: ServeBenchArgs) -> anyhow::Result<()> {
                 let Some(t) = timings.get(&h.id) else { continue };
                 gw_in.push(t.submitted.duration_since(t.arrival).as_secs_f64() * 1e3);
                 gw_out.push(t.emit_finish.duration_since(t.engine_finish).as_secs_f64() * 1e3);
+                gw_first_out.push(t.emit_first_text.duration_since(t.engine_first_text).as_secs_f64() * 1e3);
+                if let Some((at, emit)) = t.second_text {
+                    gw_second_out.push(emit.duration_since(at).as_secs_f64() * 1e3);
+                }
                 gw_e2e.push(t.gateway_e2e_s() * 1e3);
                 gw_first.push(t.gateway_first_token_s() * 1e3);
                 wire_in.push(t.arrival.saturating_duration_since(h.send).as_secs_f64() * 1e3);
@@ -421,6 +429,8 @@ pub fn run(a: ServeBenchArgs) -> anyhow::Result<()> {
                     "first_token_p50": pct(gw_first.clone(), 0.5), "first_token_p99": pct(gw_first, 0.99),
                     "in_p50": pct(gw_in.clone(), 0.5), "in_p99": pct(gw_in, 0.99),
                     "out_p50": pct(gw_out.clone(), 0.5), "out_p99": pct(gw_out, 0.99),
+                    "first_out_p50": pct(gw_first_out.clone(), 0.5), "first_out_p99": pct(gw_first_out, 0.99),
+                    "second_out_p50": pct(gw_second_out.clone(), 0.5), "second_out_p99": pct(gw_second_out, 0.99),
                 },
                 "client_observed_overhead_ms": {
                     "e2e_p50": pct(client_e2e_over.clone(), 0.5), "e2e_p99": pct(client_e2e_over, 0.99),

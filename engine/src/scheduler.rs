@@ -115,6 +115,10 @@ impl FinishReason {
     }
 }
 
+/// `step`: a step's outputs come back in the order of the step's rows (oldest request
+/// first) instead of by delivery priority (see [`EngineCore::step`]); for A/B runs.
+pub const OUTPUT_ORDER_ENV: &str = "DISAGG_OUTPUT_ORDER";
+
 /// What one step produced for one request.
 #[derive(Clone, Debug, Serialize)]
 pub struct RequestOutput {
@@ -237,6 +241,8 @@ pub struct EngineCore<B: Backend> {
     /// Device sampling: each sampled row's edits and draw, and what the backend returned.
     dev_specs: Vec<(Vec<LogitEdit>, f64)>,
     sampled_rows: Vec<SampledRow>,
+    /// Outputs by delivery priority (unless [`OUTPUT_ORDER_ENV`] is `step`).
+    priority_order: bool,
 }
 
 impl<B: Backend> EngineCore<B> {
@@ -278,7 +284,14 @@ impl<B: Backend> EngineCore<B> {
             exports: HashMap::new(),
             step_tokens: Vec::new(),
             step_rows: Vec::new(),
+            priority_order: !std::env::var(OUTPUT_ORDER_ENV).is_ok_and(|v| v == "step"),
         }
+    }
+
+    /// Outputs in the step's row order (false) or by delivery priority (true, the
+    /// default; see [`EngineCore::step`]).
+    pub fn set_priority_order(&mut self, on: bool) {
+        self.priority_order = on;
     }
 
     pub fn backend(&self) -> &B {
@@ -795,7 +808,10 @@ impl<B: Backend> EngineCore<B> {
         true
     }
 
-    /// Runs one step of continuous batching. Returns what each request produced.
+    /// Runs one step of continuous batching. Returns what each request produced, by
+    /// delivery priority: outputs carrying a request's first text, then requests'
+    /// last outputs, then the rest, each group in the step's row order (oldest request
+    /// first); with [`OUTPUT_ORDER_ENV`]`=step`, all in row order.
     pub fn step(&mut self) -> Vec<RequestOutput> {
         let t0 = std::time::Instant::now();
         let plan = self.schedule();
@@ -892,11 +908,14 @@ impl<B: Backend> EngineCore<B> {
             Self::register_computed(&mut self.alloc, seq, bs);
         }
         let vocab = self.model.cfg.vocab;
-        let mut outputs = Vec::with_capacity(sampled.len());
+        // Each output with its delivery priority: 0 a request's first text (what its
+        // time to first token waits for), 1 its last output, 2 the rest.
+        let mut outputs: Vec<(u8, RequestOutput)> = Vec::with_capacity(sampled.len());
         let m = sampled.len();
         let mut full_logits = false;
         for (row, id) in sampled.into_iter().enumerate() {
             let seq = self.seqs.get_mut(&id).expect("exists");
+            let no_text_yet = seq.sent == 0;
             let out = if on_device {
                 let (edits, u) = &self.dev_specs[row];
                 let res = &self.sampled_rows[row];
@@ -917,14 +936,29 @@ impl<B: Backend> EngineCore<B> {
             } else {
                 Self::advance(seq, &mut self.logits[row * vocab..(row + 1) * vocab], &self.tokenizer)
             };
+            let prio = if no_text_yet && !out.new_text.is_empty() {
+                0
+            } else if out.finish.is_some() {
+                1
+            } else {
+                2
+            };
             if out.finish.is_some() {
                 self.finish(id);
             }
-            outputs.push(out);
+            outputs.push((prio, out));
+        }
+        // Delivery priority: whoever sends the outputs on sends them in this order, and a
+        // step's last sends wait for all the others (a cross-thread wake each), so the
+        // outputs that end a client's wait for its first text or its answer go first.
+        // Stable, and a request has at most one output per step, so each request's
+        // outputs keep their order.
+        if self.priority_order {
+            outputs.sort_by_key(|o| o.0);
         }
         self.sync_cache();
         self.stats.step_s += t0.elapsed().as_secs_f64();
-        outputs
+        outputs.into_iter().map(|o| o.1).collect()
     }
 
     fn finish(&mut self, id: RequestId) {

@@ -182,6 +182,8 @@ pub(crate) struct Tracker {
     /// Engine time of the first output that carried text, and when the gateway had its
     /// bytes ready.
     first_text: Option<(Instant, Instant)>,
+    /// The same for the second output that carried text.
+    second_text: Option<(Instant, Instant)>,
     done: bool,
     /// Ids of this request's `request` span, chosen at submission (traces on).
     ids: Option<crate::telemetry::TraceParent>,
@@ -198,6 +200,7 @@ impl Tracker {
             first: None,
             scheduled: None,
             first_text: None,
+            second_text: None,
             done: false,
             ids: None,
         }
@@ -235,8 +238,12 @@ impl Tracker {
     /// records the request's timing and trace spans when those are enabled.
     pub(crate) fn emitted(&mut self, s: &AppState, item: &StreamItem) {
         let now = Instant::now();
-        if self.first_text.is_none() && !item.out.new_text.is_empty() {
-            self.first_text = Some((item.at, now));
+        if !item.out.new_text.is_empty() {
+            if self.first_text.is_none() {
+                self.first_text = Some((item.at, now));
+            } else if self.second_text.is_none() {
+                self.second_text = Some((item.at, now));
+            }
         }
         let Some(f) = &item.out.finish else { return };
         if std::mem::replace(&mut self.done, true) {
@@ -259,6 +266,7 @@ impl Tracker {
                 submitted: self.submitted,
                 engine_first_text,
                 emit_first_text,
+                second_text: self.second_text,
                 engine_finish: item.at,
                 emit_finish: now,
             });

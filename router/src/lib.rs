@@ -57,6 +57,9 @@ pub struct RequestTiming {
     /// event bytes ready.
     pub engine_first_text: std::time::Instant,
     pub emit_first_text: std::time::Instant,
+    /// The same for the second output that carried text (None for a one-token answer):
+    /// tells a request's first output's delivery apart from any early one's.
+    pub second_text: Option<(std::time::Instant, std::time::Instant)>,
     /// The engine produced the last output; the gateway had the final event ready.
     pub engine_finish: std::time::Instant,
     pub emit_finish: std::time::Instant,

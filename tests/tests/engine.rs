@@ -145,6 +145,56 @@ fn outputs_through_a_delivery_task_arrive_whole_and_in_order() {
 }
 
 #[test]
+fn step_outputs_go_out_by_delivery_priority() {
+    // The same requests, arriving in three waves of different lengths, on two engines:
+    // one returns each step's outputs in row order (oldest request first), the other by
+    // delivery priority. Every step gives the same outputs; by priority they are the
+    // row order stably sorted by (a request's first text, its last output, the rest).
+    let waves: Vec<Vec<(u64, usize)>> = vec![vec![(0, 2), (1, 6)], vec![(2, 3), (3, 5)], vec![(4, 4)]];
+    let mut cores = [engine(&test_options()), engine(&test_options())];
+    cores[0].set_priority_order(false);
+    cores[1].set_priority_order(true);
+    let ps = prompts();
+    let mut texted = std::collections::HashSet::new();
+    let (mut mixed, mut steps) = (0, 0);
+    for wave in waves.iter().map(Some).chain(std::iter::repeat_n(None, 12)) {
+        for core in cores.iter_mut() {
+            for &(id, n) in wave.into_iter().flatten() {
+                core.add_request(id, ps[id as usize % ps.len()].clone(), greedy(n)).unwrap();
+            }
+        }
+        if !cores[0].has_work() {
+            break;
+        }
+        let rows = cores[0].step();
+        let by_prio = cores[1].step();
+        steps += 1;
+        let key = |o: &engine::scheduler::RequestOutput| {
+            if !texted.contains(&o.id) && !o.new_text.is_empty() {
+                0
+            } else if o.finish.is_some() {
+                1
+            } else {
+                2
+            }
+        };
+        let keys: Vec<u8> = rows.iter().map(key).collect();
+        mixed += keys.windows(2).any(|w| w[0] > w[1]) as usize;
+        let mut want: Vec<(u8, &engine::scheduler::RequestOutput)> = keys.iter().copied().zip(&rows).collect();
+        want.sort_by_key(|w| w.0);
+        let want: Vec<_> = want.iter().map(|w| (w.1.id, &w.1.new_token_ids, &w.1.new_text)).collect();
+        let got: Vec<_> = by_prio.iter().map(|o| (o.id, &o.new_token_ids, &o.new_text)).collect();
+        assert_eq!(got, want, "step {steps}: outputs by priority");
+        texted.extend(rows.iter().filter(|o| !o.new_text.is_empty()).map(|o| o.id));
+    }
+    assert!(!cores[0].has_work() && !cores[1].has_work());
+    assert!(mixed >= 2, "only {mixed} steps had a later-priority output ahead of an earlier one in row order");
+    for core in &cores {
+        assert_eq!(core.stats().kv_blocks_used, 0, "KV blocks leaked");
+    }
+}
+
+#[test]
 fn chunked_prefill_equals_whole_prefill() {
     let ps = prompts();
     let reqs = || ps.iter().map(|p| (p.clone(), greedy(8))).collect::<Vec<_>>();
