@@ -17,8 +17,9 @@
 //!
 //! split into send → handler start, in the handler, and final bytes ready → `[DONE]`
 //! read; the gateway's own delivery (engine output → its bytes ready) is given for a
-//! request's first, second and last outputs with text. Before each level the client opens its `concurrency` connections (timed apart:
-//! setup is per connection, not per request). The engine runs on `--device` (on a GPU,
+//! request's first, second and last outputs with text. Before each level the client
+//! opens its `concurrency` connections (timed apart: setup is per connection, not per
+//! request). The engine runs on `--device` (on a GPU,
 //! the gateway and the client have the host's cores to themselves, as in deployment).
 //! Also reported: the gateway's and the load generator's CPU time per streamed token
 //! and the engine steps each run took.

@@ -532,14 +532,25 @@ __device__ __forceinline__ void wg_commit() {
     asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
 #endif
 }
+// Pins registers: the compiler keeps their ordinary writes ahead of the next asm
+// (wg_fence) and reads them only after the last (wg_wait).
+template <int N>
+__device__ __forceinline__ void wg_pin(float* r) {
+#pragma unroll
+    for (int i = 0; i < N; i++) asm volatile("" : "+f"(r[i])::"memory");
+}
+template <int N>
+__device__ __forceinline__ void wg_pin_u(unsigned* r) {
+#pragma unroll
+    for (int i = 0; i < N; i++) asm volatile("" : "+r"(r[i])::"memory");
+}
 // Waits for every group; then the accumulators are pinned so that the compiler reads
 // them only after the wait.
 template <int N>
 __device__ __forceinline__ void wg_wait(float* acc) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-#pragma unroll
-    for (int i = 0; i < N; i++) asm volatile("" : "+f"(acc[i])::"memory");
+    wg_pin<N>(acc);
 #endif
 }
 // Generic-proxy writes to shared memory (cp.async here) made visible to wgmma's reads.
@@ -590,17 +601,6 @@ __device__ __forceinline__ void wgmma_rs(float* d, const unsigned* a, unsigned l
         wgmma_rs_m64n64<TB>(d, a, b, sd);
     else
         wgmma_rs_m64n128<TB>(d, a, b, sd);
-}
-// Pins registers before wg_fence, so the compiler keeps their ordinary writes ahead of it.
-template <int N>
-__device__ __forceinline__ void wg_pin(float* r) {
-#pragma unroll
-    for (int i = 0; i < N; i++) asm volatile("" : "+f"(r[i])::"memory");
-}
-template <int N>
-__device__ __forceinline__ void wg_pin_u(unsigned* r) {
-#pragma unroll
-    for (int i = 0; i < N; i++) asm volatile("" : "+r"(r[i])::"memory");
 }
 
 #define FA_KEYS 64
