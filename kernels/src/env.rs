@@ -152,6 +152,10 @@ pub const CUDA_ROPE_PAIRS: &str = "DISAGG_CUDA_ROPE_PAIRS";
 /// 64 registers); for A/B runs.
 pub const CUDA_GEMV_PIPE: &str = "DISAGG_CUDA_GEMV_PIPE";
 
+/// `0`: CUDA bf16 GEMMs of 2–8 tokens go to cuBLAS, instead of the skinny GEMM kernel
+/// (sm_90); for A/B runs.
+pub const CUDA_SKINNY: &str = "DISAGG_CUDA_SKINNY";
+
 /// `0`: before a CUDA bf16 GEMM of more tokens than the GEMV takes, RMSNorm writes f32
 /// and a separate kernel casts it to bf16, instead of one kernel writing the bf16 GEMM
 /// input; for A/B runs.

@@ -454,12 +454,13 @@ fn bf16_matmul_matches_cpu_with_and_without_gemv() {
     use kernels::{Backend, WeightPart};
     let mut be = kernels::cuda::CudaBackend::new(0, true).expect("cuda:0 opens");
     // 1000-wide rows end in a short 256-column step.
-    for (rows, cols) in [(1000usize, 4096usize), (300, 1000), (37, 264), (40, 12)] {
+    // The skinny GEMM (sm_90) takes 2–8 tokens of the 4096- and 576-wide rows.
+    for (rows, cols) in [(1000usize, 4096usize), (300, 1000), (37, 264), (40, 12), (300, 576)] {
         let w = data(rows * cols, 5);
         let w_bf16: Vec<f32> = w.iter().map(|v| half::bf16::from_f32(*v).to_f32()).collect();
         let bytes: Vec<u8> = w.iter().flat_map(|v| v.to_le_bytes()).collect();
         let lin = be.linear(&[WeightPart { ty: GgmlType::F32, rows, cols, bytes: &bytes }]).unwrap();
-        for n in [1usize, 2, 3, 5, 8, 9, 17] {
+        for n in [1usize, 2, 3, 5, 8, 9, 17, 33, 64] {
             let x = data(n * cols, 6 + n as u32);
             let prior = data(n * rows, 99);
             let mut want = vec![0f32; n * rows];
@@ -477,10 +478,12 @@ fn bf16_matmul_matches_cpu_with_and_without_gemv() {
                 }
             }
             let dx = be.device().upload(&x).unwrap();
-            // The GEMV (one token: with and without software-pipelined loads), and cuBLAS.
-            for (gemv, pipe) in [(8usize, true), (8, false), (0, true)] {
+            // The GEMV (one token: with and without software-pipelined loads), cuBLAS, and
+            // the skinny GEMM (sm_90; elsewhere the switch stays off and cuBLAS runs again).
+            for (gemv, pipe, skinny) in [(8usize, true, false), (8, false, false), (0, true, false), (0, true, true)] {
                 be.set_gemv_max_tokens(gemv);
                 be.set_gemv_pipe(pipe);
+                be.set_skinny(skinny);
                 for accumulate in [false, true] {
                     let mut out = be.device().upload(&prior).unwrap();
                     be.matmul(&lin, &dx, n, &mut out, accumulate);
@@ -494,7 +497,7 @@ fn bf16_matmul_matches_cpu_with_and_without_gemv() {
                         .fold(0f64, worst64);
                     let by_gemv = gemv >= n && cols % 8 == 0;
                     println!(
-                        "matmul {rows}×{cols}, {n} tokens, gemv {by_gemv} (pipelined {pipe}), accumulate {accumulate}: max |err| / Σ|w·x| = {err:.2e}"
+                        "matmul {rows}×{cols}, {n} tokens, gemv {by_gemv} (pipelined {pipe}), skinny switch {skinny}, accumulate {accumulate}: max |err| / Σ|w·x| = {err:.2e}"
                     );
                     assert!(
                         err < if by_gemv { 1e-5 } else { 1e-2 },

@@ -256,6 +256,9 @@ pub struct CudaBackend {
     /// The one-token GEMV kernels issue each group's weight loads before the previous
     /// group is used (`DISAGG_CUDA_GEMV_PIPE=0`: load, then use).
     gemv_pipe: bool,
+    /// `DISAGG_CUDA_SKINNY` (sm_90): GEMMs of 2–8 tokens on the skinny kernel (see
+    /// [`Self::takes_skinny`]).
+    skinny: bool,
     /// RMSNorm before a bf16 GEMM of more tokens than the GEMV takes writes bf16 straight
     /// into the GEMM input (`DISAGG_CUDA_NORM_CAST=0`: f32 RMSNorm, then a cast).
     norm_cast: bool,
@@ -362,6 +365,7 @@ impl CudaBackend {
             flash_mask_edge: !off(crate::env::CUDA_FLASH_MASK_EDGE),
             rope_pairs: !off(crate::env::CUDA_ROPE_PAIRS),
             gemv_pipe: !off(crate::env::CUDA_GEMV_PIPE),
+            skinny: !off(crate::env::CUDA_SKINNY) && dev.arch.0 >= 9,
             norm_cast: !off(crate::env::CUDA_NORM_CAST),
             silu_rows4: !off(crate::env::CUDA_SILU_ROWS4),
             silu_bf16: !off(crate::env::CUDA_SILU_BF16),
@@ -557,6 +561,13 @@ impl CudaBackend {
     /// `DISAGG_CUDA_GEMV_PIPE=0`).
     pub fn set_gemv_pipe(&mut self, on: bool) {
         self.set_switch(on, |b| &mut b.gemv_pipe);
+    }
+
+    /// GEMMs of 2–8 tokens on the skinny kernel (default: on, on sm_90, unless
+    /// `DISAGG_CUDA_SKINNY=0`; elsewhere it stays off).
+    pub fn set_skinny(&mut self, on: bool) {
+        let on = on && self.dev.arch.0 >= 9;
+        self.set_switch(on, |b| &mut b.skinny);
     }
 
     /// SiLU·gate past the GEMV writes the down projection's bf16 input itself (default:
@@ -827,6 +838,14 @@ impl CudaBackend {
         }
     }
 
+    /// Whether a bf16 GEMM over `n_tokens` takes the skinny kernel: 2–8 tokens (one n8
+    /// tile) and K a multiple of its 64-column slabs. In the engine it beat cuBLAS there
+    /// (Llama-3-8B decode steps of 2, 4 and 8 tokens); with more tokens it lost to cuBLAS,
+    /// in the lab on the 8B shapes and in the engine on SmolLM2's (docs/PERF.md).
+    fn takes_skinny(&self, cols: usize, n_tokens: usize) -> bool {
+        self.skinny && (2..=8).contains(&n_tokens) && cols.is_multiple_of(64)
+    }
+
     /// Whether a GEMM of `w` over `n_tokens` takes the GEMV kernels.
     fn takes_gemv(&self, w: &CudaLinear, n_tokens: usize) -> bool {
         matches!(w, CudaLinear::Bf16 { .. }) && n_tokens <= self.gemv_max_tokens && w.cols().is_multiple_of(8)
@@ -888,6 +907,28 @@ impl CudaBackend {
         let CudaLinear::Bf16 { w, rows, cols } = w else { unreachable!("bf16 GEMM of f32 weights") };
         assert!(self.x_bf16.len() >= n_tokens * cols && out.len() >= n_tokens * rows, "bf16 GEMM buffers");
         let st = self.dev.stream().clone();
+        if self.takes_skinny(*cols, n_tokens) {
+            // Key splits: the most (≤ 8, ≤ the 64-column slabs) that keep the blocks within
+            // 1.5 waves of one per SM (lab: 4,096 rows take 4, 28,672 take 1).
+            let row_blocks = rows.div_ceil(super::SKINNY_ROWS);
+            let si = (0..4usize)
+                .rev()
+                .find(|&i| (1 << i) <= cols / 64 && row_blocks << i <= 3 * self.n_sms / 2)
+                .unwrap_or(0);
+            let cfg = LaunchConfig {
+                grid_dim: (row_blocks as u32, 1 << si, 1),
+                block_dim: (super::SKINNY_ROWS as u32, 1, 1),
+                shared_mem_bytes: super::skinny_smem_bytes() as u32,
+            };
+            let (m, n, k, acc) = (n_tokens as i32, *rows as i32, *cols as i32, i32::from(accumulate));
+            let mut b = st.launch_builder(self.dev.func(super::SKINNY_KERNELS[si]));
+            b.arg(w).arg(&self.x_bf16).arg(&m).arg(&n).arg(&k).arg(&mut *out).arg(&acc);
+            // SAFETY: argument types match the kernel; x holds n_tokens rows of `cols` (a
+            // multiple of 64), out as many of `rows`, W `rows` × `cols`; the splits are a
+            // cluster dimension the kernel was compiled with (sm_90, checked by the switch).
+            unsafe { b.launch(cfg) }.expect("CUDA: skinny GEMM");
+            return;
+        }
         let (alpha, beta) = (1f32, if accumulate { 1f32 } else { 0f32 });
         let (m, n, k) = (*rows as i32, n_tokens as i32, *cols as i32);
         let (a, _ga) = w.device_ptr(&st);

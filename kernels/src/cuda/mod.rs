@@ -109,6 +109,22 @@ pub(crate) const GEMV_NORM_SILU_BF16: [&str; GEMV_MAX_TOKENS] = [
     "gemv_norm_silu_bf16_m8",
 ];
 
+/// The skinny GEMM kernels for 2–8 tokens (ops.cu `skinny_bf16_t1_s{S}`: one n8 tile),
+/// by key splits 1, 2, 4, 8 (a thread-block cluster, so sm_90 only).
+pub(crate) const SKINNY_KERNELS: [&str; 4] =
+    ["skinny_bf16_t1_s1", "skinny_bf16_t1_s2", "skinny_bf16_t1_s4", "skinny_bf16_t1_s8"];
+
+/// Rows of W per skinny GEMM block (ops.cu `SK_WARPS` × 32).
+pub(crate) const SKINNY_ROWS: usize = 128;
+
+/// Dynamic shared memory of a skinny GEMM block (ops.cu `SK_SMEM_BYTES(1, SK_WARPS)`):
+/// four stages of 64 columns of its rows and 8 tokens, which its f32 partial sums reuse.
+pub(crate) fn skinny_smem_bytes() -> usize {
+    let stages = 4 * (SKINNY_ROWS + 8) * 64 * 2;
+    let partials = 8 * (SKINNY_ROWS + 4) * 4;
+    stages.max(partials)
+}
+
 /// The one-token GEMV kernels without the software pipelining of their loads
 /// (`DISAGG_CUDA_GEMV_PIPE=0`), [plain, RMSNorm, RMSNorm + SiLU·gate].
 pub(crate) const GEMV_FLAT_M1: [&str; 3] =
@@ -224,8 +240,20 @@ impl CudaDevice {
         let mut funcs = HashMap::new();
         let gemv = [GEMV_BF16, GEMV_NORM_BF16, GEMV_NORM_SILU_BF16];
         let flash = FLASH_KERNELS.iter().map(|(k, _)| k);
-        for &k in KERNELS.iter().chain(gemv.iter().flatten()).chain(&GEMV_FLAT_M1).chain(flash) {
+        let skinny = SKINNY_KERNELS.iter();
+        for &k in KERNELS.iter().chain(gemv.iter().flatten()).chain(&GEMV_FLAT_M1).chain(flash).chain(skinny) {
             funcs.insert(k, f(k)?);
+        }
+        // The skinny GEMMs' ring of stages (68 KiB) on the GPUs that run them.
+        if arch.0 >= 9 {
+            for &k in &SKINNY_KERNELS {
+                funcs[k]
+                    .set_attribute(
+                        cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                        skinny_smem_bytes() as i32,
+                    )
+                    .map_err(dev_err)?;
+            }
         }
         // The flash kernels' double-buffered K/V tiles exceed the default 48 KiB of
         // dynamic shared memory at head_dim 128 (sm_80+ only: the backend never launches

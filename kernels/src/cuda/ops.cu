@@ -1351,6 +1351,229 @@ extern "C" __global__ void stream_read(const unsigned short* p, long long n, uns
     if (acc == 0x9e3779b9u) sink[0] = acc;
 }
 
+// ---- Skinny GEMM: y[m][n] (+)= Σ_k x[m][k] · W[n][k] for a few tokens ----
+// Steps of a few tokens read every weight once for little arithmetic; cuBLAS' tiles
+// leave SMs idle on the narrow shapes (4,096 outputs in 64-row tiles are 64 blocks). Here a block of SK_WARPS warps takes 32·SK_WARPS rows of W
+// (32 per warp: two m16 tiles) over one of S splits of K. Slab by slab (64 columns), all
+// its threads copy the rows' 128-byte spans and the tokens' bf16 activations into a ring
+// of SK_STAGES stages with cp.async (whole lines per warp instruction; tokens past M read
+// as zeros; 16-byte chunk c of row r stored at c ^ (r & 7), so ldmatrix reads are
+// conflict-free), and each warp runs mma.sync m16n8k16 over its rows and all NT n8 token
+// tiles, A and B fragments by ldmatrix. Splits of one row block form a thread-block
+// cluster (sm_90): each block leaves its f32 partial sums in its shared memory and, after
+// a cluster barrier, block c adds the S partials of its 1/S of the rows in rank order
+// (a fixed order: results do not depend on scheduling) from distributed shared memory
+// and writes them; S = 1 writes its own. `accumulate` adds y's old value (the residual).
+// Measured against cuBLAS in tools/gpu-lab/skinnylab.cu and in the engine (docs/PERF.md).
+#define SK_SLAB 64
+#define SK_STAGES 4
+// Shared memory of a block of WARPS warps (32·WARPS rows) for NT token tiles: the
+// staging ring, reused for the partial sums ([token][row], rows padded by 4 floats).
+#define SK_SMEM_BYTES(NT, WARPS) \
+    ((SK_STAGES * (32 * (WARPS) + (NT) * 8) * SK_SLAB * 2) > ((NT) * 8 * (32 * (WARPS) + 4) * 4) \
+         ? (SK_STAGES * (32 * (WARPS) + (NT) * 8) * SK_SLAB * 2) : ((NT) * 8 * (32 * (WARPS) + 4) * 4))
+
+__device__ __forceinline__ void mma_bf16_16816(float (&c)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                                               unsigned b0, unsigned b1) {
+#if __CUDA_ARCH__ >= 800
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+#else
+    __trap();
+#endif
+}
+
+// Cluster barrier (all threads of every block of the cluster), release/acquire.
+__device__ __forceinline__ void cluster_sync_all() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+#else
+    __trap();
+#endif
+}
+
+// Four floats at shared address `a` of cluster block `rank`.
+__device__ __forceinline__ float4 ld_dsmem_f4(unsigned a, unsigned rank) {
+    float4 v;
+#if __CUDA_ARCH__ >= 900
+    unsigned r;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(a), "r"(rank));
+    asm volatile("ld.shared::cluster.v4.f32 {%0,%1,%2,%3}, [%4];\n"
+                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(r) : "memory");
+#else
+    v = make_float4(0.f, 0.f, 0.f, 0.f);
+    __trap();
+#endif
+    return v;
+}
+
+// 16-byte global → shared copy that asks L2 for the whole 256-byte span around it.
+__device__ __forceinline__ void cp_async16_l2(unsigned dst, const void* src, int bytes) {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
+#else
+    __trap();
+#endif
+}
+
+__device__ __forceinline__ void ldsm_x4(unsigned a, unsigned (&r)[4]) {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+#else
+    __trap();
+#endif
+}
+
+template <int NT, int S, int WARPS>
+__device__ void skinny_impl(const unsigned short* __restrict__ w, const unsigned short* __restrict__ x, int m_tokens,
+                            int n, int k, float* __restrict__ y, int accumulate) {
+    extern __shared__ __align__(128) unsigned char sk_smem[];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    constexpr int SK_ROWS = 32 * WARPS, SK_RSTRIDE = SK_ROWS + 4, THREADS = 32 * WARPS;
+    const int row0 = blockIdx.x * SK_ROWS;
+    const int split = blockIdx.y;
+    const int slabs = k / SK_SLAB;
+    const int per = (slabs + S - 1) / S;
+    const int s0 = min(split * per, slabs), s1 = min(s0 + per, slabs);
+    const int ns = s1 - s0;
+    // A stage: W's 256 rows × 64 columns, then the tokens' NT·8 rows × 64 columns; each
+    // row 128 bytes, its 16-byte chunk c stored at c ^ (row & 7) (ldmatrix conflict-free).
+    constexpr int STAGE = (SK_ROWS + NT * 8) * SK_SLAB * 2;
+    const unsigned base = smem_u32(sk_smem);
+    auto stage = [&](int j) {
+        if (j < ns) {
+            const unsigned st = base + (j % SK_STAGES) * STAGE;
+            const size_t kc = (size_t)(s0 + j) * SK_SLAB;
+#pragma unroll
+            for (int p = 0; p < SK_ROWS * 8 / THREADS; p++) {
+                const int piece = threadIdx.x + THREADS * p, r = piece >> 3, c = piece & 7;
+                const unsigned short* src = w + (size_t)min(row0 + r, n - 1) * k + kc + 8 * c;
+                cp_async16_l2(st + r * 128 + ((c ^ (r & 7)) << 4), src, 16);
+            }
+            for (int i = threadIdx.x; i < NT * 64; i += THREADS) {
+                const int r = i >> 3, c = i & 7;
+                const bool in = r < m_tokens;
+                const unsigned short* src = x + (size_t)(in ? r : 0) * k + kc + 8 * c;
+                cp_async16_at(st + (SK_ROWS + r) * 128 + ((c ^ (r & 7)) << 4), src, in ? 16 : 0);
+            }
+        }
+        cp_async_commit();
+    };
+#pragma unroll
+    for (int j = 0; j < SK_STAGES - 1; j++) stage(j);
+    float acc[2][NT][4];
+#pragma unroll
+    for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) acc[mt][nt][e] = 0.f;
+    // ldmatrix rows: A (W) rows warp·32 + mt·16 + (lane & 15), chunk 2s + (lane >> 4);
+    // B (tokens) rows nt·8 + (lane & 7), chunk 2·(s pair) + (lane >> 3).
+    const int ar = warp * 32 + (lane & 15), ac = lane >> 4;
+    const int br = lane & 7, bc = lane >> 3;
+    for (int j = 0; j < ns; j++) {
+        cp_async_wait<SK_STAGES - 2>();
+        __syncthreads();  // slab j staged by all; slab j - 1's stage free
+        stage(j + SK_STAGES - 1);
+        const unsigned st = base + (j % SK_STAGES) * STAGE;
+#pragma unroll
+        for (int sp = 0; sp < 2; sp++) {  // pairs of k16 steps
+            unsigned b[NT][4];
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++) {
+                const int r = SK_ROWS + nt * 8 + br, c = 4 * sp + bc;
+                ldsm_x4(st + r * 128 + ((c ^ (r & 7)) << 4), b[nt]);
+            }
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const int s = 2 * sp + h;
+#pragma unroll
+                for (int mt = 0; mt < 2; mt++) {
+                    unsigned a[4];
+                    const int r = ar + mt * 16, c = 2 * s + ac;
+                    ldsm_x4(st + r * 128 + ((c ^ (r & 7)) << 4), a);
+#pragma unroll
+                    for (int nt = 0; nt < NT; nt++)
+                        mma_bf16_16816(acc[mt][nt], a[0], a[1], a[2], a[3], b[nt][2 * h], b[nt][2 * h + 1]);
+                }
+            }
+        }
+    }
+    // Partial sums to shared memory as [token][row] (the staging ring is done with).
+    cp_async_wait<0>();
+    __syncthreads();
+    float* red = reinterpret_cast<float*>(sk_smem);
+#pragma unroll
+    for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) {
+            const int r = warp * 32 + mt * 16 + g, tok = nt * 8 + 2 * t;
+            red[tok * SK_RSTRIDE + r] = acc[mt][nt][0];
+            red[(tok + 1) * SK_RSTRIDE + r] = acc[mt][nt][1];
+            red[tok * SK_RSTRIDE + r + 8] = acc[mt][nt][2];
+            red[(tok + 1) * SK_RSTRIDE + r + 8] = acc[mt][nt][3];
+        }
+    if (S > 1) cluster_sync_all();
+    else __syncthreads();
+    // This block's share of the rows, 4 at a time, summed over the splits in rank order.
+    constexpr int SLICE = SK_ROWS / S;
+    const unsigned red_a = smem_u32(red);
+    for (int i = threadIdx.x; i < NT * 8 * SLICE / 4; i += THREADS) {
+        const int tok = i / (SLICE / 4), r = split * SLICE + 4 * (i % (SLICE / 4));
+        float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+        const unsigned off = (unsigned)(tok * SK_RSTRIDE + r) * 4;
+        if (S > 1) {
+#pragma unroll
+            for (int c = 0; c < S; c++) {
+                const float4 p = ld_dsmem_f4(red_a + off, c);
+                v.x += p.x, v.y += p.y, v.z += p.z, v.w += p.w;
+            }
+        } else {
+            v = *reinterpret_cast<const float4*>(red + tok * SK_RSTRIDE + r);
+        }
+        const int row = row0 + r;
+        if (tok < m_tokens && row < n) {
+            float* o = y + (size_t)tok * n + row;
+            if (row + 3 < n && (n & 3) == 0) {
+                float4* o4 = reinterpret_cast<float4*>(o);
+                if (accumulate) {
+                    const float4 old = *o4;
+                    v.x += old.x, v.y += old.y, v.z += old.z, v.w += old.w;
+                }
+                *o4 = v;
+            } else {
+                const float vv[4] = {v.x, v.y, v.z, v.w};
+                for (int e = 0; e < 4 && row + e < n; e++) o[e] = accumulate ? o[e] + vv[e] : vv[e];
+            }
+        }
+    }
+    if (S > 1) cluster_sync_all();  // no block leaves while another reads its partials
+}
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+#define SK_CLUSTER(S)
+#else
+#define SK_CLUSTER(S) __cluster_dims__(1, S, 1)
+#endif
+#define SK_ARGS const unsigned short *w, const unsigned short *x, int m_tokens, int n, int k, float *y, int accumulate
+#define SK_WARPS 4
+#define SK_KERNEL(NT, S, CL) \
+    extern "C" __global__ void __launch_bounds__(SK_WARPS * 32) CL skinny_bf16_t##NT##_s##S(SK_ARGS) { \
+        skinny_impl<NT, S, SK_WARPS>(w, x, m_tokens, n, k, y, accumulate); \
+    }
+#define SK_KERNELS(NT) \
+    SK_KERNEL(NT, 1, ) \
+    SK_KERNEL(NT, 2, SK_CLUSTER(2)) \
+    SK_KERNEL(NT, 4, SK_CLUSTER(4)) \
+    SK_KERNEL(NT, 8, SK_CLUSTER(8))
+// The engine takes 2–8 tokens (one n8 tile); tools/gpu-lab/skinnylab.cu instantiates
+// 2, 4 and 8 tiles as well, which lost to cuBLAS there or in the engine.
+SK_KERNELS(1)
+
 // ---- Sampling where the logits are (engine/src/sampling.rs defines the semantics) ----
 // One block of SAMPLE_THREADS per logits row. Per row: the raw logits' log-sum-exp and
 // its best `n_logprobs` raw logits (unsorted; the host sorts them); then the row's logit
