@@ -244,26 +244,20 @@ impl CudaDevice {
         for &k in KERNELS.iter().chain(gemv.iter().flatten()).chain(&GEMV_FLAT_M1).chain(flash).chain(skinny) {
             funcs.insert(k, f(k)?);
         }
-        // The skinny GEMMs' ring of stages (68 KiB) on the GPUs that run them.
-        if arch.0 >= 9 {
-            for &k in &SKINNY_KERNELS {
-                funcs[k]
-                    .set_attribute(
-                        cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                        skinny_smem_bytes() as i32,
-                    )
-                    .map_err(dev_err)?;
-            }
-        }
-        // The flash kernels' double-buffered K/V tiles exceed the default 48 KiB of
-        // dynamic shared memory at head_dim 128 (sm_80+ only: the backend never launches
-        // them on older GPUs).
+        // Dynamic shared memory past the default 48 KiB: the flash kernels' double-buffered
+        // K/V tiles at head_dim 128 (sm_80+) and the skinny GEMMs' ring of stages (68 KiB,
+        // sm_90); the backend never launches either on older GPUs.
         let flash_kernels = if arch.0 >= 8 { &FLASH_KERNELS[..] } else { &[] };
-        for &(k, hd) in flash_kernels {
+        let skinny_kernels = if arch.0 >= 9 { &SKINNY_KERNELS[..] } else { &[] };
+        let big_smem = flash_kernels
+            .iter()
+            .map(|&(k, hd)| (k, flash_smem_bytes(hd)))
+            .chain(skinny_kernels.iter().map(|&k| (k, skinny_smem_bytes())));
+        for (k, bytes) in big_smem {
             funcs[k]
                 .set_attribute(
                     cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    flash_smem_bytes(hd) as i32,
+                    bytes as i32,
                 )
                 .map_err(dev_err)?;
         }

@@ -460,9 +460,14 @@ __device__ __forceinline__ unsigned smem_u32(const void* p) {
 
 // Asynchronous 16-byte global → shared copies (sm_80+): `bytes` 0 fills zeros. `_at`
 // takes the 32-bit shared address (see the flash kernels' SA form), the other a pointer.
+// L2_256: L2 fetches the whole 256-byte span around the chunk (streamed weights).
+template <bool L2_256 = false>
 __device__ __forceinline__ void cp_async16_at(unsigned dst, const void* src, int bytes) {
 #if __CUDA_ARCH__ >= 800
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
+    if (L2_256)
+        asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
+    else
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
 #else
     __trap();
 #endif
@@ -1408,24 +1413,6 @@ __device__ __forceinline__ float4 ld_dsmem_f4(unsigned a, unsigned rank) {
     return v;
 }
 
-// 16-byte global → shared copy that asks L2 for the whole 256-byte span around it.
-__device__ __forceinline__ void cp_async16_l2(unsigned dst, const void* src, int bytes) {
-#if __CUDA_ARCH__ >= 800
-    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
-#else
-    __trap();
-#endif
-}
-
-__device__ __forceinline__ void ldsm_x4(unsigned a, unsigned (&r)[4]) {
-#if __CUDA_ARCH__ >= 800
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
-#else
-    __trap();
-#endif
-}
-
 template <int NT, int S, int WARPS>
 __device__ void skinny_impl(const unsigned short* __restrict__ w, const unsigned short* __restrict__ x, int m_tokens,
                             int n, int k, float* __restrict__ y, int accumulate) {
@@ -1451,7 +1438,7 @@ __device__ void skinny_impl(const unsigned short* __restrict__ w, const unsigned
             for (int p = 0; p < SK_ROWS * 8 / THREADS; p++) {
                 const int piece = threadIdx.x + THREADS * p, r = piece >> 3, c = piece & 7;
                 const unsigned short* src = w + (size_t)min(row0 + r, n - 1) * k + kc + 8 * c;
-                cp_async16_l2(st + r * 128 + ((c ^ (r & 7)) << 4), src, 16);
+                cp_async16_at<true>(st + r * 128 + ((c ^ (r & 7)) << 4), src, 16);
             }
             for (int i = threadIdx.x; i < NT * 64; i += THREADS) {
                 const int r = i >> 3, c = i & 7;
@@ -1486,7 +1473,7 @@ __device__ void skinny_impl(const unsigned short* __restrict__ w, const unsigned
 #pragma unroll
             for (int nt = 0; nt < NT; nt++) {
                 const int r = SK_ROWS + nt * 8 + br, c = 4 * sp + bc;
-                ldsm_x4(st + r * 128 + ((c ^ (r & 7)) << 4), b[nt]);
+                ldsm_x4_at<false>(b[nt][0], b[nt][1], b[nt][2], b[nt][3], st + r * 128 + ((c ^ (r & 7)) << 4));
             }
 #pragma unroll
             for (int h = 0; h < 2; h++) {
@@ -1495,7 +1482,7 @@ __device__ void skinny_impl(const unsigned short* __restrict__ w, const unsigned
                 for (int mt = 0; mt < 2; mt++) {
                     unsigned a[4];
                     const int r = ar + mt * 16, c = 2 * s + ac;
-                    ldsm_x4(st + r * 128 + ((c ^ (r & 7)) << 4), a);
+                    ldsm_x4_at<false>(a[0], a[1], a[2], a[3], st + r * 128 + ((c ^ (r & 7)) << 4));
 #pragma unroll
                     for (int nt = 0; nt < NT; nt++)
                         mma_bf16_16816(acc[mt][nt], a[0], a[1], a[2], a[3], b[nt][2 * h], b[nt][2 * h + 1]);
