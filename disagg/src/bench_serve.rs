@@ -245,9 +245,11 @@ async fn health_round(client: &reqwest::Client, url: &str, c: usize) -> anyhow::
     futures::future::join_all(reqs).await.into_iter().collect()
 }
 
-/// Seconds on CPU so far of this process's threads, summed by thread name
-/// (`/proc/self/task/*/schedstat`, nanosecond resolution; empty where absent).
-fn thread_cpu_s() -> std::collections::HashMap<String, f64> {
+/// Seconds so far of this process's threads on CPU and waiting on a run queue (runnable
+/// but not running: other threads or processes held the CPU, or an idle CPU was slow to
+/// wake), summed by thread name (`/proc/self/task/*/schedstat`, nanosecond resolution;
+/// empty where absent).
+fn thread_sched_s() -> std::collections::HashMap<String, (f64, f64)> {
     let mut out = std::collections::HashMap::new();
     let Ok(tasks) = std::fs::read_dir("/proc/self/task") else { return out };
     for t in tasks.flatten() {
@@ -257,8 +259,11 @@ fn thread_cpu_s() -> std::collections::HashMap<String, f64> {
         else {
             continue;
         };
-        let Some(ns) = stat.split_whitespace().next().and_then(|x| x.parse::<f64>().ok()) else { continue };
-        *out.entry(name.trim().to_string()).or_insert(0.0) += ns * 1e-9;
+        let mut f = stat.split_whitespace().map(|x| x.parse::<f64>().ok());
+        let (Some(Some(on_cpu)), Some(Some(waiting))) = (f.next(), f.next()) else { continue };
+        let e: &mut (f64, f64) = out.entry(name.trim().to_string()).or_default();
+        e.0 += on_cpu * 1e-9;
+        e.1 += waiting * 1e-9;
     }
     out
 }
@@ -329,10 +334,10 @@ pub fn run(a: ServeBenchArgs) -> anyhow::Result<()> {
             state.timings.lock().unwrap().clear();
             let (mut http_runs, mut direct_runs): (Vec<Run>, Vec<Run>) = (Vec::new(), Vec::new());
             let (mut http, mut direct) = (Vec::new(), Vec::new());
-            let mut cpu_s: std::collections::HashMap<String, f64> = Default::default();
+            let mut cpu_s: std::collections::HashMap<String, (f64, f64)> = Default::default();
             for r in 0..a.rounds {
                 for is_http in if r % 2 == 0 { [true, false] } else { [false, true] } {
-                    let (cpu0, s0, t0) = (thread_cpu_s(), engine.stats(), Instant::now());
+                    let (cpu0, s0, t0) = (thread_sched_s(), engine.stats(), Instant::now());
                     if is_http {
                         http.extend(
                             closed_loop(n, c, {
@@ -358,10 +363,11 @@ pub fn run(a: ServeBenchArgs) -> anyhow::Result<()> {
                     };
                     if is_http {
                         http_runs.push(run);
-                        let cpu1 = thread_cpu_s();
-                        for (name, v) in cpu1 {
+                        for (name, v) in thread_sched_s() {
                             if let Some(v0) = cpu0.get(&name) {
-                                *cpu_s.entry(name).or_default() += v - v0;
+                                let e = cpu_s.entry(name).or_default();
+                                e.0 += v.0 - v0.0;
+                                e.1 += v.1 - v0.1;
                             }
                         }
                     } else {
@@ -382,8 +388,25 @@ pub fn run(a: ServeBenchArgs) -> anyhow::Result<()> {
             // Outside the gateway's handler: client send → handler start, and the
             // gateway's final bytes ready → the client has read `[DONE]`.
             let (mut wire_in, mut wire_out, mut engine_ttft) = (Vec::new(), Vec::new(), Vec::new());
-            for h in &http {
+            // The slowest request by in-gateway e2e and by first token, split into its
+            // parts: which of them a stall sits in (ms; `index`: its place in the pooled
+            // requests, rounds in order).
+            let (mut worst_e2e, mut worst_first) = (None::<(f64, serde_json::Value)>, None::<(f64, serde_json::Value)>);
+            for (index, h) in http.iter().enumerate() {
                 let Some(t) = timings.get(&h.id) else { continue };
+                let ms = |a: Instant, b: Instant| b.saturating_duration_since(a).as_secs_f64() * 1e3;
+                let parts = json!({
+                    "index": index,
+                    "in": ms(t.arrival, t.submitted),
+                    "first_out": ms(t.engine_first_text, t.emit_first_text),
+                    "out": ms(t.engine_finish, t.emit_finish),
+                    "send_to_handler": ms(h.send, t.arrival),
+                });
+                for (worst, v) in [(&mut worst_e2e, t.gateway_e2e_s()), (&mut worst_first, t.gateway_first_token_s())] {
+                    if worst.as_ref().is_none_or(|w| v * 1e3 > w.0) {
+                        *worst = Some((v * 1e3, parts.clone()));
+                    }
+                }
                 gw_in.push(t.submitted.duration_since(t.arrival).as_secs_f64() * 1e3);
                 gw_out.push(t.emit_finish.duration_since(t.engine_finish).as_secs_f64() * 1e3);
                 gw_first_out.push(t.emit_first_text.duration_since(t.engine_first_text).as_secs_f64() * 1e3);
@@ -406,7 +429,9 @@ pub fn run(a: ServeBenchArgs) -> anyhow::Result<()> {
             }
             let tokens = (n * a.max_tokens) as f64;
             // None (JSON null) where the threads' schedstat is not readable.
-            let cpu_us = |name: &str| Some(cpu_s.get(name)? * 1e6 / (tokens * a.rounds as f64));
+            let per_token_us = |v: f64| v * 1e6 / (tokens * a.rounds as f64);
+            let cpu_us = |name: &str| Some(per_token_us(cpu_s.get(name)?.0));
+            let wait_us = |name: &str| Some(per_token_us(cpu_s.get(name)?.1));
             let tok_s = |runs: &[Run]| runs.iter().map(|r| tokens / r.wall_s).collect::<Vec<f64>>();
             let (http_tok_s, direct_tok_s) = (median_of(tok_s(&http_runs)), median_of(tok_s(&direct_runs)));
             // The engine's wall time outside its steps, per run: what the path in front
@@ -439,6 +464,7 @@ pub fn run(a: ServeBenchArgs) -> anyhow::Result<()> {
                     "out_p50": pct(gw_out.clone(), 0.5), "out_p99": pct(gw_out, 0.99),
                     "first_out_p50": pct(gw_first_out.clone(), 0.5), "first_out_p99": pct(gw_first_out, 0.99),
                     "second_out_p50": pct(gw_second_out.clone(), 0.5), "second_out_p99": pct(gw_second_out, 0.99),
+                    "slowest_e2e": worst_e2e.map(|w| w.1), "slowest_first_token": worst_first.map(|w| w.1),
                 },
                 "client_observed_overhead_ms": {
                     "e2e_p50": pct(client_e2e_over.clone(), 0.5), "e2e_p99": pct(client_e2e_over, 0.99),
@@ -477,6 +503,9 @@ pub fn run(a: ServeBenchArgs) -> anyhow::Result<()> {
                 // On-CPU time of the gateway's and the load generator's threads during
                 // the HTTP runs, per streamed token (Linux schedstat; null elsewhere).
                 "cpu_us_per_token": {"gateway": cpu_us("gateway"), "load_generator": cpu_us("load")},
+                // Their time runnable but not running, per streamed token: CPU taken by
+                // other threads or processes, or slow wakes of idle CPUs.
+                "run_queue_wait_us_per_token": {"gateway": wait_us("gateway"), "load_generator": wait_us("load")},
             }));
         }
         Ok::<_, anyhow::Error>(levels)

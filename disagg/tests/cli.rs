@@ -106,3 +106,45 @@ fn bad_flags_say_what_to_change() {
         assert!(!err.contains("panicked"), "{args:?}: {err}");
     }
 }
+
+#[test]
+fn bench_serve_accounts_for_every_request() {
+    // A small run: every HTTP request's gateway timing is found, the slowest request's
+    // parts add up to the reported maximum, and the scheduler figures are there (Linux).
+    let (code, out, err) = disagg(&[
+        "bench",
+        "serve",
+        "--concurrency",
+        "2",
+        "--requests",
+        "4",
+        "--rounds",
+        "2",
+        "--no-level-warmup",
+        "--max-tokens",
+        "4",
+        "--json",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(out.trim()).expect("one JSON object");
+    let level = &v["levels"][0];
+    assert_eq!(level["requests_measured"], 8);
+    assert_eq!(level["matched_timings"], 8);
+    let gw = &level["gateway_overhead_ms"];
+    let f = |x: &serde_json::Value| x.as_f64().unwrap_or_else(|| panic!("not a number: {x} in {gw}"));
+    for (slowest, max, first_part) in
+        [("slowest_e2e", "e2e_max", "out"), ("slowest_first_token", "first_token_max", "first_out")]
+    {
+        let s = &gw[slowest];
+        assert!(s["index"].as_u64().unwrap() < 8, "{s}");
+        let parts = f(&s["in"]) + f(&s[first_part]);
+        assert!((parts - f(&gw[max])).abs() < 1e-6, "{slowest}: {s} against {max} {}", gw[max]);
+        assert!(f(&s["send_to_handler"]) >= 0.0);
+    }
+    if cfg!(target_os = "linux") {
+        for k in ["cpu_us_per_token", "run_queue_wait_us_per_token"] {
+            assert!(f(&level[k]["gateway"]) >= 0.0 && f(&level[k]["load_generator"]) >= 0.0, "{k}: {}", level[k]);
+        }
+        assert!(f(&level["cpu_us_per_token"]["gateway"]) > 0.0, "the gateway ran: {}", level["cpu_us_per_token"]);
+    }
+}
