@@ -144,6 +144,7 @@ __device__ void skinny_wg_impl(const unsigned short* __restrict__ w, const unsig
                 const int r = mt * 64 + ar, c = 2 * s + ac;
                 ldsm_x4_at<false>(a[mt][s][0], a[mt][s][1], a[mt][s][2], a[mt][s][3], st + r * 128 + ((c ^ (r & 7)) << 4));
             }
+        wg_pin<N>(&acc[0][0]);  // the accumulators' zeroing stays ahead of the fence
         wg_fence();
         // K-major B: k-step s is 32 bytes into each token row; rows in groups of 8 (1024 bytes).
 #pragma unroll
