@@ -45,6 +45,10 @@ pub struct ServeBenchArgs {
     /// Concurrent streams.
     #[arg(long, value_delimiter = ',', default_value = "1,64,256")]
     pub concurrency: Vec<usize>,
+    /// Hold every CPU out of deep idle states for the run, as `disagg serve
+    /// --cpu-latency-qos` does (Linux PM QoS, root only).
+    #[arg(long)]
+    pub cpu_latency_qos: bool,
     /// Tokens generated per request.
     #[arg(long, default_value_t = 32)]
     pub max_tokens: usize,
@@ -269,6 +273,9 @@ fn thread_sched_s() -> std::collections::HashMap<String, (f64, f64)> {
 }
 
 pub fn run(a: ServeBenchArgs) -> anyhow::Result<()> {
+    // Held for the whole run (system-wide, so also over `--mode up`'s processes).
+    let _qos =
+        a.cpu_latency_qos.then(|| crate::serve::hold_cpu_latency(crate::serve::CPU_DMA_LATENCY, 0)).transpose()?;
     match a.mode.as_str() {
         "in-process" => {}
         "up" => return crate::bench_up::run(a),
@@ -516,6 +523,7 @@ pub fn run(a: ServeBenchArgs) -> anyhow::Result<()> {
         "model": model,
         "backend": backend,
         "max_tokens": a.max_tokens,
+        "cpu_latency_qos": a.cpu_latency_qos,
         "levels": levels,
     });
     println!("{}", serde_json::to_string_pretty(&out)?);

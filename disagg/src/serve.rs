@@ -32,6 +32,29 @@ pub struct ServeArgs {
     /// Largest request body, in MiB.
     #[arg(long, default_value_t = 4)]
     pub max_body_mib: usize,
+    /// Keep every CPU out of deep idle states while serving (Linux PM QoS through
+    /// /dev/cpu_dma_latency, root only): a token handed to an idle gateway thread is then
+    /// picked up in microseconds, at the cost of power. See docs/PERF.md.
+    #[arg(long)]
+    pub cpu_latency_qos: bool,
+}
+
+/// The Linux PM QoS request behind `--cpu-latency-qos`.
+pub const CPU_DMA_LATENCY: &str = "/dev/cpu_dma_latency";
+
+/// Asks the kernel (PM QoS, `path` = [`CPU_DMA_LATENCY`]) to keep every CPU out of idle
+/// states that take longer than `us` µs to leave, for as long as the returned file stays
+/// open; with 0 an idle CPU polls instead of halting.
+pub fn hold_cpu_latency(path: &str, us: i32) -> anyhow::Result<std::fs::File> {
+    use std::io::Write;
+    let mut f = std::fs::OpenOptions::new().write(true).open(path).map_err(|e| {
+        anyhow::anyhow!(
+            "--cpu-latency-qos: cannot open {path} ({e}); it needs root on Linux: run as root or drop the flag"
+        )
+    })?;
+    f.write_all(&us.to_ne_bytes())
+        .map_err(|e| anyhow::anyhow!("--cpu-latency-qos: cannot write {path} ({e}); drop the flag"))?;
+    Ok(f)
 }
 
 /// The OTLP trace exporter when an endpoint is configured (call inside the runtime).
@@ -55,6 +78,8 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
     if a.max_in_flight == 0 {
         anyhow::bail!("--max-in-flight must be at least 1");
     }
+    // Held until the server stops.
+    let _qos = a.cpu_latency_qos.then(|| hold_cpu_latency(CPU_DMA_LATENCY, 0)).transpose()?;
     let cfg = GatewayConfig {
         served_model_name: a.served_model_name.clone().unwrap_or_else(|| opts.model.clone()),
         api_key: a.api_key.clone().filter(|k| !k.is_empty()),
@@ -107,4 +132,30 @@ pub async fn shutdown_signal() {
     }
     #[cfg(not(unix))]
     let _ = ctrl_c.await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cpu_latency_qos_holds_while_open_or_says_what_to_change() {
+        // Where the PM QoS device is usable (Linux, root), holding 0 µs shows in what the
+        // device reads back, and dropping the hold restores the value before it.
+        let read = || -> Option<i32> {
+            let b = std::fs::read(CPU_DMA_LATENCY).ok()?;
+            Some(i32::from_ne_bytes(b.get(..4)?.try_into().ok()?))
+        };
+        match (read(), hold_cpu_latency(CPU_DMA_LATENCY, 0)) {
+            (Some(before), Ok(held)) => {
+                assert_eq!(read(), Some(0), "held at 0 µs");
+                drop(held);
+                assert_eq!(read(), Some(before), "released");
+            }
+            (_, Err(e)) => assert!(e.to_string().contains("--cpu-latency-qos"), "{e}"),
+            (None, Ok(_)) => {}
+        }
+        let e = hold_cpu_latency("/nonexistent/cpu_dma_latency", 0).unwrap_err().to_string();
+        assert!(e.contains("--cpu-latency-qos") && e.contains("drop the flag"), "{e}");
+    }
 }
