@@ -339,6 +339,7 @@ pub fn run(a: ServeBenchArgs) -> anyhow::Result<()> {
                 Some(s)
             };
             state.timings.lock().unwrap().clear();
+            state.body_read.lock().unwrap().clear();
             let (mut http_runs, mut direct_runs): (Vec<Run>, Vec<Run>) = (Vec::new(), Vec::new());
             let (mut http, mut direct) = (Vec::new(), Vec::new());
             let mut cpu_s: std::collections::HashMap<String, (f64, f64)> = Default::default();
@@ -386,9 +387,10 @@ pub fn run(a: ServeBenchArgs) -> anyhow::Result<()> {
             let direct: Vec<DirectTiming> = direct.into_iter().collect::<Result<_, _>>()?;
             let timings: std::collections::HashMap<String, router::RequestTiming> =
                 state.timings.lock().unwrap().drain(..).map(|t| (t.id.clone(), t)).collect();
+            let body_read = std::mem::take(&mut *state.body_read.lock().unwrap());
             let (mut gw_e2e, mut gw_first, mut client_e2e_over, mut client_first_over, mut ttft) =
                 (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
-            let (mut gw_in, mut gw_out) = (Vec::new(), Vec::new());
+            let (mut gw_in, mut gw_out, mut gw_in_read) = (Vec::new(), Vec::new(), Vec::new());
             // Engine output → gateway bytes ready, for a request's first and second
             // outputs with text (`out` above is its last).
             let (mut gw_first_out, mut gw_second_out) = (Vec::new(), Vec::new());
@@ -402,9 +404,15 @@ pub fn run(a: ServeBenchArgs) -> anyhow::Result<()> {
             for (index, h) in http.iter().enumerate() {
                 let Some(t) = timings.get(&h.id) else { continue };
                 let ms = |a: Instant, b: Instant| b.saturating_duration_since(a).as_secs_f64() * 1e3;
+                // "in" split: waiting for the client's body, then parse, tokenize, submit.
+                let read = body_read.get(&h.id).copied();
+                if let Some(r) = read {
+                    gw_in_read.push(ms(t.arrival, r));
+                }
                 let parts = json!({
                     "index": index,
                     "in": ms(t.arrival, t.submitted),
+                    "in_body_read": read.map(|r| ms(t.arrival, r)),
                     "first_out": ms(t.engine_first_text, t.emit_first_text),
                     "out": ms(t.engine_finish, t.emit_finish),
                     "send_to_handler": ms(h.send, t.arrival),
@@ -468,6 +476,8 @@ pub fn run(a: ServeBenchArgs) -> anyhow::Result<()> {
                     "first_token_max": pct(gw_first.clone(), 1.0),
                     "e2e_over_1ms": gw_e2e_over_1ms, "first_token_over_1ms": gw_first_over_1ms,
                     "in_p50": pct(gw_in.clone(), 0.5), "in_p99": pct(gw_in, 0.99),
+                    // The part of "in" spent waiting for the request body's bytes.
+                    "in_body_read_p99": pct(gw_in_read.clone(), 0.99), "in_body_read_max": pct(gw_in_read, 1.0),
                     "out_p50": pct(gw_out.clone(), 0.5), "out_p99": pct(gw_out, 0.99),
                     "first_out_p50": pct(gw_first_out.clone(), 0.5), "first_out_p99": pct(gw_first_out, 0.99),
                     "second_out_p50": pct(gw_second_out.clone(), 0.5), "second_out_p99": pct(gw_second_out, 0.99),

@@ -140,6 +140,8 @@ fn bench_serve_accounts_for_every_request() {
         let parts = f(&s["in"]) + f(&s[first_part]);
         assert!((parts - f(&gw[max])).abs() < 1e-6, "{slowest}: {s} against {max} {}", gw[max]);
         assert!(f(&s["send_to_handler"]) >= 0.0);
+        // Waiting for the body is part of "in".
+        assert!((0.0..=f(&s["in"])).contains(&f(&s["in_body_read"])), "{s}");
     }
     if cfg!(target_os = "linux") {
         for k in ["cpu_us_per_token", "run_queue_wait_us_per_token"] {

@@ -75,6 +75,13 @@ async fn tokenize_off_thread(
     tokio::task::spawn_blocking(work).await.map_err(|_| ApiError::internal("tokenization failed"))?
 }
 
+/// For `disagg bench serve` (`record_timings`): when request `id`'s body had been read.
+fn note_body_read(s: &AppState, id: &str, at: Instant) {
+    if s.cfg.record_timings {
+        s.body_read.lock().unwrap_or_else(|e| e.into_inner()).insert(id.to_string(), at);
+    }
+}
+
 fn check_model(s: &AppState, model: Option<&str>) -> Result<(), ApiError> {
     match model {
         Some(m) if m != s.cfg.served_model_name => Err(ApiError::model_not_found(m)),
@@ -592,7 +599,9 @@ fn session<'a>(headers: &'a HeaderMap, sampling: &'a openai::Sampling) -> Option
 pub async fn chat(State(s): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> AppResult {
     let arrival = Instant::now();
     let e = s.engine()?.clone();
-    let req: ChatRequest = openai::parse(&read_body(&s, body).await?)?;
+    let body = read_body(&s, body).await?;
+    let read = Instant::now();
+    let req: ChatRequest = openai::parse(&body)?;
     openai::reject_extra(&req.extra)?;
     req.unsupported.check()?;
     check_model(&s, Some(&req.model))?;
@@ -612,6 +621,7 @@ pub async fn chat(State(s): State<Arc<AppState>>, headers: HeaderMap, body: Body
         want_lp: params.logprobs.is_some(),
         envelope: None,
     };
+    note_body_read(&s, &format.id, read);
     if !req.sampling.stream() {
         let (results, completion) =
             collect_all(streams, &s, arrival, &format.id, submitted, "/v1/chat/completions").await?;
@@ -707,7 +717,9 @@ impl ChunkFormat for CompletionChunks {
 pub async fn completions(State(s): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> AppResult {
     let arrival = Instant::now();
     let e = s.engine()?.clone();
-    let req: CompletionRequest = openai::parse(&read_body(&s, body).await?)?;
+    let body = read_body(&s, body).await?;
+    let read = Instant::now();
+    let req: CompletionRequest = openai::parse(&body)?;
     openai::reject_extra(&req.extra)?;
     req.unsupported.check()?;
     check_model(&s, Some(&req.model))?;
@@ -754,6 +766,7 @@ pub async fn completions(State(s): State<Arc<AppState>>, headers: HeaderMap, bod
         envelope: None,
     };
     let total = streams.len();
+    note_body_read(&s, &format.id, read);
     if !req.sampling.stream() {
         let (results, completion) = collect_all(streams, &s, arrival, &format.id, submitted, "/v1/completions").await?;
         let cached: Vec<usize> = results.iter().map(|c| c.cached).collect();

@@ -98,6 +98,9 @@ pub struct AppState {
     created: u64,
     /// Filled when `cfg.record_timings` is set.
     pub timings: std::sync::Mutex<Vec<RequestTiming>>,
+    /// With `cfg.record_timings`: when each request's body had been read, by response
+    /// id (the part of the time before submission spent waiting for the client's bytes).
+    pub body_read: std::sync::Mutex<std::collections::HashMap<String, std::time::Instant>>,
     /// Set when traces are exported.
     pub telemetry: OnceLock<telemetry::Telemetry>,
 }
@@ -110,6 +113,7 @@ impl AppState {
             cfg,
             created: SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
             timings: Default::default(),
+            body_read: Default::default(),
             telemetry: OnceLock::new(),
         })
     }
