@@ -397,29 +397,17 @@ pub fn run(a: ServeBenchArgs) -> anyhow::Result<()> {
             // Outside the gateway's handler: client send → handler start, and the
             // gateway's final bytes ready → the client has read `[DONE]`.
             let (mut wire_in, mut wire_out, mut engine_ttft) = (Vec::new(), Vec::new(), Vec::new());
-            // The slowest request by in-gateway e2e and by first token, split into its
-            // parts: which of them a stall sits in (ms; `index`: its place in the pooled
-            // requests, rounds in order).
-            let (mut worst_e2e, mut worst_first) = (None::<(f64, serde_json::Value)>, None::<(f64, serde_json::Value)>);
+            // The slowest request by in-gateway e2e and by first token: (ms, index).
+            let (mut worst_e2e, mut worst_first) = ((f64::NEG_INFINITY, 0), (f64::NEG_INFINITY, 0));
+            let ms = |a: Instant, b: Instant| b.saturating_duration_since(a).as_secs_f64() * 1e3;
             for (index, h) in http.iter().enumerate() {
                 let Some(t) = timings.get(&h.id) else { continue };
-                let ms = |a: Instant, b: Instant| b.saturating_duration_since(a).as_secs_f64() * 1e3;
-                // "in" split: waiting for the client's body, then parse, tokenize, submit.
-                let read = body_read.get(&h.id).copied();
-                if let Some(r) = read {
+                if let Some(&r) = body_read.get(&h.id) {
                     gw_in_read.push(ms(t.arrival, r));
                 }
-                let parts = json!({
-                    "index": index,
-                    "in": ms(t.arrival, t.submitted),
-                    "in_body_read": read.map(|r| ms(t.arrival, r)),
-                    "first_out": ms(t.engine_first_text, t.emit_first_text),
-                    "out": ms(t.engine_finish, t.emit_finish),
-                    "send_to_handler": ms(h.send, t.arrival),
-                });
                 for (worst, v) in [(&mut worst_e2e, t.gateway_e2e_s()), (&mut worst_first, t.gateway_first_token_s())] {
-                    if worst.as_ref().is_none_or(|w| v * 1e3 > w.0) {
-                        *worst = Some((v * 1e3, parts.clone()));
+                    if v * 1e3 > worst.0 {
+                        *worst = (v * 1e3, index);
                     }
                 }
                 gw_in.push(t.submitted.duration_since(t.arrival).as_secs_f64() * 1e3);
@@ -442,6 +430,21 @@ pub fn run(a: ServeBenchArgs) -> anyhow::Result<()> {
                     client_first_over.push((f.duration_since(h.send).as_secs_f64() - engine_first) * 1e3);
                 }
             }
+            // The slowest request split into its parts: which of them a stall sits in (ms;
+            // `index`: its place in the pooled requests, rounds in order; "in_body_read":
+            // the part of "in" spent waiting for the client's body).
+            let slowest = |index: usize| {
+                let h = http.get(index)?;
+                let t = timings.get(&h.id)?;
+                Some(json!({
+                    "index": index,
+                    "in": ms(t.arrival, t.submitted),
+                    "in_body_read": body_read.get(&h.id).map(|&r| ms(t.arrival, r)),
+                    "first_out": ms(t.engine_first_text, t.emit_first_text),
+                    "out": ms(t.engine_finish, t.emit_finish),
+                    "send_to_handler": ms(h.send, t.arrival),
+                }))
+            };
             let tokens = (n * a.max_tokens) as f64;
             // None (JSON null) where the threads' schedstat is not readable.
             let per_token_us = |v: f64| v * 1e6 / (tokens * a.rounds as f64);
@@ -481,7 +484,7 @@ pub fn run(a: ServeBenchArgs) -> anyhow::Result<()> {
                     "out_p50": pct(gw_out.clone(), 0.5), "out_p99": pct(gw_out, 0.99),
                     "first_out_p50": pct(gw_first_out.clone(), 0.5), "first_out_p99": pct(gw_first_out, 0.99),
                     "second_out_p50": pct(gw_second_out.clone(), 0.5), "second_out_p99": pct(gw_second_out, 0.99),
-                    "slowest_e2e": worst_e2e.map(|w| w.1), "slowest_first_token": worst_first.map(|w| w.1),
+                    "slowest_e2e": slowest(worst_e2e.1), "slowest_first_token": slowest(worst_first.1),
                 },
                 "client_observed_overhead_ms": {
                     "e2e_p50": pct(client_e2e_over.clone(), 0.5), "e2e_p99": pct(client_e2e_over, 0.99),

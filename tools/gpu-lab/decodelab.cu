@@ -21,6 +21,7 @@
 #include <cuda_runtime.h>
 #define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("CUDA %s at %d\n", cudaGetErrorString(e), __LINE__); exit(1); } } while (0)
 #include "../../kernels/src/cuda/ops.cu"
+#include "graph_time.h"
 
 // The transpose of an 8×8 b16 matrix held in the MMA fragment layout (lane T: row T/4,
 // columns 2(T%4), 2(T%4)+1), in the same layout.
@@ -303,22 +304,10 @@ int main(int argc, char** argv) {
     CK(cudaMemcpy(href.data(), ref, on * 4, cudaMemcpyDeviceToHost));
     float rmax = 0; for (float v : href) rmax = std::max(rmax, fabsf(v));
     cudaStream_t st; CK(cudaStreamCreate(&st));
-    cudaEvent_t e0, e1; cudaEventCreate(&e0); cudaEventCreate(&e1);
     const int ITER = 20;
     const int flags = FLASH_LEAN_LOADS | FLASH_WIDE_MERGE | FLASH_PAIR_LOADS;
     // One layer's attention (+ the merge when split); µs per call, replayed from a graph.
-    auto time = [&](auto f) {
-        f(); CK(cudaStreamSynchronize(st)); CK(cudaGetLastError());
-        cudaGraph_t gr; cudaGraphExec_t ge;
-        CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
-        for (int i = 0; i < ITER; i++) f();
-        CK(cudaStreamEndCapture(st, &gr)); CK(cudaGraphInstantiate(&ge, gr, 0));
-        CK(cudaGraphLaunch(ge, st)); CK(cudaStreamSynchronize(st));
-        CK(cudaEventRecord(e0, st)); CK(cudaGraphLaunch(ge, st)); CK(cudaEventRecord(e1, st)); CK(cudaEventSynchronize(e1));
-        float ms; cudaEventElapsedTime(&ms, e0, e1);
-        cudaGraphExecDestroy(ge); cudaGraphDestroy(gr);
-        return ms * 1e3 / ITER;
-    };
+    auto time = [&](auto f) { return graph_us(st, ITER, [&](int) { f(); }); };
     auto err = [&]() {
         CK(cudaMemcpy(hout.data(), out, on * 4, cudaMemcpyDeviceToHost));
         double md = 0; for (size_t i = 0; i < on; i++) md = std::max(md, (double)fabsf(hout[i] - href[i]));

@@ -17,6 +17,7 @@
 #include <cublas_v2.h>
 #define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("CUDA %s at %d\n", cudaGetErrorString(e), __LINE__); exit(1); } } while (0)
 #include "../../kernels/src/cuda/ops.cu"
+#include "graph_time.h"
 
 // wgmma m64nNk16, bf16, A (16 rows of W per warp) from registers, B (the tokens, K-major,
 // 128-byte swizzle) from shared memory by descriptor; D += A·B.
@@ -61,7 +62,7 @@ __device__ __forceinline__ void wgmma_bf16_rs_n64(float* d, const unsigned* a, u
 #endif
 }
 
-// ---- The warpgroup form (lab only until measured): wgmma for 8–64 tokens ----
+// ---- The warpgroup form (measured: it loses to cuBLAS, docs/PERF.md): wgmma for 8–64 tokens ----
 // One warpgroup (4 warps) per block of 128 rows of W over one of S key splits, the same
 // cp.async ring and swizzle as skinny_impl (stages of W's 128 rows and the N token rows,
 // each row 128 bytes, 1024-byte aligned: the 128-byte-swizzled K-major layout wgmma
@@ -69,7 +70,7 @@ __device__ __forceinline__ void wgmma_bf16_rs_n64(float* d, const unsigned* a, u
 // ldmatrix (the A fragments: W rows are the MMA's M), and the warpgroup issues
 // m64nNk16 wgmmas with the tokens as N read from shared memory by descriptor — one
 // instruction per 64 rows and 16 columns for all N tokens, where mma.sync needs N/8.
-// The partial sums go through the same [token][row] reduction (clusters of S splits).
+// Staging and the [token][row] reduction are ops.cu's skinny_stage and skinny_reduce.
 #define SKW_STAGES 4
 #define SKW_SMEM_BYTES(N) \
     ((SKW_STAGES * (128 + (N)) * 128) > ((N) * (128 + 4) * 4) ? (SKW_STAGES * (128 + (N)) * 128) : ((N) * (128 + 4) * 4))
@@ -97,29 +98,7 @@ __device__ void skinny_wg_impl(const unsigned short* __restrict__ w, const unsig
     const int ns = s1 - s0;
     constexpr int STAGE = (ROWS + N) * 128;
     const unsigned base = smem_u32(skw_smem);
-    auto stage = [&](int j) {
-        if (j < ns) {
-            const unsigned st = base + (j % SKW_STAGES) * STAGE;
-            const size_t kc = (size_t)(s0 + j) * SK_SLAB;
-#pragma unroll
-            for (int p = 0; p < ROWS * 8 / THREADS; p++) {
-                const int piece = threadIdx.x + THREADS * p, r = piece >> 3, c = piece & 7;
-                const unsigned short* src = w + (size_t)min(row0 + r, n - 1) * k + kc + 8 * c;
-                cp_async16_at<true>(st + r * 128 + ((c ^ (r & 7)) << 4), src, 16);
-            }
-#pragma unroll
-            for (int p = 0; p < (N * 8 + THREADS - 1) / THREADS; p++) {
-                const int i = threadIdx.x + THREADS * p;
-                if (i < N * 8) {
-                    const int r = i >> 3, c = i & 7;
-                    const bool in = r < m_tokens;
-                    const unsigned short* src = x + (size_t)(in ? r : 0) * k + kc + 8 * c;
-                    cp_async16_at(st + (ROWS + r) * 128 + ((c ^ (r & 7)) << 4), src, in ? 16 : 0);
-                }
-            }
-        }
-        cp_async_commit();
-    };
+    auto stage = [&](int j) { skinny_stage<ROWS, N, THREADS, SKW_STAGES>(base, j, ns, s0, w, x, row0, n, k, m_tokens); };
 #pragma unroll
     for (int j = 0; j < SKW_STAGES - 1; j++) stage(j);
     float acc[2][N / 2];
@@ -170,39 +149,8 @@ __device__ void skinny_wg_impl(const unsigned short* __restrict__ w, const unsig
         }
     if (S > 1) cluster_sync_all();
     else __syncthreads();
-    constexpr int SLICE = ROWS / S;
-    const unsigned red_a = smem_u32(red);
-    for (int i = threadIdx.x; i < N * SLICE / 4; i += THREADS) {
-        const int tok = i / (SLICE / 4), r = split * SLICE + 4 * (i % (SLICE / 4));
-        if (tok >= m_tokens) break;  // tokens ascend with i
-        float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-        const unsigned off = (unsigned)(tok * RSTRIDE + r) * 4;
-        if (S > 1) {
-#pragma unroll
-            for (int c = 0; c < S; c++) {
-                const float4 p = ld_dsmem_f4(red_a + off, c);
-                v.x += p.x, v.y += p.y, v.z += p.z, v.w += p.w;
-            }
-        } else {
-            v = *reinterpret_cast<const float4*>(red + tok * RSTRIDE + r);
-        }
-        const int row = row0 + r;
-        if (row < n) {
-            float* o = y + (size_t)tok * n + row;
-            if (row + 3 < n && (n & 3) == 0) {
-                float4* o4 = reinterpret_cast<float4*>(o);
-                if (accumulate) {
-                    const float4 old = *o4;
-                    v.x += old.x, v.y += old.y, v.z += old.z, v.w += old.w;
-                }
-                *o4 = v;
-            } else {
-                const float vv[4] = {v.x, v.y, v.z, v.w};
-                for (int e = 0; e < 4 && row + e < n; e++) o[e] = accumulate ? o[e] + vv[e] : vv[e];
-            }
-        }
-    }
-    if (S > 1) cluster_sync_all();
+    skinny_reduce<S, ROWS, THREADS>(red, N, split, row0, m_tokens, n, y, accumulate);
+    if (S > 1) cluster_sync_all();  // no block leaves while another reads its partials
 }
 #define SKW_KERNEL(N, S, CL) \
     extern "C" __global__ void __launch_bounds__(128) CL skinny_wg_bf16_n##N##_s##S(SK_ARGS) { \
@@ -261,7 +209,6 @@ int main(int argc, char** argv) {
     cudaStream_t st; CK(cudaStreamCreate(&st));  // ordered with the cudaMemcpy calls of the checks
     cublasHandle_t blas; cublasCreate(&blas); cublasSetStream(blas, st);
     void* ws; CK(cudaMalloc(&ws, 32 << 20)); cublasSetWorkspace(blas, ws, 32 << 20);
-    cudaEvent_t e0, e1; cudaEventCreate(&e0); cudaEventCreate(&e1);
     struct Shape { const char* name; int n, k; };
     std::vector<Shape> shapes = {{"qkv", 6144, 4096}, {"o", 4096, 4096}, {"gateup", 28672, 4096}, {"down", 4096, 14336}, {"lm_head", 128256, 4096}, {"smol 576x576", 576, 576}, {"smol 3072x576", 3072, 576}};
     std::vector<int> ms = {2, 8, 16, 24, 32, 48, 64};
@@ -287,16 +234,7 @@ int main(int argc, char** argv) {
             };
             // ITER calls over cycled copies of W, captured in one graph; µs per call.
             auto time = [&](auto f) {
-                f(pool); CK(cudaStreamSynchronize(st)); CK(cudaGetLastError());
-                cudaGraph_t gr; cudaGraphExec_t ge;
-                CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
-                for (int i = 0; i < ITER; i++) f(pool + (size_t)(i % copies) * (wbytes / 2));
-                CK(cudaStreamEndCapture(st, &gr)); CK(cudaGraphInstantiate(&ge, gr, 0));
-                CK(cudaGraphLaunch(ge, st)); CK(cudaStreamSynchronize(st));
-                CK(cudaEventRecord(e0, st)); CK(cudaGraphLaunch(ge, st)); CK(cudaEventRecord(e1, st)); CK(cudaEventSynchronize(e1));
-                float ms_; cudaEventElapsedTime(&ms_, e0, e1);
-                cudaGraphExecDestroy(ge); cudaGraphDestroy(gr);
-                return ms_ * 1e3 / ITER;
+                return graph_us(st, ITER, [&](int i) { f(pool + (size_t)(i % copies) * (wbytes / 2)); });
             };
             // exactness, plain and accumulating, against cuBLAS
             auto check = [&](int kind, int s, int acc) {

@@ -1413,6 +1413,77 @@ __device__ __forceinline__ float4 ld_dsmem_f4(unsigned a, unsigned rank) {
     return v;
 }
 
+// Slab j (of the ns this block's key split covers, from slab s0) into ring stage
+// j % STAGES at shared address `base`, asynchronously: W's ROWS rows from row0 (rows
+// past n repeat the last), then the XROWS token rows (tokens past m_tokens read as
+// zeros); each row's 64 columns are 128 bytes, its 16-byte chunk c stored at c ^ (row & 7)
+// (ldmatrix conflict-free, and the 128-byte swizzle wgmma reads). Commits a group even
+// past the last slab, so the waits count alike.
+template <int ROWS, int XROWS, int THREADS, int STAGES>
+__device__ __forceinline__ void skinny_stage(unsigned base, int j, int ns, int s0, const unsigned short* __restrict__ w,
+                                             const unsigned short* __restrict__ x, int row0, int n, int k,
+                                             int m_tokens) {
+    if (j < ns) {
+        const unsigned st = base + (j % STAGES) * (ROWS + XROWS) * 128;
+        const size_t kc = (size_t)(s0 + j) * SK_SLAB;
+#pragma unroll
+        for (int p = 0; p < ROWS * 8 / THREADS; p++) {
+            const int piece = threadIdx.x + THREADS * p, r = piece >> 3, c = piece & 7;
+            const unsigned short* src = w + (size_t)min(row0 + r, n - 1) * k + kc + 8 * c;
+            cp_async16_at<true>(st + r * 128 + ((c ^ (r & 7)) << 4), src, 16);
+        }
+        for (int i = threadIdx.x; i < XROWS * 8; i += THREADS) {
+            const int r = i >> 3, c = i & 7;
+            const bool in = r < m_tokens;
+            const unsigned short* src = x + (size_t)(in ? r : 0) * k + kc + 8 * c;
+            cp_async16_at(st + (ROWS + r) * 128 + ((c ^ (r & 7)) << 4), src, in ? 16 : 0);
+        }
+    }
+    cp_async_commit();
+}
+
+// The end of a skinny GEMM block: its partial sums red[token][row] (rows padded by 4
+// floats) are in its shared memory, and after a cluster barrier (S > 1) block `split`
+// adds the S partials of its 1/S of the rows, 4 at a time, in rank order (a fixed order:
+// results do not depend on scheduling) from distributed shared memory and writes them
+// (adding y's old value with `accumulate`); S = 1 writes its own.
+template <int S, int ROWS, int THREADS>
+__device__ __forceinline__ void skinny_reduce(const float* red, int ntok, int split, int row0, int m_tokens, int n,
+                                              float* __restrict__ y, int accumulate) {
+    constexpr int RSTRIDE = ROWS + 4;
+    constexpr int SLICE = ROWS / S;
+    const unsigned red_a = smem_u32(red);
+    for (int i = threadIdx.x; i < ntok * SLICE / 4; i += THREADS) {
+        const int tok = i / (SLICE / 4), r = split * SLICE + 4 * (i % (SLICE / 4));
+        float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+        const unsigned off = (unsigned)(tok * RSTRIDE + r) * 4;
+        if (S > 1) {
+#pragma unroll
+            for (int c = 0; c < S; c++) {
+                const float4 p = ld_dsmem_f4(red_a + off, c);
+                v.x += p.x, v.y += p.y, v.z += p.z, v.w += p.w;
+            }
+        } else {
+            v = *reinterpret_cast<const float4*>(red + tok * RSTRIDE + r);
+        }
+        const int row = row0 + r;
+        if (tok < m_tokens && row < n) {
+            float* o = y + (size_t)tok * n + row;
+            if (row + 3 < n && (n & 3) == 0) {
+                float4* o4 = reinterpret_cast<float4*>(o);
+                if (accumulate) {
+                    const float4 old = *o4;
+                    v.x += old.x, v.y += old.y, v.z += old.z, v.w += old.w;
+                }
+                *o4 = v;
+            } else {
+                const float vv[4] = {v.x, v.y, v.z, v.w};
+                for (int e = 0; e < 4 && row + e < n; e++) o[e] = accumulate ? o[e] + vv[e] : vv[e];
+            }
+        }
+    }
+}
+
 template <int NT, int S, int WARPS>
 __device__ void skinny_impl(const unsigned short* __restrict__ w, const unsigned short* __restrict__ x, int m_tokens,
                             int n, int k, float* __restrict__ y, int accumulate) {
@@ -1426,29 +1497,10 @@ __device__ void skinny_impl(const unsigned short* __restrict__ w, const unsigned
     const int per = (slabs + S - 1) / S;
     const int s0 = min(split * per, slabs), s1 = min(s0 + per, slabs);
     const int ns = s1 - s0;
-    // A stage: W's 256 rows × 64 columns, then the tokens' NT·8 rows × 64 columns; each
-    // row 128 bytes, its 16-byte chunk c stored at c ^ (row & 7) (ldmatrix conflict-free).
+    // A stage (skinny_stage): W's SK_ROWS rows × 64 columns, then the tokens' NT·8 rows.
     constexpr int STAGE = (SK_ROWS + NT * 8) * SK_SLAB * 2;
     const unsigned base = smem_u32(sk_smem);
-    auto stage = [&](int j) {
-        if (j < ns) {
-            const unsigned st = base + (j % SK_STAGES) * STAGE;
-            const size_t kc = (size_t)(s0 + j) * SK_SLAB;
-#pragma unroll
-            for (int p = 0; p < SK_ROWS * 8 / THREADS; p++) {
-                const int piece = threadIdx.x + THREADS * p, r = piece >> 3, c = piece & 7;
-                const unsigned short* src = w + (size_t)min(row0 + r, n - 1) * k + kc + 8 * c;
-                cp_async16_at<true>(st + r * 128 + ((c ^ (r & 7)) << 4), src, 16);
-            }
-            for (int i = threadIdx.x; i < NT * 64; i += THREADS) {
-                const int r = i >> 3, c = i & 7;
-                const bool in = r < m_tokens;
-                const unsigned short* src = x + (size_t)(in ? r : 0) * k + kc + 8 * c;
-                cp_async16_at(st + (SK_ROWS + r) * 128 + ((c ^ (r & 7)) << 4), src, in ? 16 : 0);
-            }
-        }
-        cp_async_commit();
-    };
+    auto stage = [&](int j) { skinny_stage<SK_ROWS, NT * 8, THREADS, SK_STAGES>(base, j, ns, s0, w, x, row0, n, k, m_tokens); };
 #pragma unroll
     for (int j = 0; j < SK_STAGES - 1; j++) stage(j);
     float acc[2][NT][4];
@@ -1506,38 +1558,7 @@ __device__ void skinny_impl(const unsigned short* __restrict__ w, const unsigned
         }
     if (S > 1) cluster_sync_all();
     else __syncthreads();
-    // This block's share of the rows, 4 at a time, summed over the splits in rank order.
-    constexpr int SLICE = SK_ROWS / S;
-    const unsigned red_a = smem_u32(red);
-    for (int i = threadIdx.x; i < NT * 8 * SLICE / 4; i += THREADS) {
-        const int tok = i / (SLICE / 4), r = split * SLICE + 4 * (i % (SLICE / 4));
-        float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-        const unsigned off = (unsigned)(tok * SK_RSTRIDE + r) * 4;
-        if (S > 1) {
-#pragma unroll
-            for (int c = 0; c < S; c++) {
-                const float4 p = ld_dsmem_f4(red_a + off, c);
-                v.x += p.x, v.y += p.y, v.z += p.z, v.w += p.w;
-            }
-        } else {
-            v = *reinterpret_cast<const float4*>(red + tok * SK_RSTRIDE + r);
-        }
-        const int row = row0 + r;
-        if (tok < m_tokens && row < n) {
-            float* o = y + (size_t)tok * n + row;
-            if (row + 3 < n && (n & 3) == 0) {
-                float4* o4 = reinterpret_cast<float4*>(o);
-                if (accumulate) {
-                    const float4 old = *o4;
-                    v.x += old.x, v.y += old.y, v.z += old.z, v.w += old.w;
-                }
-                *o4 = v;
-            } else {
-                const float vv[4] = {v.x, v.y, v.z, v.w};
-                for (int e = 0; e < 4 && row + e < n; e++) o[e] = accumulate ? o[e] + vv[e] : vv[e];
-            }
-        }
-    }
+    skinny_reduce<S, SK_ROWS, THREADS>(red, NT * 8, split, row0, m_tokens, n, y, accumulate);
     if (S > 1) cluster_sync_all();  // no block leaves while another reads its partials
 }
 
