@@ -87,6 +87,12 @@ pub const CUDA_BLAS_WORKSPACE_MIB: &str = "DISAGG_CUDA_BLAS_WORKSPACE_MIB";
 /// four warps split each key tile; for A/B runs.
 pub const CUDA_FLASH_DECODE: &str = "DISAGG_CUDA_FLASH_DECODE";
 
+/// `0`: decode-only steps of one token per sequence take the flash kernel's decode form
+/// (above) instead of the keys-on-M kernel (S^T = K·Q^T with the group's query heads as
+/// the MMA's 8 columns, O^T += V^T·P^T: half the MMAs and registers of 16-row tiles);
+/// for A/B runs.
+pub const CUDA_DECODE_KM: &str = "DISAGG_CUDA_DECODE_KM";
+
 /// Largest token count whose bf16 GEMMs take the CUDA backend's own GEMV kernels (f32
 /// activations read directly, weights streamed at memory bandwidth, RMSNorm and
 /// SiLU·gate fused in) instead of a bf16 cast plus cuBLAS and separate ops. Default 1

@@ -186,7 +186,9 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
             // threads (else warp 0), the bare ex2 (else exp2f), 32-bit shared addresses
             // (else generic pointers), the prefill form held to 3 blocks per SM, masks
             // only on edge tiles (else on all), warpgroup MMAs on sm_90 (else mma.sync),
-            // one table read per key pair (else per key).
+            // one table read per key pair (else per key); and the decode-only step on
+            // the keys-on-M kernel (with every switch on; the cases that switch one off
+            // test the flash kernel's decode form).
             #[derive(Clone, Copy)]
             struct Flash {
                 on: bool,
@@ -199,6 +201,7 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
                 mask_edge: bool,
                 wgmma: bool,
                 pair: bool,
+                km: bool,
             }
             let all = Flash {
                 on: true,
@@ -211,19 +214,22 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
                 mask_edge: true,
                 wgmma: true,
                 pair: true,
+                km: true,
             };
+            let sa = Flash { km: false, ..all };
             let cases = [
                 Flash { on: false, ..all },
                 all,
-                Flash { ldsm: false, ..all },
-                Flash { lean: false, ..all },
-                Flash { wide: false, ..all },
-                Flash { fast_exp: false, ..all },
-                Flash { smem32: false, ..all },
-                Flash { occ3: false, ..all },
-                Flash { mask_edge: false, ..all },
-                Flash { wgmma: false, ..all },
-                Flash { pair: false, ..all },
+                sa,
+                Flash { ldsm: false, ..sa },
+                Flash { lean: false, ..sa },
+                Flash { wide: false, ..sa },
+                Flash { fast_exp: false, ..sa },
+                Flash { smem32: false, ..sa },
+                Flash { occ3: false, ..sa },
+                Flash { mask_edge: false, ..sa },
+                Flash { wgmma: false, ..sa },
+                Flash { pair: false, ..sa },
             ];
             for (f, chunk) in cases.iter().flat_map(|f| [(f, 0), (f, 64)]) {
                 let flash = f.on;
@@ -237,22 +243,29 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
                 be.set_flash_mask_edge(f.mask_edge);
                 be.set_flash_wgmma(f.wgmma);
                 be.set_flash_pair_loads(f.pair);
+                be.set_decode_km(f.km);
                 be.set_attn_chunk(chunk);
                 be.begin_step(&tokens, &batch, &rope, &attn, &[]);
+                // The decode-only step (one token per sequence) takes the keys-on-M
+                // kernel exactly when it is on.
+                let km_ran = be.step_flash_kernel().starts_with("flash_decode_km");
+                if km_ran != (flash && f.km && seqs.iter().all(|s| s.1 == 1)) {
+                    failed.push(format!("{n_heads}/{n_kv} heads, {n_tokens} rows: kernel {}", be.step_flash_kernel()));
+                }
                 let mut out = be.act(n_tokens * attn.q_dim()).unwrap();
                 be.attention(&dq, 0, &batch, &attn, &gkv, &mut out);
                 let mut got = vec![0f32; n_tokens * attn.q_dim()];
                 be.to_host(&out, &mut got);
                 let err = max_abs(&got, &want) / range;
                 println!(
-                    "attention {n_heads}/{n_kv} heads, head_dim {hd}, block {bs}, {} rows, flash {flash} (ldmatrix {}, lean loads {}, wide merge {}, fast exp {}, 32-bit shared addresses {}, 3 per SM {}, edge masks {}, wgmma {}, pair loads {}), split chunk {chunk}: max |GPU − CPU| / range = {err:.2e}",
-                    n_tokens, f.ldsm, f.lean, f.wide, f.fast_exp, f.smem32, f.occ3, f.mask_edge, f.wgmma, f.pair
+                    "attention {n_heads}/{n_kv} heads, head_dim {hd}, block {bs}, {} rows, flash {flash} (ldmatrix {}, lean loads {}, wide merge {}, fast exp {}, 32-bit shared addresses {}, 3 per SM {}, edge masks {}, wgmma {}, pair loads {}, keys on M {}), split chunk {chunk}: max |GPU − CPU| / range = {err:.2e}",
+                    n_tokens, f.ldsm, f.lean, f.wide, f.fast_exp, f.smem32, f.occ3, f.mask_edge, f.wgmma, f.pair, f.km
                 );
                 if err.is_nan() || err >= if flash { 5e-3 } else { 1e-4 } {
                     failed.push(format!(
                         "{n_heads}/{n_kv} heads, head_dim {hd}, block {bs}, {n_tokens} rows, flash {flash}, wgmma {}, \
-                         chunk {chunk}: {err:.2e}",
-                        f.wgmma
+                         keys on M {}, chunk {chunk}: {err:.2e}",
+                        f.wgmma, f.km
                     ));
                 }
             }

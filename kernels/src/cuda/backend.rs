@@ -22,6 +22,10 @@
 //!   block per tile of a sequence's tokens × a KV head's query heads, so each K/V read
 //!   serves the whole group), split-K over the keys chosen by whole waves of resident blocks
 //!   (the split count with the least modelled time), K/V fragments read by ldmatrix.
+//!   Decode steps of one token per sequence (GQA groups ≤ 8, at most two waves of
+//!   blocks) take the keys-on-M kernel (`flash_decode_km_*`: keys as the MMA's rows,
+//!   the group's query heads as its 8 columns; `DISAGG_CUDA_DECODE_KM=0`: the flash
+//!   kernel's decode form).
 //!   `DISAGG_CUDA_FLASH=0`, f32 KV, other head sizes, and f32 weights (the exactness
 //!   mode) take the per-token f32 kernel (same split rule over (token, head) pairs).
 //! - CUDA graphs: a decode-only step's ops are captured the second time its shape
@@ -206,6 +210,9 @@ pub struct CudaBackend {
     /// (`flash_decode`: allowed; `DISAGG_CUDA_FLASH_DECODE=0`: never).
     step_decode: bool,
     flash_decode: bool,
+    /// Decode steps of one token per sequence and GQA groups of ≤ 8 take the keys-on-M
+    /// kernel (`flash_decode_km_*`; `DISAGG_CUDA_DECODE_KM=0`: the WS form's).
+    decode_km: bool,
     fa_tiles: CudaSlice<i32>,
     n_fa_tiles: usize,
     step_splits: usize,
@@ -289,6 +296,15 @@ const ATTN_PART_ROWS_PER_SM: usize = 256;
 /// the H200 prefill 8k measured 395.9 TFLOP/s with it, 393.3 with the pairs).
 const ROPE_PAIRS_MAX_TOKENS: usize = 1024;
 
+/// The keys-on-M decode kernel for `head_dim` (64 or 128).
+fn km_kernel(head_dim: usize) -> &'static str {
+    if head_dim == 64 {
+        "flash_decode_km_f16_d64"
+    } else {
+        "flash_decode_km_f16_d128"
+    }
+}
+
 /// Key splits for `units` blocks of attention work over `chunks` chunks of keys, when
 /// `slots` blocks fit on the GPU at once: the split count (≤ `chunks`) with the least
 /// time in a model where each wave of resident blocks costs its chunks plus one
@@ -336,7 +352,7 @@ impl CudaBackend {
         let profile = std::env::var_os(crate::env::CUDA_PROFILE).map(|_| Default::default());
         let off = |name| std::env::var(name).is_ok_and(|v| v == "0");
         let flash_occ = |name: &str, hd: usize| -> usize {
-            let smem = super::flash_smem_bytes(hd);
+            let smem = super::flash_smem_bytes(name, hd);
             match dev.func(name).occupancy_max_active_blocks_per_multiprocessor(128, smem, None) {
                 Ok(n) => (n as usize).max(1),
                 Err(_) => 1,
@@ -388,6 +404,7 @@ impl CudaBackend {
             step_flash_kernel: "",
             step_decode: false,
             flash_decode: !off(crate::env::CUDA_FLASH_DECODE),
+            decode_km: !off(crate::env::CUDA_DECODE_KM),
             step_splits: 1,
             fa_tiles: stream.alloc_zeros::<i32>(1).map_err(dev_err)?,
             n_fa_tiles: 0,
@@ -516,9 +533,29 @@ impl CudaBackend {
         self.set_switch(on, |b| &mut b.flash_mask_edge);
     }
 
+    /// Decode steps of one token per sequence (GQA groups of ≤ 8) take the keys-on-M
+    /// kernel (default: on unless `DISAGG_CUDA_DECODE_KM=0`; off, the flash kernel's
+    /// decode form as the switches above choose it).
+    pub fn set_decode_km(&mut self, on: bool) {
+        self.set_switch(on, |b| &mut b.decode_km);
+    }
+
+    /// The flash kernel this step launches (set by `begin_step`; "" where the step takes
+    /// the per-token kernel): for tests that must know which form they checked.
+    pub fn step_flash_kernel(&self) -> &'static str {
+        if self.step_flash {
+            self.step_flash_kernel
+        } else {
+            ""
+        }
+    }
+
     /// The flash kernel a step takes (see the switches above and ops.cu's FLASH_KERNEL
-    /// list).
-    fn flash_kernel(&self, head_dim: usize, decode: bool) -> &'static str {
+    /// and KM_KERNEL lists); `km`: a decode step the keys-on-M kernel can take.
+    fn flash_kernel(&self, head_dim: usize, decode: bool, km: bool) -> &'static str {
+        if decode && km && self.decode_km {
+            return km_kernel(head_dim);
+        }
         // The kernel's form (ops.cu's flash_attn_impl V): each switch off falls back
         // to the form below it.
         let form = match (self.flash_ldmatrix, self.flash_fast_exp, self.flash_smem32) {
@@ -1051,7 +1088,7 @@ impl CudaBackend {
                 let cfg = LaunchConfig {
                     grid_dim: (self.n_fa_tiles as u32, attn.n_kv_heads as u32, splits as u32),
                     block_dim: (128, 1, 1),
-                    shared_mem_bytes: super::flash_smem_bytes(attn.head_dim) as u32,
+                    shared_mem_bytes: super::flash_smem_bytes(name, attn.head_dim) as u32,
                 };
                 let mut b = st.launch_builder(self.dev.func(name));
                 b.arg(qkv).arg(c).arg(&half).arg(&self.fa_tiles).arg(&self.tables);
@@ -1183,14 +1220,25 @@ impl CudaBackend {
             self.buffers_moving();
         }
         let (units, per_sm) = if self.step_flash {
-            self.step_flash_kernel = self.flash_kernel(attn.head_dim, self.step_decode);
+            // One token per tile, the group within the 8 columns of an MMA tile, and at
+            // most two waves of its blocks unsplit: on the H200 (264 slots at head_dim 128)
+            // measured faster than the decode form at batches 32 and 64 of Llama-3-8B (1 and
+            // 2 waves of 8 KV heads' blocks), level at 128, 2–3% slower at 256 (8 waves;
+            // docs/PERF.md).
+            let km_slots = self.flash_blocks_per_sm.get(km_kernel(attn.head_dim)).copied().unwrap_or(1) * self.n_sms;
+            let km = group <= 8 && tiles.iter().all(|t| t[1] == 1) && tiles.len() * attn.n_kv_heads <= 2 * km_slots;
+            self.step_flash_kernel = self.flash_kernel(attn.head_dim, self.step_decode, km);
             let per_sm = self.flash_blocks_per_sm.get(self.step_flash_kernel).copied().unwrap_or(1);
             (tiles.len() * attn.n_kv_heads, per_sm)
         } else {
             (batch.n_tokens * attn.n_heads, 2048 / 256)
         };
         self.step_splits = self.attn_splits(units, per_sm, batch.n_tokens * attn.n_heads);
-        let kernel = u8::from(self.step_flash) | (u8::from(self.step_decode && self.step_flash) << 1);
+        // (The same token and logit counts can be one token of each sequence or several
+        // of fewer: the keys-on-M kernel's bit keeps their graphs apart.)
+        let km = self.step_flash && self.step_flash_kernel.starts_with("flash_decode_km");
+        let kernel =
+            u8::from(self.step_flash) | (u8::from(self.step_decode && self.step_flash) << 1) | (u8::from(km) << 2);
         self.step_key = (batch.n_tokens, logit_rows.len(), self.step_splits, kernel);
     }
 }

@@ -131,7 +131,7 @@ pub(crate) const GEMV_FLAT_M1: [&str; 3] =
     ["gemv_bf16_m1_flat", "gemv_norm_bf16_m1_flat", "gemv_norm_silu_bf16_m1_flat"];
 
 /// The flash-attention kernels and their head_dim.
-pub(crate) const FLASH_KERNELS: [(&str, usize); 19] = [
+pub(crate) const FLASH_KERNELS: [(&str, usize); 21] = [
     ("flash_attn_f16_d64", 64),
     ("flash_attn_f16_d128", 128),
     ("flash_decode_f16_d64", 64),
@@ -151,12 +151,16 @@ pub(crate) const FLASH_KERNELS: [(&str, usize); 19] = [
     ("flash_decode_sa_f16_d128", 128),
     ("flash_attn_wg_f16_d128", 128),
     ("flash_attn_wg3_f16_d128", 128),
+    ("flash_decode_km_f16_d64", 64),
+    ("flash_decode_km_f16_d128", 128),
 ];
 
-/// Dynamic shared memory of a flash-attention block (`FA_SMEM_BYTES` in ops.cu): two
-/// stages of a 64-key K and V tile, rows of head_dim + 8 halves.
-pub(crate) fn flash_smem_bytes(head_dim: usize) -> usize {
-    2 * 2 * 64 * (head_dim + 8) * 2
+/// Dynamic shared memory of a flash-attention block: two stages of a 64-key K and V
+/// tile, rows of head_dim + 8 halves (`FA_SMEM_BYTES` in ops.cu); the keys-on-M decode
+/// kernels (`flash_decode_km_*`) three (`KM_SMEM_BYTES(HD, KM_STAGES)`).
+pub(crate) fn flash_smem_bytes(kernel: &str, head_dim: usize) -> usize {
+    let stages = if kernel.starts_with("flash_decode_km") { 3 } else { 2 };
+    stages * 2 * 64 * (head_dim + 8) * 2
 }
 
 /// Where compiled PTX is cached: `$DISAGG_CACHE/ptx` (default `~/.cache/disagg/ptx`).
@@ -251,7 +255,7 @@ impl CudaDevice {
         let skinny_kernels = if arch.0 >= 9 { &SKINNY_KERNELS[..] } else { &[] };
         let big_smem = flash_kernels
             .iter()
-            .map(|&(k, hd)| (k, flash_smem_bytes(hd)))
+            .map(|&(k, hd)| (k, flash_smem_bytes(k, hd)))
             .chain(skinny_kernels.iter().map(|&k| (k, skinny_smem_bytes())));
         for (k, bytes) in big_smem {
             funcs[k]

@@ -1138,6 +1138,221 @@ FLASH_KERNEL(flash_decode_sa_f16_d128, 128, true, true, 2, (128))
 FLASH_KERNEL(flash_attn_wg_f16_d128, 128, false, true, 3, (128))
 FLASH_KERNEL(flash_attn_wg3_f16_d128, 128, false, true, 3, (128, 3))
 
+// ---- Decode attention with the keys as the MMA's M ("KM") ----
+// One query token per tile (decode), the query heads of one KV head (group ≤ 8) as the
+// N = 8 columns: per warp S^T = K·Q^T (16 keys × 8 heads), then O^T += V^T·P^T (head_dim
+// as M), P^T made from S^T's accumulator layout by movmatrix.trans. Against the WS form
+// above, whose 16-row tiles hold only the group's rows (4 of 16 for Llama-3-8B), a tile
+// costs half the MMAs, accumulators (32 floats of O per thread) and exponentials, and far
+// fewer registers (90–93 against 157 at head_dim 128), so more blocks stay resident and
+// the ring of K/V stages can be three deep. Arguments as the flash kernels' (FLASH_ARGS;
+// `flags` unused: the form always loads by ldmatrix with lean per-key addresses, the
+// bare ex2 and 32-bit shared offsets). Keys past the end read as zeros and are masked;
+// split z covers the same key chunk as the flash kernels', partials in their layout
+// (attention_merge).
+
+// The transpose of an 8×8 b16 matrix held in the MMA fragment layout (lane T: row T/4,
+// columns 2(T%4), 2(T%4)+1), in the same layout.
+__device__ __forceinline__ unsigned movmatrix_trans(unsigned x) {
+    unsigned r;
+    asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(r) : "r"(x));
+    return r;
+}
+
+#define KM_KEYS 64
+#define KM_SMEM_BYTES(HD, STAGES) ((STAGES) * 2 * KM_KEYS * ((HD) + 8) * 2)
+
+template <int HD, int STAGES>
+__device__ void flash_decode_km_impl(const float* qkv, const unsigned short* cache, long long half, const int* tiles,
+                                     const unsigned int* tables, int n_heads, int n_kv, int block_size, float scale,
+                                     const int* max_ctx, float* out, float* part) {
+    static_assert(HD % 16 == 0 && (HD + 4) * 4 * 8 * 4 + 256 <= KM_SMEM_BYTES(HD, STAGES), "the parts fit the stages");
+    constexpr int KS = HD / 16, DT = HD / 16, CH = HD / 8, KPP = 128 / CH, PASSES = KM_KEYS / KPP, ST = HD + 8;
+    static_assert(128 % CH == 0 && KM_KEYS % KPP == 0, "whole passes of the 128 threads");
+    constexpr unsigned KBYTES = KM_KEYS * ST * 2, STAGE_BYTES = 2 * KBYTES;
+    extern __shared__ __align__(16) unsigned char km_smem[];
+    const unsigned base = smem_u32(km_smem);
+    const int* tile = tiles + 4 * blockIdx.x;
+    const int row0 = tile[0], pos0 = tile[2];
+    const unsigned int* table = tables + tile[3];
+    const int kvh = blockIdx.y, grp = n_heads / n_kv, z = blockIdx.z, splits = gridDim.z;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+    const int w = (n_heads + 2 * n_kv) * HD;
+    const float qs = scale * 1.4426950408889634f;
+    // Q^T as B fragments (k = dims, n = heads): b0 = dims 16ks + 2t4, +1 of head g; b1 = +8.
+    // Columns past the group are zero (never written).
+    unsigned qf[KS][2];
+    {
+        const bool real = g < grp;
+        const float* q = qkv + (size_t)row0 * w + (kvh * grp + (real ? g : 0)) * HD;
+#pragma unroll
+        for (int ks = 0; ks < KS; ks++) {
+            const int c0 = 16 * ks + 2 * t4;
+            qf[ks][0] = real ? pack_f16x2(q[c0] * qs, q[c0 + 1] * qs) : 0u;
+            qf[ks][1] = real ? pack_f16x2(q[c0 + 8] * qs, q[c0 + 9] * qs) : 0u;
+        }
+    }
+    // O^T accumulators: o[dt][0] dim 16dt + g, head 2t4; [1] head 2t4 + 1; [2], [3] dim + 8.
+    float o[DT][4];
+#pragma unroll
+    for (int d = 0; d < DT; d++) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.f;
+    float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.f, l1 = 0.f;  // heads 2t4, 2t4 + 1 (this warp's keys)
+    int k0 = 0, k1 = pos0 + 1;
+    if (splits > 1) {
+        const int chunk = ((max_ctx[0] + splits - 1) / splits + FA_KEYS - 1) / FA_KEYS * FA_KEYS;
+        k0 = z * chunk;
+        k1 = min(k1, k0 + chunk);
+    }
+    // Lean loads: a thread keeps one 16-byte column and steps over keys.
+    const int my_c = (threadIdx.x % CH) * 8, my_key = threadIdx.x / CH;
+    const bool bs_pow2 = (block_size & (block_size - 1)) == 0;
+    const int bs_shift = __ffs(block_size) - 1;
+    const unsigned short* my_src = cache + (size_t)kvh * block_size * HD + my_c;
+    const size_t blk_stride = (size_t)n_kv * block_size * HD;
+    auto load_tile = [&](int kb, int st) {
+        if (kb < k1) {
+            const unsigned at = base + st * STAGE_BYTES + (my_key * ST + my_c) * 2;
+#pragma unroll
+            for (int p = 0; p < PASSES; p++) {
+                const int j = kb + my_key + p * KPP;
+                const unsigned short* src = cache;
+                int bytes = 0;
+                if (j < k1) {
+                    const int bi = bs_pow2 ? j >> bs_shift : j / block_size;
+                    src = my_src + table[bi] * blk_stride + (size_t)(j - bi * block_size) * HD;
+                    bytes = 16;
+                }
+                cp_async16_at(at + p * KPP * ST * 2, src, bytes);
+                cp_async16_at(at + KBYTES + p * KPP * ST * 2, bytes ? src + half : cache, bytes);
+            }
+        }
+        cp_async_commit();
+    };
+    const int ntiles = k1 > k0 ? (k1 - k0 + KM_KEYS - 1) / KM_KEYS : 0;
+#pragma unroll
+    for (int i = 0; i < STAGES - 1; i++) load_tile(k0 + i * KM_KEYS, i);
+    for (int i = 0; i < ntiles; i++) {
+        cp_async_wait<STAGES - 2>();
+        __syncthreads();  // tile i staged by all; tile i − 1's stage free
+        load_tile(k0 + (i + STAGES - 1) * KM_KEYS, (i + STAGES - 1) % STAGES);
+        const int kw = k0 + i * KM_KEYS + 16 * warp;  // this warp's first key
+        if (kw >= k1) continue;
+        const unsigned ks_at = base + (i % STAGES) * STAGE_BYTES, vs_at = ks_at + KBYTES;
+        // S^T (16 keys × 8 heads) = K · Q^T: A = K rows by ldmatrix.
+        float s[4] = {0.f, 0.f, 0.f, 0.f};
+        const unsigned a_row = ks_at + ((16 * warp + (lane & 15)) * ST + 8 * (lane >> 4)) * 2;
+#pragma unroll
+        for (int ks = 0; ks < KS; ks++) {
+            unsigned a[4];
+            ldsm_x4_at<false>(a[0], a[1], a[2], a[3], a_row + 32 * ks);
+            mma_f16_16816(s, a, qf[ks][0], qf[ks][1]);
+        }
+        // s[0]: key kw + g, head 2t4; s[1]: head 2t4 + 1; s[2], s[3]: key kw + g + 8.
+        if (kw + 16 > k1) {
+            if (kw + g >= k1) s[0] = s[1] = NEG_INF;
+            if (kw + g + 8 >= k1) s[2] = s[3] = NEG_INF;
+        }
+        float x0 = fmaxf(s[0], s[2]), x1 = fmaxf(s[1], s[3]);
+#pragma unroll
+        for (int off = 4; off < 32; off <<= 1) {
+            x0 = fmaxf(x0, __shfl_xor_sync(0xffffffffu, x0, off));
+            x1 = fmaxf(x1, __shfl_xor_sync(0xffffffffu, x1, off));
+        }
+        // Key kw is real, so the new maxima are finite.
+        const float n0 = fmaxf(m0, x0), n1 = fmaxf(m1, x1);
+        const float c0 = fa_exp2<true>(m0 - n0), c1 = fa_exp2<true>(m1 - n1);
+        m0 = n0, m1 = n1;
+        const float p0 = fa_exp2<true>(s[0] - n0), p1 = fa_exp2<true>(s[1] - n1);
+        const float p2 = fa_exp2<true>(s[2] - n0), p3 = fa_exp2<true>(s[3] - n1);
+        l0 = l0 * c0 + p0 + p2;
+        l1 = l1 * c1 + p1 + p3;
+#pragma unroll
+        for (int d = 0; d < DT; d++) {
+            o[d][0] *= c0, o[d][1] *= c1, o[d][2] *= c0, o[d][3] *= c1;
+        }
+        // P^T as B fragments (k = keys, n = heads): the transposes of the 8×8 matrices
+        // (keys 0–7 | 8–15) × heads that S^T's accumulators hold.
+        const unsigned b0 = movmatrix_trans(pack_f16x2(p0, p1)), b1 = movmatrix_trans(pack_f16x2(p2, p3));
+        // O^T (dims × heads) += V^T · P^T: A = V^T by ldmatrix.trans of the V rows.
+        const unsigned v_row = vs_at + ((16 * warp + (lane & 7) + ((lane >> 4) << 3)) * ST + 8 * ((lane >> 3) & 1)) * 2;
+#pragma unroll
+        for (int d = 0; d < DT; d++) {
+            unsigned a[4];
+            ldsm_x4_at<true>(a[0], a[1], a[2], a[3], v_row + 32 * d);
+            mma_f16_16816(o[d], a, b0, b1);
+        }
+    }
+    // This warp's sums over its keys: add the lanes of each head column.
+#pragma unroll
+    for (int off = 4; off < 32; off <<= 1) {
+        l0 += __shfl_xor_sync(0xffffffffu, l0, off);
+        l1 += __shfl_xor_sync(0xffffffffu, l1, off);
+    }
+    cp_async_wait<0>();
+    __syncthreads();  // the stages are done with: the warps' parts go there
+    constexpr int RS = HD + 4;
+    float* ro = reinterpret_cast<float*>(km_smem);  // [warp][head][RS]
+    float* ml = ro + 4 * 8 * RS;                    // [warp][head][2]
+    float* mine = ro + warp * 8 * RS;
+#pragma unroll
+    for (int d = 0; d < DT; d++) {
+        mine[(2 * t4) * RS + 16 * d + g] = o[d][0];
+        mine[(2 * t4 + 1) * RS + 16 * d + g] = o[d][1];
+        mine[(2 * t4) * RS + 16 * d + g + 8] = o[d][2];
+        mine[(2 * t4 + 1) * RS + 16 * d + g + 8] = o[d][3];
+    }
+    if (g == 0) {
+        ml[(warp * 8 + 2 * t4) * 2] = m0;
+        ml[(warp * 8 + 2 * t4) * 2 + 1] = l0;
+        ml[(warp * 8 + 2 * t4 + 1) * 2] = m1;
+        ml[(warp * 8 + 2 * t4 + 1) * 2 + 1] = l1;
+    }
+    __syncthreads();
+    // The four warps' parts merged, four columns of one head per thread.
+    constexpr int C4 = HD / 4;
+    for (int i = threadIdx.x; i < grp * C4; i += blockDim.x) {
+        const int hh = i / C4, c = (i % C4) * 4;
+        float M = NEG_INF;
+#pragma unroll
+        for (int v = 0; v < 4; v++) M = fmaxf(M, ml[(v * 8 + hh) * 2]);
+        float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
+        float L = 0.f;
+#pragma unroll
+        for (int v = 0; v < 4; v++) {
+            const float mv = ml[(v * 8 + hh) * 2];
+            const float wv = mv == NEG_INF ? 0.f : fa_exp2<true>(mv - M);
+            L += wv * ml[(v * 8 + hh) * 2 + 1];
+            const float4 x = *reinterpret_cast<const float4*>(&ro[(v * 8 + hh) * RS + c]);
+            a.x += wv * x.x, a.y += wv * x.y, a.z += wv * x.z, a.w += wv * x.w;
+        }
+        const int h = kvh * grp + hh;
+        if (splits == 1) {
+            *reinterpret_cast<float4*>(&out[(size_t)row0 * n_heads * HD + h * HD + c]) =
+                make_float4(a.x / L, a.y / L, a.z / L, a.w / L);
+        } else {
+            // An empty split (no keys of this sequence in its chunk) leaves M = −∞, L = 0.
+            float* pp = part + ((size_t)(row0 * n_heads + h) * splits + z) * (HD + 2);
+            if (c == 0) {
+                pp[0] = M * 0.6931471805599453f;
+                pp[1] = L;
+            }
+            *reinterpret_cast<float2*>(&pp[2 + c]) = make_float2(a.x, a.y);
+            *reinterpret_cast<float2*>(&pp[2 + c + 2]) = make_float2(a.z, a.w);
+        }
+    }
+}
+
+// Three stages: two blocks per SM at head_dim 128 (the lab's best at batch 64; two
+// stages fit three blocks but were slower, four fit one).
+#define KM_STAGES 3
+#define KM_KERNEL(NAME, HD) \
+    extern "C" __global__ void __launch_bounds__(128) NAME(FLASH_ARGS) { \
+        flash_decode_km_impl<HD, KM_STAGES>(qkv, cache, half, tiles, tables, n_heads, n_kv, block_size, scale, \
+                                            max_ctx, out, part); \
+    }
+KM_KERNEL(flash_decode_km_f16_d64, 64)
+KM_KERNEL(flash_decode_km_f16_d128, 128)
+
 // ---- Small-batch GEMM (decode): out[m][n] (+)= Σ_k x[m][k] · W[n][k] ----
 // W: bf16 [rows][k] row-major (k a multiple of 8), x: f32 [M][k], out: f32 [M][n_out].
 // At a few tokens a GEMM is a read of W at memory bandwidth. Each warp takes two rows of
