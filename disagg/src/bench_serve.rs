@@ -253,6 +253,12 @@ async fn health_round(client: &reqwest::Client, url: &str, c: usize) -> anyhow::
 /// but not running: other threads or processes held the CPU, or an idle CPU was slow to
 /// wake), summed by thread name (`/proc/self/task/*/schedstat`, nanosecond resolution;
 /// empty where absent).
+/// The handler thread's use from a request's body read to its submission, where both ends
+/// were measured on one thread.
+fn in_usage(p: &router::InProbe) -> Option<router::ThreadUsage> {
+    Some(p.usage_read?.until(&p.usage_submitted?))
+}
+
 fn thread_sched_s() -> std::collections::HashMap<String, (f64, f64)> {
     let mut out = std::collections::HashMap::new();
     let Ok(tasks) = std::fs::read_dir("/proc/self/task") else { return out };
@@ -339,7 +345,7 @@ pub fn run(a: ServeBenchArgs) -> anyhow::Result<()> {
                 Some(s)
             };
             state.timings.lock().unwrap().clear();
-            state.body_read.lock().unwrap().clear();
+            state.in_probes.lock().unwrap().clear();
             let (mut http_runs, mut direct_runs): (Vec<Run>, Vec<Run>) = (Vec::new(), Vec::new());
             let (mut http, mut direct) = (Vec::new(), Vec::new());
             let mut cpu_s: std::collections::HashMap<String, (f64, f64)> = Default::default();
@@ -387,10 +393,16 @@ pub fn run(a: ServeBenchArgs) -> anyhow::Result<()> {
             let direct: Vec<DirectTiming> = direct.into_iter().collect::<Result<_, _>>()?;
             let timings: std::collections::HashMap<String, router::RequestTiming> =
                 state.timings.lock().unwrap().drain(..).map(|t| (t.id.clone(), t)).collect();
-            let body_read = std::mem::take(&mut *state.body_read.lock().unwrap());
+            let probes = std::mem::take(&mut *state.in_probes.lock().unwrap());
             let (mut gw_e2e, mut gw_first, mut client_e2e_over, mut client_first_over, mut ttft) =
                 (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
             let (mut gw_in, mut gw_out, mut gw_in_read) = (Vec::new(), Vec::new(), Vec::new());
+            // Inside "in" past the body read: parse and checks, tokenization, submission;
+            // the time the handler's thread was off the CPU there, and how many requests
+            // saw a forced switch, a blocking wait or a page fault there.
+            let (mut gw_parse, mut gw_tokenize, mut gw_submit, mut gw_off_cpu) =
+                (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+            let (mut in_preempted, mut in_blocked, mut in_faulted) = (0usize, 0usize, 0usize);
             // Engine output → gateway bytes ready, for a request's first and second
             // outputs with text (`out` above is its last).
             let (mut gw_first_out, mut gw_second_out) = (Vec::new(), Vec::new());
@@ -402,8 +414,17 @@ pub fn run(a: ServeBenchArgs) -> anyhow::Result<()> {
             let ms = |a: Instant, b: Instant| b.saturating_duration_since(a).as_secs_f64() * 1e3;
             for (index, h) in http.iter().enumerate() {
                 let Some(t) = timings.get(&h.id) else { continue };
-                if let Some(&r) = body_read.get(&h.id) {
-                    gw_in_read.push(ms(t.arrival, r));
+                if let Some(p) = probes.get(&h.id) {
+                    gw_in_read.push(ms(t.arrival, p.body_read));
+                    gw_parse.push(ms(p.body_read, p.parsed));
+                    gw_tokenize.push(ms(p.parsed, p.tokenized));
+                    gw_submit.push(ms(p.tokenized, t.submitted));
+                    if let Some(u) = in_usage(p) {
+                        gw_off_cpu.push((ms(p.body_read, t.submitted) - u.cpu_s * 1e3).max(0.0));
+                        in_preempted += usize::from(u.involuntary_switches > 0);
+                        in_blocked += usize::from(u.voluntary_switches > 0);
+                        in_faulted += usize::from(u.minor_faults + u.major_faults > 0);
+                    }
                 }
                 for (worst, v) in [(&mut worst_e2e, t.gateway_e2e_s()), (&mut worst_first, t.gateway_first_token_s())] {
                     if v * 1e3 > worst.0 {
@@ -431,15 +452,25 @@ pub fn run(a: ServeBenchArgs) -> anyhow::Result<()> {
                 }
             }
             // The slowest request split into its parts: which of them a stall sits in (ms;
-            // `index`: its place in the pooled requests, rounds in order; "in_body_read":
-            // the part of "in" spent waiting for the client's body).
+            // `index`: its place in the pooled requests, rounds in order; "in" split into
+            // waiting for the client's body, parse and checks, tokenization, submission,
+            // and the thread's use from the body read to submission: its CPU time, page
+            // faults and context switches).
             let slowest = |index: usize| {
                 let h = http.get(index)?;
                 let t = timings.get(&h.id)?;
+                let p = probes.get(&h.id);
                 Some(json!({
                     "index": index,
                     "in": ms(t.arrival, t.submitted),
-                    "in_body_read": body_read.get(&h.id).map(|&r| ms(t.arrival, r)),
+                    "in_body_read": p.map(|p| ms(t.arrival, p.body_read)),
+                    "in_parse": p.map(|p| ms(p.body_read, p.parsed)),
+                    "in_tokenize": p.map(|p| ms(p.parsed, p.tokenized)),
+                    "in_submit": p.map(|p| ms(p.tokenized, t.submitted)),
+                    "in_thread": p.and_then(in_usage).map(|u| json!({
+                        "cpu_ms": u.cpu_s * 1e3, "minor_faults": u.minor_faults, "major_faults": u.major_faults,
+                        "voluntary_switches": u.voluntary_switches, "involuntary_switches": u.involuntary_switches,
+                    })),
                     "first_out": ms(t.engine_first_text, t.emit_first_text),
                     "out": ms(t.engine_finish, t.emit_finish),
                     "send_to_handler": ms(h.send, t.arrival),
@@ -481,6 +512,14 @@ pub fn run(a: ServeBenchArgs) -> anyhow::Result<()> {
                     "in_p50": pct(gw_in.clone(), 0.5), "in_p99": pct(gw_in, 0.99),
                     // The part of "in" spent waiting for the request body's bytes.
                     "in_body_read_p99": pct(gw_in_read.clone(), 0.99), "in_body_read_max": pct(gw_in_read, 1.0),
+                    // The rest of "in", by part; the handler thread's time off the CPU in
+                    // it; requests (counts) whose "in" saw a forced switch, a blocking wait,
+                    // a page fault.
+                    "in_parse_p99": pct(gw_parse.clone(), 0.99), "in_parse_max": pct(gw_parse, 1.0),
+                    "in_tokenize_p99": pct(gw_tokenize.clone(), 0.99), "in_tokenize_max": pct(gw_tokenize, 1.0),
+                    "in_submit_p99": pct(gw_submit.clone(), 0.99), "in_submit_max": pct(gw_submit, 1.0),
+                    "in_off_cpu_p99": pct(gw_off_cpu.clone(), 0.99), "in_off_cpu_max": pct(gw_off_cpu, 1.0),
+                    "in_preempted": in_preempted, "in_blocked": in_blocked, "in_page_faulted": in_faulted,
                     "out_p50": pct(gw_out.clone(), 0.5), "out_p99": pct(gw_out, 0.99),
                     "first_out_p50": pct(gw_first_out.clone(), 0.5), "first_out_p99": pct(gw_first_out, 0.99),
                     "second_out_p50": pct(gw_second_out.clone(), 0.5), "second_out_p99": pct(gw_second_out, 0.99),
@@ -537,6 +576,8 @@ pub fn run(a: ServeBenchArgs) -> anyhow::Result<()> {
         "backend": backend,
         "max_tokens": a.max_tokens,
         "cpu_latency_qos": a.cpu_latency_qos,
+        // The process's allocator (glibc's; `DISAGG_ALLOCATOR=mimalloc`: mimalloc).
+        "allocator": crate::alloc::name(),
         "levels": levels,
     });
     println!("{}", serde_json::to_string_pretty(&out)?);

@@ -1,7 +1,8 @@
 //! `disagg`: the one command-line entry point. `main` parses arguments and hands off;
 //! the work lives in the library crates.
-#![forbid(unsafe_code)]
+#![deny(unsafe_code)]
 
+mod alloc;
 mod bench;
 mod bench_routing;
 mod bench_serve;
@@ -16,6 +17,9 @@ mod sse;
 use clap::{Args, Parser, Subcommand};
 use engine::load::EngineOptions;
 use kernels::KvDtype;
+
+#[global_allocator]
+static ALLOCATOR: alloc::Switchable = alloc::Switchable;
 
 #[derive(Parser)]
 #[command(name = "disagg", version, about = "A prefill/decode disaggregated LLM serving cluster")]

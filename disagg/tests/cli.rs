@@ -4,7 +4,13 @@
 use std::process::Command;
 
 fn disagg(args: &[&str]) -> (i32, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_disagg")).args(args).env("DISAGG_THREADS", "1").output().expect("runs");
+    disagg_with(args, &[])
+}
+
+fn disagg_with(args: &[&str], env: &[(&str, &str)]) -> (i32, String, String) {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_disagg"));
+    cmd.args(args).env("DISAGG_THREADS", "1").envs(env.iter().copied());
+    let out = cmd.output().expect("runs");
     (
         out.status.code().unwrap_or(-1),
         String::from_utf8_lossy(&out.stdout).into(),
@@ -111,22 +117,27 @@ fn bad_flags_say_what_to_change() {
 fn bench_serve_accounts_for_every_request() {
     // A small run: every HTTP request's gateway timing is found, the slowest request's
     // parts add up to the reported maximum, and the scheduler figures are there (Linux).
-    let (code, out, err) = disagg(&[
-        "bench",
-        "serve",
-        "--concurrency",
-        "2",
-        "--requests",
-        "4",
-        "--rounds",
-        "2",
-        "--no-level-warmup",
-        "--max-tokens",
-        "4",
-        "--json",
-    ]);
+    // It runs on mimalloc, the other allocator (the other tests run on glibc's).
+    let (code, out, err) = disagg_with(
+        &[
+            "bench",
+            "serve",
+            "--concurrency",
+            "2",
+            "--requests",
+            "4",
+            "--rounds",
+            "2",
+            "--no-level-warmup",
+            "--max-tokens",
+            "4",
+            "--json",
+        ],
+        &[("DISAGG_ALLOCATOR", "mimalloc")],
+    );
     assert_eq!(code, 0, "{err}");
     let v: serde_json::Value = serde_json::from_str(out.trim()).expect("one JSON object");
+    assert_eq!(v["allocator"], "mimalloc");
     let level = &v["levels"][0];
     assert_eq!(level["requests_measured"], 8);
     assert_eq!(level["matched_timings"], 8);
@@ -140,8 +151,21 @@ fn bench_serve_accounts_for_every_request() {
         let parts = f(&s["in"]) + f(&s[first_part]);
         assert!((parts - f(&gw[max])).abs() < 1e-6, "{slowest}: {s} against {max} {}", gw[max]);
         assert!(f(&s["send_to_handler"]) >= 0.0);
-        // Waiting for the body is part of "in".
-        assert!((0.0..=f(&s["in"])).contains(&f(&s["in_body_read"])), "{s}");
+        // "in" is waiting for the body, parse and checks, tokenization and submission.
+        let in_parts = ["in_body_read", "in_parse", "in_tokenize", "in_submit"];
+        assert!(in_parts.iter().all(|k| f(&s[k]) >= 0.0), "{s}");
+        let sum: f64 = in_parts.iter().map(|k| f(&s[k])).sum();
+        assert!((sum - f(&s["in"])).abs() < 1e-6, "{slowest}: the parts of in add to {sum}: {s}");
+        if cfg!(target_os = "linux") {
+            // The handler's thread did some work there, and no more than the wall time.
+            let u = &s["in_thread"];
+            let cpu = f(&u["cpu_ms"]);
+            assert!(cpu >= 0.0 && cpu <= f(&s["in"]) - f(&s["in_body_read"]) + 0.01, "{s}");
+            assert!(u["minor_faults"].is_u64() && u["involuntary_switches"].is_u64(), "{s}");
+        }
+    }
+    for k in ["in_preempted", "in_blocked", "in_page_faulted"] {
+        assert!(gw[k].as_u64().is_some_and(|n| n <= 8), "{k}: {gw}");
     }
     if cfg!(target_os = "linux") {
         for k in ["cpu_us_per_token", "run_queue_wait_us_per_token"] {

@@ -7,6 +7,10 @@
 /// Where the embedded model and other downloads are cached. Default `~/.cache/disagg`.
 pub const CACHE_DIR: &str = "DISAGG_CACHE";
 
+/// `mimalloc`: the `disagg` process allocates with mimalloc instead of glibc's malloc
+/// (for A/B runs; read once at start).
+pub const ALLOCATOR: &str = "DISAGG_ALLOCATOR";
+
 /// Which SIMD kernels the CPU backend uses: `avx512` (AVX-512 VNNI), `avx2`, `scalar`.
 /// Default: the best this CPU supports. A request for an unsupported level falls back
 /// to the best supported one below it.

@@ -75,10 +75,53 @@ async fn tokenize_off_thread(
     tokio::task::spawn_blocking(work).await.map_err(|_| ApiError::internal("tokenization failed"))?
 }
 
-/// For `disagg bench serve` (`record_timings`): when request `id`'s body had been read.
-fn note_body_read(s: &AppState, id: &str, at: Instant) {
-    if s.cfg.record_timings {
-        s.body_read.lock().unwrap_or_else(|e| e.into_inner()).insert(id.to_string(), at);
+/// For `disagg bench serve` (`record_timings`, else nothing): the marks inside a
+/// request's time before submission ([`crate::InProbe`]). No await lies between the body
+/// read and submission for prompts tokenized in place, so one thread's use is measured
+/// (none is kept where the task moved to another thread).
+struct InMarks(Option<(crate::InProbe, std::thread::ThreadId)>);
+
+impl InMarks {
+    fn body_read(s: &AppState, at: Instant) -> InMarks {
+        InMarks(s.cfg.record_timings.then(|| {
+            let p = crate::InProbe {
+                body_read: at,
+                parsed: at,
+                tokenized: at,
+                usage_read: crate::ThreadUsage::now(),
+                usage_submitted: None,
+            };
+            (p, std::thread::current().id())
+        }))
+    }
+
+    fn parsed(&mut self) {
+        if let Some((p, _)) = &mut self.0 {
+            p.parsed = Instant::now();
+        }
+    }
+
+    fn tokenized(&mut self) {
+        if let Some((p, _)) = &mut self.0 {
+            p.tokenized = Instant::now();
+        }
+    }
+
+    /// Just after submission.
+    fn submitted(&mut self) {
+        if let Some((p, thread)) = &mut self.0 {
+            p.usage_submitted = crate::ThreadUsage::now();
+            if std::thread::current().id() != *thread {
+                p.usage_read = None;
+            }
+        }
+    }
+
+    /// Kept under the response's id.
+    fn keep(self, s: &AppState, id: &str) {
+        if let Some((p, _)) = self.0 {
+            s.in_probes.lock().unwrap_or_else(|e| e.into_inner()).insert(id.to_string(), p);
+        }
     }
 }
 
@@ -600,19 +643,22 @@ pub async fn chat(State(s): State<Arc<AppState>>, headers: HeaderMap, body: Body
     let arrival = Instant::now();
     let e = s.engine()?.clone();
     let body = read_body(&s, body).await?;
-    let read = Instant::now();
+    let mut marks = InMarks::body_read(&s, Instant::now());
     let req: ChatRequest = openai::parse(&body)?;
     openai::reject_extra(&req.extra)?;
     req.unsupported.check()?;
     check_model(&s, Some(&req.model))?;
     let messages = req.messages()?;
+    marks.parsed();
     let text = e.tokenizer.apply_chat_template(&messages, req.add_generation_prompt.unwrap_or(true))?;
     let prompt = tokenize_off_thread(e.tokenizer.clone(), vec![text], false).await?.remove(0);
+    marks.tokenized();
     let max_tokens = req.max_completion_tokens.or(req.sampling.max_tokens);
     let params = req.sampling.to_params(max_tokens, req.top_logprobs()?, e.limits.vocab)?;
     let n = req.sampling.n();
     let streams = submit_n(&s, &e, &prompt, &params, n, session(&headers, &req.sampling))?;
     let submitted = Instant::now();
+    marks.submitted();
     let format = ChatChunks {
         id: request_id("chatcmpl"),
         created: now_s(),
@@ -621,7 +667,7 @@ pub async fn chat(State(s): State<Arc<AppState>>, headers: HeaderMap, body: Body
         want_lp: params.logprobs.is_some(),
         envelope: None,
     };
-    note_body_read(&s, &format.id, read);
+    marks.keep(&s, &format.id);
     if !req.sampling.stream() {
         let (results, completion) =
             collect_all(streams, &s, arrival, &format.id, submitted, "/v1/chat/completions").await?;
@@ -718,7 +764,7 @@ pub async fn completions(State(s): State<Arc<AppState>>, headers: HeaderMap, bod
     let arrival = Instant::now();
     let e = s.engine()?.clone();
     let body = read_body(&s, body).await?;
-    let read = Instant::now();
+    let mut marks = InMarks::body_read(&s, Instant::now());
     let req: CompletionRequest = openai::parse(&body)?;
     openai::reject_extra(&req.extra)?;
     req.unsupported.check()?;
@@ -731,12 +777,14 @@ pub async fn completions(State(s): State<Arc<AppState>>, headers: HeaderMap, bod
             "echo together with logprobs (prompt logprobs) is not supported; drop one of them",
         ));
     }
+    marks.parsed();
     let prompts: Vec<Vec<u32>> = match &req.prompt {
         Prompt::Text(t) => tokenize_off_thread(e.tokenizer.clone(), vec![t.clone()], true).await?,
         Prompt::Texts(ts) => tokenize_off_thread(e.tokenizer.clone(), ts.clone(), true).await?,
         Prompt::Ids(ids) => vec![ids.clone()],
         Prompt::IdLists(l) => l.clone(),
     };
+    marks.tokenized();
     if prompts.is_empty() || prompts.len() > 64 {
         return Err(ApiError::invalid(Some("prompt".into()), "give between 1 and 64 prompts"));
     }
@@ -747,6 +795,7 @@ pub async fn completions(State(s): State<Arc<AppState>>, headers: HeaderMap, bod
         streams.extend(submit_n(&s, &e, p, &params, n, session(&headers, &req.sampling))?);
     }
     let submitted = Instant::now();
+    marks.submitted();
     let prompt_tokens: usize = prompts.iter().map(Vec::len).sum();
     // With echo, each choice's text starts with its prompt.
     let prefixes: Vec<String> = prompts
@@ -766,7 +815,7 @@ pub async fn completions(State(s): State<Arc<AppState>>, headers: HeaderMap, bod
         envelope: None,
     };
     let total = streams.len();
-    note_body_read(&s, &format.id, read);
+    marks.keep(&s, &format.id);
     if !req.sampling.stream() {
         let (results, completion) = collect_all(streams, &s, arrival, &format.id, submitted, "/v1/completions").await?;
         let cached: Vec<usize> = results.iter().map(|c| c.cached).collect();

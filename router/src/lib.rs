@@ -44,6 +44,73 @@ pub struct GatewayConfig {
     pub record_timings: bool,
 }
 
+/// Inside a request's time before submission (`disagg bench serve`): when its body had
+/// been read (before that: waiting for the client's bytes), parsed and checked, and
+/// tokenized; and the handler thread's resource use from the body read to submission,
+/// which tells a stall's kind apart (on the CPU, preempted, blocked, faulting).
+#[derive(Clone, Copy, Debug)]
+pub struct InProbe {
+    pub body_read: std::time::Instant,
+    pub parsed: std::time::Instant,
+    pub tokenized: std::time::Instant,
+    /// The thread's use at the body read and at submission (None where unavailable).
+    pub usage_read: Option<ThreadUsage>,
+    pub usage_submitted: Option<ThreadUsage>,
+}
+
+/// The calling thread's resource use so far: CPU time (`CLOCK_THREAD_CPUTIME_ID`, exact;
+/// getrusage's lags by up to a tick), page faults and context switches
+/// (`getrusage(RUSAGE_THREAD)`).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct ThreadUsage {
+    pub cpu_s: f64,
+    pub minor_faults: u64,
+    pub major_faults: u64,
+    /// Switches away while waiting (a lock, I/O, a page brought in) and forced ones
+    /// (preempted by another task).
+    pub voluntary_switches: u64,
+    pub involuntary_switches: u64,
+}
+
+impl ThreadUsage {
+    #[cfg(target_os = "linux")]
+    pub fn now() -> Option<ThreadUsage> {
+        // SAFETY: getrusage writes the struct it is given and nothing else.
+        let mut u: libc::rusage = unsafe { std::mem::zeroed() };
+        if unsafe { libc::getrusage(libc::RUSAGE_THREAD, &mut u) } != 0 {
+            return None;
+        }
+        let mut t = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+        // SAFETY: clock_gettime writes the struct it is given.
+        if unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut t) } != 0 {
+            return None;
+        }
+        Some(ThreadUsage {
+            cpu_s: t.tv_sec as f64 + t.tv_nsec as f64 * 1e-9,
+            minor_faults: u.ru_minflt as u64,
+            major_faults: u.ru_majflt as u64,
+            voluntary_switches: u.ru_nvcsw as u64,
+            involuntary_switches: u.ru_nivcsw as u64,
+        })
+    }
+
+    #[cfg(not(target_os = "linux"))]
+    pub fn now() -> Option<ThreadUsage> {
+        None
+    }
+
+    /// What was used from `self` to `later` (same thread).
+    pub fn until(&self, later: &ThreadUsage) -> ThreadUsage {
+        ThreadUsage {
+            cpu_s: later.cpu_s - self.cpu_s,
+            minor_faults: later.minor_faults.saturating_sub(self.minor_faults),
+            major_faults: later.major_faults.saturating_sub(self.major_faults),
+            voluntary_switches: later.voluntary_switches.saturating_sub(self.voluntary_switches),
+            involuntary_switches: later.involuntary_switches.saturating_sub(self.involuntary_switches),
+        }
+    }
+}
+
 /// When one request passed the gateway's and the engine's milestones (same clock).
 #[derive(Clone, Debug)]
 pub struct RequestTiming {
@@ -98,9 +165,9 @@ pub struct AppState {
     created: u64,
     /// Filled when `cfg.record_timings` is set.
     pub timings: std::sync::Mutex<Vec<RequestTiming>>,
-    /// With `cfg.record_timings`: when each request's body had been read, by response
-    /// id (the part of the time before submission spent waiting for the client's bytes).
-    pub body_read: std::sync::Mutex<std::collections::HashMap<String, std::time::Instant>>,
+    /// With `cfg.record_timings`: what happened inside each request's time before
+    /// submission, by response id.
+    pub in_probes: std::sync::Mutex<std::collections::HashMap<String, InProbe>>,
     /// Set when traces are exported.
     pub telemetry: OnceLock<telemetry::Telemetry>,
 }
@@ -113,7 +180,7 @@ impl AppState {
             cfg,
             created: SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
             timings: Default::default(),
-            body_read: Default::default(),
+            in_probes: Default::default(),
             telemetry: OnceLock::new(),
         })
     }
