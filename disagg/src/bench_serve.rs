@@ -406,6 +406,9 @@ pub fn run(a: ServeBenchArgs) -> anyhow::Result<()> {
             // Engine output → gateway bytes ready, for a request's first and second
             // outputs with text (`out` above is its last).
             let (mut gw_first_out, mut gw_second_out) = (Vec::new(), Vec::new());
+            // Of "first_out" and "out": engine output → handed to the request's stream (the
+            // engine thread's loop over the step's outputs, or the delivery task).
+            let (mut gw_first_out_send, mut gw_out_send) = (Vec::new(), Vec::new());
             // Outside the gateway's handler: client send → handler start, and the
             // gateway's final bytes ready → the client has read `[DONE]`.
             let (mut wire_in, mut wire_out, mut engine_ttft) = (Vec::new(), Vec::new(), Vec::new());
@@ -434,6 +437,8 @@ pub fn run(a: ServeBenchArgs) -> anyhow::Result<()> {
                 gw_in.push(t.submitted.duration_since(t.arrival).as_secs_f64() * 1e3);
                 gw_out.push(t.emit_finish.duration_since(t.engine_finish).as_secs_f64() * 1e3);
                 gw_first_out.push(t.emit_first_text.duration_since(t.engine_first_text).as_secs_f64() * 1e3);
+                gw_first_out_send.push(ms(t.engine_first_text, t.sent_first_text));
+                gw_out_send.push(ms(t.engine_finish, t.sent_finish));
                 if let Some((at, emit)) = t.second_text {
                     gw_second_out.push(emit.duration_since(at).as_secs_f64() * 1e3);
                 }
@@ -455,7 +460,8 @@ pub fn run(a: ServeBenchArgs) -> anyhow::Result<()> {
             // `index`: its place in the pooled requests, rounds in order; "in" split into
             // waiting for the client's body, parse and checks, tokenization, submission,
             // and the thread's use from the body read to submission: its CPU time, page
-            // faults and context switches).
+            // faults and context switches; "first_out_send" and "out_send": the parts of
+            // "first_out" and "out" before the output reached its stream).
             let slowest = |index: usize| {
                 let h = http.get(index)?;
                 let t = timings.get(&h.id)?;
@@ -472,7 +478,9 @@ pub fn run(a: ServeBenchArgs) -> anyhow::Result<()> {
                         "voluntary_switches": u.voluntary_switches, "involuntary_switches": u.involuntary_switches,
                     })),
                     "first_out": ms(t.engine_first_text, t.emit_first_text),
+                    "first_out_send": ms(t.engine_first_text, t.sent_first_text),
                     "out": ms(t.engine_finish, t.emit_finish),
+                    "out_send": ms(t.engine_finish, t.sent_finish),
                     "send_to_handler": ms(h.send, t.arrival),
                 }))
             };
@@ -522,6 +530,11 @@ pub fn run(a: ServeBenchArgs) -> anyhow::Result<()> {
                     "in_preempted": in_preempted, "in_blocked": in_blocked, "in_page_faulted": in_faulted,
                     "out_p50": pct(gw_out.clone(), 0.5), "out_p99": pct(gw_out, 0.99),
                     "first_out_p50": pct(gw_first_out.clone(), 0.5), "first_out_p99": pct(gw_first_out, 0.99),
+                    // The part of "first_out" and "out" before the output reached its
+                    // stream (the rest: the handler's wake and formatting).
+                    "first_out_send_p99": pct(gw_first_out_send.clone(), 0.99),
+                    "first_out_send_max": pct(gw_first_out_send, 1.0),
+                    "out_send_p99": pct(gw_out_send.clone(), 0.99), "out_send_max": pct(gw_out_send, 1.0),
                     "second_out_p50": pct(gw_second_out.clone(), 0.5), "second_out_p99": pct(gw_second_out, 0.99),
                     "slowest_e2e": slowest(worst_e2e.1), "slowest_first_token": slowest(worst_first.1),
                 },

@@ -164,6 +164,12 @@ fn bench_serve_accounts_for_every_request() {
             assert!(u["minor_faults"].is_u64() && u["involuntary_switches"].is_u64(), "{s}");
         }
     }
+    // The engine's hand-off is part of each output's time in the gateway.
+    for s in [&gw["slowest_e2e"], &gw["slowest_first_token"]] {
+        assert!((0.0..=f(&s["out"]) + 1e-9).contains(&f(&s["out_send"])), "{s}");
+        assert!((0.0..=f(&s["first_out"]) + 1e-9).contains(&f(&s["first_out_send"])), "{s}");
+    }
+    assert!(f(&gw["out_send_max"]) >= 0.0 && f(&gw["first_out_send_p99"]) >= 0.0, "{gw}");
     for k in ["in_preempted", "in_blocked", "in_page_faulted"] {
         assert!(gw[k].as_u64().is_some_and(|n| n <= 8), "{k}: {gw}");
     }

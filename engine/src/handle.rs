@@ -34,11 +34,14 @@ use crate::EngineError;
 use kernels::KvShape;
 use tokio::sync::oneshot;
 
-/// One output of a request and when the engine produced it.
+/// One output of a request, when the engine produced it (`at`: once per step) and when
+/// it was handed to the request's channel (`sent`: by the engine thread's loop over the
+/// step's outputs, or by the delivery task; the same as `at` where nothing lies between).
 #[derive(Debug, Clone)]
 pub struct StreamItem {
     pub out: RequestOutput,
     pub at: Instant,
+    pub sent: Instant,
 }
 
 /// Where a request's outputs go: each item, or the error that ended the request.
@@ -405,8 +408,9 @@ impl EngineHandle {
             let shared = self.shared.clone();
             rt.spawn(async move {
                 while let Some(batch) = brx.recv().await {
-                    for (tx, item) in batch {
+                    for (tx, mut item) in batch {
                         // A stream dropped meanwhile has asked the engine to abort it.
+                        item.sent = Instant::now();
                         let _ = tx.send(Ok(item));
                     }
                     shared.delivered_batches.fetch_add(1, Ordering::Relaxed);
@@ -582,7 +586,9 @@ fn engine_loop<B: Backend>(mut core: EngineCore<B>, rx: Receiver<Command>, share
                         Ok(out) => {
                             let done = out.finish.is_some();
                             let at = Instant::now();
-                            let sent = senders.get(&id).is_some_and(|tx| tx.send(Ok(StreamItem { out, at })).is_ok());
+                            let sent = senders
+                                .get(&id)
+                                .is_some_and(|tx| tx.send(Ok(StreamItem { out, at, sent: at })).is_ok());
                             if !sent {
                                 core.abort(id);
                             }
@@ -639,14 +645,17 @@ fn engine_loop<B: Backend>(mut core: EngineCore<B>, rx: Receiver<Command>, share
             for out in outs {
                 let id = out.id;
                 let done = out.finish.is_some();
-                let item = StreamItem { out, at };
+                let mut item = StreamItem { out, at, sent: at };
                 let delivered = match (senders.get(&id), &deliver) {
                     // The delivery task sends it; a stream already closed is not.
                     (Some(tx), Some(_)) if !tx.is_closed() => {
                         batch.push((tx.clone(), item));
                         true
                     }
-                    (Some(tx), None) => tx.send(Ok(item)).is_ok(),
+                    (Some(tx), None) => {
+                        item.sent = Instant::now();
+                        tx.send(Ok(item)).is_ok()
+                    }
                     _ => false,
                 };
                 if !delivered {

@@ -648,7 +648,8 @@ impl Cluster {
                         completion += r.token_ids.len();
                         let out = rpc::output_from_proto(r, id, prompt.len(), completion);
                         let done = out.finish.is_some();
-                        if tx.send(Ok(StreamItem { out, at: Instant::now() })).is_err() || done {
+                        let at = Instant::now();
+                        if tx.send(Ok(StreamItem { out, at, sent: at })).is_err() || done {
                             return;
                         }
                     }

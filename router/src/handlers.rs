@@ -229,9 +229,9 @@ pub(crate) struct Tracker {
     last: Option<Instant>,
     first: Option<Instant>,
     scheduled: Option<Instant>,
-    /// Engine time of the first output that carried text, and when the gateway had its
-    /// bytes ready.
-    first_text: Option<(Instant, Instant)>,
+    /// The first output that carried text: engine time, handed to the stream, and when
+    /// the gateway had its bytes ready.
+    first_text: Option<(Instant, Instant, Instant)>,
     /// The same for the second output that carried text.
     second_text: Option<(Instant, Instant)>,
     done: bool,
@@ -290,7 +290,7 @@ impl Tracker {
         let now = Instant::now();
         if !item.out.new_text.is_empty() {
             if self.first_text.is_none() {
-                self.first_text = Some((item.at, now));
+                self.first_text = Some((item.at, item.sent, now));
             } else if self.second_text.is_none() {
                 self.second_text = Some((item.at, now));
             }
@@ -309,15 +309,18 @@ impl Tracker {
             "request finished"
         );
         if s.cfg.record_timings {
-            let (engine_first_text, emit_first_text) = self.first_text.unwrap_or((item.at, now));
+            let (engine_first_text, sent_first_text, emit_first_text) =
+                self.first_text.unwrap_or((item.at, item.sent, now));
             s.timings.lock().unwrap_or_else(|e| e.into_inner()).push(crate::RequestTiming {
                 id: self.id.clone(),
                 arrival: self.arrival,
                 submitted: self.submitted,
                 engine_first_text,
+                sent_first_text,
                 emit_first_text,
                 second_text: self.second_text,
                 engine_finish: item.at,
+                sent_finish: item.sent,
                 emit_finish: now,
             });
         }

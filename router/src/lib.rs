@@ -123,12 +123,18 @@ pub struct RequestTiming {
     /// The engine produced the first output that carried text; the gateway had its
     /// event bytes ready.
     pub engine_first_text: std::time::Instant,
+    /// When the engine's loop (or the delivery task) handed that output to the request's
+    /// stream: "first_out" is engine → handed (the send loop) → emitted (the handler's
+    /// wake and formatting).
+    pub sent_first_text: std::time::Instant,
     pub emit_first_text: std::time::Instant,
     /// The same for the second output that carried text (None for a one-token answer):
     /// tells a request's first output's delivery apart from any early one's.
     pub second_text: Option<(std::time::Instant, std::time::Instant)>,
     /// The engine produced the last output; the gateway had the final event ready.
     pub engine_finish: std::time::Instant,
+    /// The same split for the last output.
+    pub sent_finish: std::time::Instant,
     pub emit_finish: std::time::Instant,
 }
 
