@@ -249,16 +249,16 @@ async fn health_round(client: &reqwest::Client, url: &str, c: usize) -> anyhow::
     futures::future::join_all(reqs).await.into_iter().collect()
 }
 
-/// Seconds so far of this process's threads on CPU and waiting on a run queue (runnable
-/// but not running: other threads or processes held the CPU, or an idle CPU was slow to
-/// wake), summed by thread name (`/proc/self/task/*/schedstat`, nanosecond resolution;
-/// empty where absent).
 /// The handler thread's use from a request's body read to its submission, where both ends
 /// were measured on one thread.
 fn in_usage(p: &router::InProbe) -> Option<router::ThreadUsage> {
     Some(p.usage_read?.until(&p.usage_submitted?))
 }
 
+/// Seconds so far of this process's threads on CPU and waiting on a run queue (runnable
+/// but not running: other threads or processes held the CPU, or an idle CPU was slow to
+/// wake), summed by thread name (`/proc/self/task/*/schedstat`, nanosecond resolution;
+/// empty where absent).
 fn thread_sched_s() -> std::collections::HashMap<String, (f64, f64)> {
     let mut out = std::collections::HashMap::new();
     let Ok(tasks) = std::fs::read_dir("/proc/self/task") else { return out };
@@ -345,7 +345,6 @@ pub fn run(a: ServeBenchArgs) -> anyhow::Result<()> {
                 Some(s)
             };
             state.timings.lock().unwrap().clear();
-            state.in_probes.lock().unwrap().clear();
             let (mut http_runs, mut direct_runs): (Vec<Run>, Vec<Run>) = (Vec::new(), Vec::new());
             let (mut http, mut direct) = (Vec::new(), Vec::new());
             let mut cpu_s: std::collections::HashMap<String, (f64, f64)> = Default::default();
@@ -393,7 +392,6 @@ pub fn run(a: ServeBenchArgs) -> anyhow::Result<()> {
             let direct: Vec<DirectTiming> = direct.into_iter().collect::<Result<_, _>>()?;
             let timings: std::collections::HashMap<String, router::RequestTiming> =
                 state.timings.lock().unwrap().drain(..).map(|t| (t.id.clone(), t)).collect();
-            let probes = std::mem::take(&mut *state.in_probes.lock().unwrap());
             let (mut gw_e2e, mut gw_first, mut client_e2e_over, mut client_first_over, mut ttft) =
                 (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
             let (mut gw_in, mut gw_out, mut gw_in_read) = (Vec::new(), Vec::new(), Vec::new());
@@ -417,7 +415,7 @@ pub fn run(a: ServeBenchArgs) -> anyhow::Result<()> {
             let ms = |a: Instant, b: Instant| b.saturating_duration_since(a).as_secs_f64() * 1e3;
             for (index, h) in http.iter().enumerate() {
                 let Some(t) = timings.get(&h.id) else { continue };
-                if let Some(p) = probes.get(&h.id) {
+                if let Some(p) = &t.in_probe {
                     gw_in_read.push(ms(t.arrival, p.body_read));
                     gw_parse.push(ms(p.body_read, p.parsed));
                     gw_tokenize.push(ms(p.parsed, p.tokenized));
@@ -434,9 +432,9 @@ pub fn run(a: ServeBenchArgs) -> anyhow::Result<()> {
                         *worst = (v * 1e3, index);
                     }
                 }
-                gw_in.push(t.submitted.duration_since(t.arrival).as_secs_f64() * 1e3);
-                gw_out.push(t.emit_finish.duration_since(t.engine_finish).as_secs_f64() * 1e3);
-                gw_first_out.push(t.emit_first_text.duration_since(t.engine_first_text).as_secs_f64() * 1e3);
+                gw_in.push(ms(t.arrival, t.submitted));
+                gw_out.push(ms(t.engine_finish, t.emit_finish));
+                gw_first_out.push(ms(t.engine_first_text, t.emit_first_text));
                 gw_first_out_send.push(ms(t.engine_first_text, t.sent_first_text));
                 gw_out_send.push(ms(t.engine_finish, t.sent_finish));
                 if let Some((at, emit)) = t.second_text {
@@ -465,7 +463,7 @@ pub fn run(a: ServeBenchArgs) -> anyhow::Result<()> {
             let slowest = |index: usize| {
                 let h = http.get(index)?;
                 let t = timings.get(&h.id)?;
-                let p = probes.get(&h.id);
+                let p = t.in_probe.as_ref();
                 Some(json!({
                     "index": index,
                     "in": ms(t.arrival, t.submitted),

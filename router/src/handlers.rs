@@ -76,7 +76,7 @@ async fn tokenize_off_thread(
 }
 
 /// For `disagg bench serve` (`record_timings`, else nothing): the marks inside a
-/// request's time before submission ([`crate::InProbe`]). No await lies between the body
+/// request's time before submission ([`crate::InProbe`], recorded with its timing). No await lies between the body
 /// read and submission for prompts tokenized in place, so one thread's use is measured
 /// (none is kept where the task moved to another thread).
 struct InMarks(Option<(crate::InProbe, std::thread::ThreadId)>);
@@ -117,11 +117,9 @@ impl InMarks {
         }
     }
 
-    /// Kept under the response's id.
-    fn keep(self, s: &AppState, id: &str) {
-        if let Some((p, _)) = self.0 {
-            s.in_probes.lock().unwrap_or_else(|e| e.into_inner()).insert(id.to_string(), p);
-        }
+    /// What the request's trackers record with its timing.
+    fn probe(&self) -> Option<crate::InProbe> {
+        self.0.map(|(p, _)| p)
     }
 }
 
@@ -234,6 +232,8 @@ pub(crate) struct Tracker {
     first_text: Option<(Instant, Instant, Instant)>,
     /// The same for the second output that carried text.
     second_text: Option<(Instant, Instant)>,
+    /// Inside the time before submission (`record_timings` only).
+    in_probe: Option<crate::InProbe>,
     done: bool,
     /// Ids of this request's `request` span, chosen at submission (traces on).
     ids: Option<crate::telemetry::TraceParent>,
@@ -251,9 +251,16 @@ impl Tracker {
             scheduled: None,
             first_text: None,
             second_text: None,
+            in_probe: None,
             done: false,
             ids: None,
         }
+    }
+
+    /// Records `probe` with the request's timing.
+    pub(crate) fn with_in_probe(mut self, probe: Option<crate::InProbe>) -> Tracker {
+        self.in_probe = probe;
+        self
     }
 
     /// Uses the ids of `traceparent` (the one the request was submitted with).
@@ -322,6 +329,7 @@ impl Tracker {
                 engine_finish: item.at,
                 sent_finish: item.sent,
                 emit_finish: now,
+                in_probe: self.in_probe,
             });
         }
         if let Some(t) = s.telemetry.get() {
@@ -403,9 +411,10 @@ async fn collect_all(
     id: &str,
     submitted: Instant,
     route: &'static str,
+    in_probe: Option<crate::InProbe>,
 ) -> Result<(Vec<Collected>, usize), ApiError> {
     let results = futures::future::join_all(streams.into_iter().map(|st| {
-        let t = Tracker::new(arrival, id, submitted, route).with_trace(st.trace.as_deref());
+        let t = Tracker::new(arrival, id, submitted, route).with_trace(st.trace.as_deref()).with_in_probe(in_probe);
         collect(st, s, t)
     }))
     .await;
@@ -670,10 +679,9 @@ pub async fn chat(State(s): State<Arc<AppState>>, headers: HeaderMap, body: Body
         want_lp: params.logprobs.is_some(),
         envelope: None,
     };
-    marks.keep(&s, &format.id);
     if !req.sampling.stream() {
         let (results, completion) =
-            collect_all(streams, &s, arrival, &format.id, submitted, "/v1/chat/completions").await?;
+            collect_all(streams, &s, arrival, &format.id, submitted, "/v1/chat/completions", marks.probe()).await?;
         let cached: Vec<usize> = results.iter().map(|c| c.cached).collect();
         let mut choices = Vec::with_capacity(n);
         for (i, c) in results.into_iter().enumerate() {
@@ -703,7 +711,9 @@ pub async fn chat(State(s): State<Arc<AppState>>, headers: HeaderMap, body: Body
         pending: Default::default(),
         trackers: (0..n)
             .map(|i| {
-                Tracker::new(arrival, &format.id, submitted, "/v1/chat/completions").with_trace(traces[i].as_deref())
+                Tracker::new(arrival, &format.id, submitted, "/v1/chat/completions")
+                    .with_trace(traces[i].as_deref())
+                    .with_in_probe(marks.probe())
             })
             .collect(),
         state: s.clone(),
@@ -818,9 +828,9 @@ pub async fn completions(State(s): State<Arc<AppState>>, headers: HeaderMap, bod
         envelope: None,
     };
     let total = streams.len();
-    marks.keep(&s, &format.id);
     if !req.sampling.stream() {
-        let (results, completion) = collect_all(streams, &s, arrival, &format.id, submitted, "/v1/completions").await?;
+        let (results, completion) =
+            collect_all(streams, &s, arrival, &format.id, submitted, "/v1/completions", marks.probe()).await?;
         let cached: Vec<usize> = results.iter().map(|c| c.cached).collect();
         let mut choices = Vec::with_capacity(total);
         for (i, c) in results.into_iter().enumerate() {
@@ -852,7 +862,11 @@ pub async fn completions(State(s): State<Arc<AppState>>, headers: HeaderMap, bod
         merged: merge(streams.into_iter().enumerate().collect()),
         pending: Default::default(),
         trackers: (0..total)
-            .map(|i| Tracker::new(arrival, &format.id, submitted, "/v1/completions").with_trace(traces[i].as_deref()))
+            .map(|i| {
+                Tracker::new(arrival, &format.id, submitted, "/v1/completions")
+                    .with_trace(traces[i].as_deref())
+                    .with_in_probe(marks.probe())
+            })
             .collect(),
         state: s.clone(),
         format,

@@ -136,6 +136,8 @@ pub struct RequestTiming {
     /// The same split for the last output.
     pub sent_finish: std::time::Instant,
     pub emit_finish: std::time::Instant,
+    /// Inside the time before submission (the HTTP handlers; None elsewhere).
+    pub in_probe: Option<InProbe>,
 }
 
 impl RequestTiming {
@@ -171,9 +173,6 @@ pub struct AppState {
     created: u64,
     /// Filled when `cfg.record_timings` is set.
     pub timings: std::sync::Mutex<Vec<RequestTiming>>,
-    /// With `cfg.record_timings`: what happened inside each request's time before
-    /// submission, by response id.
-    pub in_probes: std::sync::Mutex<std::collections::HashMap<String, InProbe>>,
     /// Set when traces are exported.
     pub telemetry: OnceLock<telemetry::Telemetry>,
 }
@@ -186,7 +185,6 @@ impl AppState {
             cfg,
             created: SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
             timings: Default::default(),
-            in_probes: Default::default(),
             telemetry: OnceLock::new(),
         })
     }
