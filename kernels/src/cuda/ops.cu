@@ -642,6 +642,47 @@ __device__ __forceinline__ float fa_exp2(float x) {
 // K and V tiles lie in shared memory in the 128-byte-swizzled layout (see my_off) and
 // the tensor cores read them once for all four warps; the next tile's copies are
 // issued while S is on the tensor cores.
+// The end of a decode block whose four warps each took a quarter of every key tile: one
+// query row's merge of their partial softmaxes, four columns from c. Warp v's (max, sum)
+// lie at ml[(v·rows + r)·2], its output sums at parts[(v·rows + r)·stride + c] (shared
+// memory). The result goes to `out` (row t, head h) when the keys are not split, else to
+// this split's partial (`attention_merge`'s layout; a split without keys of this row
+// leaves M = −∞, L = 0 there).
+template <int HD, bool FX>
+__device__ __forceinline__ void merge_warp_parts(const float* ml, const float* parts, int rows, int stride, int r,
+                                                 int c, int t, int h, int n_heads, int splits, int z, float* out,
+                                                 float* part) {
+    float M = NEG_INF;
+#pragma unroll
+    for (int v = 0; v < 4; v++) M = fmaxf(M, ml[(v * rows + r) * 2]);
+    float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
+    float L = 0.f;
+#pragma unroll
+    for (int v = 0; v < 4; v++) {
+        const float mv = ml[(v * rows + r) * 2];
+        const float wv = mv == NEG_INF ? 0.f : fa_exp2<FX>(mv - M);
+        L += wv * ml[(v * rows + r) * 2 + 1];
+        const float4 x = *reinterpret_cast<const float4*>(&parts[(v * rows + r) * stride + c]);
+        a.x += wv * x.x;
+        a.y += wv * x.y;
+        a.z += wv * x.z;
+        a.w += wv * x.w;
+    }
+    if (splits == 1) {
+        // Unsplit, key 0 is in every row's past, so L > 0.
+        *reinterpret_cast<float4*>(&out[(size_t)t * n_heads * HD + h * HD + c]) =
+            make_float4(a.x / L, a.y / L, a.z / L, a.w / L);
+    } else {
+        float* pp = part + ((size_t)(t * n_heads + h) * splits + z) * (HD + 2);
+        if (c == 0) {
+            pp[0] = M * 0.6931471805599453f;
+            pp[1] = L;
+        }
+        *reinterpret_cast<float2*>(&pp[2 + c]) = make_float2(a.x, a.y);
+        *reinterpret_cast<float2*>(&pp[2 + c + 2]) = make_float2(a.z, a.w);
+    }
+}
+
 template <int HD, bool WS, bool LDSM, int V>
 __device__ void flash_attn_impl(const float* qkv, const unsigned short* cache, long long half, const int* tiles,
                                 const unsigned int* tables, int n_heads, int n_kv, int block_size, float scale,
@@ -978,35 +1019,8 @@ __device__ void flash_attn_impl(const float* qkv, const unsigned short* cache, l
         constexpr int C4 = HD / 4;
         for (int i = threadIdx.x; i < nrows * C4; i += blockDim.x) {
             const int r = i / C4, c = (i % C4) * 4;
-            float M = NEG_INF;
-#pragma unroll
-            for (int v = 0; v < 4; v++) M = fmaxf(M, ml[(v * 16 + r) * 2]);
-            float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
-            float L = 0.f;
-#pragma unroll
-            for (int v = 0; v < 4; v++) {
-                const float mv = ml[(v * 16 + r) * 2];
-                const float wv = mv == NEG_INF ? 0.f : fa_exp2<FX>(mv - M);
-                L += wv * ml[(v * 16 + r) * 2 + 1];
-                const float4 x = *(const float4*)&acc[(v * 16 + r) * RA + c];
-                a.x += wv * x.x;
-                a.y += wv * x.y;
-                a.z += wv * x.z;
-                a.w += wv * x.w;
-            }
-            const int t = row0 + r / grp, h = kvh * grp + r % grp;
-            if (splits == 1) {
-                // Key 0 is in every row's past, so L > 0.
-                *(float4*)&out[(size_t)t * n_heads * HD + h * HD + c] = make_float4(a.x / L, a.y / L, a.z / L, a.w / L);
-            } else {
-                float* pp = part + ((size_t)(t * n_heads + h) * splits + z) * (HD + 2);
-                if (c == 0) {
-                    pp[0] = M * 0.6931471805599453f;
-                    pp[1] = L;
-                }
-                *(float2*)&pp[2 + c] = make_float2(a.x, a.y);
-                *(float2*)&pp[2 + c + 2] = make_float2(a.z, a.w);
-            }
+            merge_warp_parts<HD, FX>(ml, acc, 16, RA, r, c, row0 + r / grp, kvh * grp + r % grp, n_heads, splits, z,
+                                     out, part);
         }
         return;
     }
@@ -1312,33 +1326,7 @@ __device__ void flash_decode_km_impl(const float* qkv, const unsigned short* cac
     constexpr int C4 = HD / 4;
     for (int i = threadIdx.x; i < grp * C4; i += blockDim.x) {
         const int hh = i / C4, c = (i % C4) * 4;
-        float M = NEG_INF;
-#pragma unroll
-        for (int v = 0; v < 4; v++) M = fmaxf(M, ml[(v * 8 + hh) * 2]);
-        float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
-        float L = 0.f;
-#pragma unroll
-        for (int v = 0; v < 4; v++) {
-            const float mv = ml[(v * 8 + hh) * 2];
-            const float wv = mv == NEG_INF ? 0.f : fa_exp2<true>(mv - M);
-            L += wv * ml[(v * 8 + hh) * 2 + 1];
-            const float4 x = *reinterpret_cast<const float4*>(&ro[(v * 8 + hh) * RS + c]);
-            a.x += wv * x.x, a.y += wv * x.y, a.z += wv * x.z, a.w += wv * x.w;
-        }
-        const int h = kvh * grp + hh;
-        if (splits == 1) {
-            *reinterpret_cast<float4*>(&out[(size_t)row0 * n_heads * HD + h * HD + c]) =
-                make_float4(a.x / L, a.y / L, a.z / L, a.w / L);
-        } else {
-            // An empty split (no keys of this sequence in its chunk) leaves M = −∞, L = 0.
-            float* pp = part + ((size_t)(row0 * n_heads + h) * splits + z) * (HD + 2);
-            if (c == 0) {
-                pp[0] = M * 0.6931471805599453f;
-                pp[1] = L;
-            }
-            *reinterpret_cast<float2*>(&pp[2 + c]) = make_float2(a.x, a.y);
-            *reinterpret_cast<float2*>(&pp[2 + c + 2]) = make_float2(a.z, a.w);
-        }
+        merge_warp_parts<HD, true>(ml, ro, 8, RS, hh, c, row0, kvh * grp + hh, n_heads, splits, z, out, part);
     }
 }
 
