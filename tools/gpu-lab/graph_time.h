@@ -1,7 +1,19 @@
 // Shared by the gpu-lab programs (define CK first): µs per call of f(i), i = 0 … iter − 1,
 // the calls captured in one CUDA graph on `st` and replayed, as the engine replays its
 // decode steps. An uncaptured f(0) first checks that the kernels launch; one replay warms up.
+// Also `bf16_device`: n pseudo-random bf16 values in (−scale, scale) on the device.
 #pragma once
+#include <cstring>
+#include <vector>
+
+static unsigned short* bf16_device(size_t n, unsigned s, float scale) {
+    std::vector<unsigned short> h(n);
+    for (auto& v : h) { s = s * 1664525u + 1013904223u; float f = (((s >> 8) / 16777216.f) * 2 - 1) * scale; unsigned u; memcpy(&u, &f, 4); v = u >> 16; }
+    unsigned short* d;
+    CK(cudaMalloc(&d, n * 2));
+    CK(cudaMemcpy(d, h.data(), n * 2, cudaMemcpyHostToDevice));
+    return d;
+}
 template <class F>
 static float graph_us(cudaStream_t st, int iter, F f) {
     f(0);

@@ -21,21 +21,15 @@
 #define LK(x) do { cublasStatus_t s = (x); if (s != CUBLAS_STATUS_SUCCESS) { printf("cuBLAS %d at %d\n", (int)s, __LINE__); exit(1); } } while (0)
 #include "graph_time.h"
 
-static void bf16_fill(std::vector<unsigned short>& h, unsigned s, float scale) {
-    for (auto& v : h) { s = s * 1664525u + 1013904223u; float f = (((s >> 8) / 16777216.f) * 2 - 1) * scale; unsigned u; memcpy(&u, &f, 4); v = u >> 16; }
-}
-
 int main(int argc, char** argv) {
     const size_t pool_bytes = 4ull << 30;
-    unsigned short* pool; CK(cudaMalloc(&pool, pool_bytes));
-    { std::vector<unsigned short> h(pool_bytes / 2); bf16_fill(h, 1, 0.05f); CK(cudaMemcpy(pool, h.data(), pool_bytes, cudaMemcpyHostToDevice)); }
+    unsigned short* pool = bf16_device(pool_bytes / 2, 1, 0.05f);
     std::vector<int> ms = {16, 32, 64, 128, 256};
     // "x" before the token counts: also every configuration cuBLASLt accepts, not only its heuristic's list
     const bool exhaustive = argc > 1 && !strcmp(argv[1], "x");
     if (argc > 1 + exhaustive) { ms.clear(); for (int i = 1 + exhaustive; i < argc; i++) ms.push_back(atoi(argv[i])); }
     const int mmax = *std::max_element(ms.begin(), ms.end());
-    unsigned short* x; CK(cudaMalloc(&x, (size_t)mmax * 14336 * 2));
-    { std::vector<unsigned short> h((size_t)mmax * 14336); bf16_fill(h, 7, 1.f); CK(cudaMemcpy(x, h.data(), h.size() * 2, cudaMemcpyHostToDevice)); }
+    unsigned short* x = bf16_device((size_t)mmax * 14336, 7, 1.f);
     const size_t ymax = (size_t)mmax * (mmax > 256 ? 28672 : 128256);
     float *y, *yref; CK(cudaMalloc(&y, ymax * 4)); CK(cudaMalloc(&yref, ymax * 4));
     cudaStream_t st; CK(cudaStreamCreate(&st));

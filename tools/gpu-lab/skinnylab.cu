@@ -191,16 +191,10 @@ static SkFn sk_fn(int nt, int s) {
 static int nt_of(int m) { return m <= 8 ? 1 : m <= 16 ? 2 : m <= 32 ? 4 : 8; }
 static int smem_of(int nt) { return nt == 1 ? SK_SMEM_BYTES(1, SK_WARPS) : nt == 2 ? SK_SMEM_BYTES(2, SK_WARPS) : nt == 4 ? SK_SMEM_BYTES(4, SK_WARPS) : SK_SMEM_BYTES(8, SK_WARPS); }
 
-static void bf16_fill(std::vector<unsigned short>& h, unsigned s, float scale) {
-    for (auto& v : h) { s = s * 1664525u + 1013904223u; float f = (((s >> 8) / 16777216.f) * 2 - 1) * scale; unsigned u; memcpy(&u, &f, 4); v = u >> 16; }
-}
-
 int main(int argc, char** argv) {
     const size_t pool_bytes = 4ull << 30;
-    unsigned short* pool; CK(cudaMalloc(&pool, pool_bytes));
-    { std::vector<unsigned short> h(pool_bytes / 2); bf16_fill(h, 1, 0.05f); CK(cudaMemcpy(pool, h.data(), pool_bytes, cudaMemcpyHostToDevice)); }
-    unsigned short* x; CK(cudaMalloc(&x, 64 * 14336 * 2));
-    { std::vector<unsigned short> h(64 * 14336); bf16_fill(h, 7, 1.f); CK(cudaMemcpy(x, h.data(), h.size() * 2, cudaMemcpyHostToDevice)); }
+    unsigned short* pool = bf16_device(pool_bytes / 2, 1, 0.05f);
+    unsigned short* x = bf16_device(64 * 14336, 7, 1.f);
     const size_t ymax = 64ull * 128256;
     float *y, *yref, *y0; CK(cudaMalloc(&y, ymax * 4)); CK(cudaMalloc(&yref, ymax * 4)); CK(cudaMalloc(&y0, ymax * 4));
     { std::vector<float> h(ymax); for (size_t i = 0; i < ymax; i++) h[i] = ((i * 37) % 101) / 50.f - 1; CK(cudaMemcpy(y0, h.data(), ymax * 4, cudaMemcpyHostToDevice)); }
