@@ -44,6 +44,12 @@ pub struct EngineBenchArgs {
     /// Repetitions of each measurement (the median is reported).
     #[arg(long, default_value_t = 3)]
     repeat: usize,
+    /// Time from the first run on: without the untimed run of each timed shape (the
+    /// prefill, and each batch at its context) that otherwise comes first, as in the
+    /// peers' scripts, so that first-use work (CUDA graph capture, buffers growing)
+    /// falls into the timed runs, as it did before this flag existed.
+    #[arg(long)]
+    no_warmup: bool,
     /// Print JSON (the only output format; accepted for symmetry with other commands).
     #[arg(long)]
     json: bool,
@@ -130,7 +136,11 @@ fn bench_core<B: Backend>(
     // Warm up caches, page in weights, start the threads.
     run_batch(&mut core, &mut next_id, vec![(prompt(64, 99, vocab), greedy(8))])?;
 
-    // Prefill: one prompt of `prompt_tokens` in one step; time that step.
+    // Prefill: one prompt of `prompt_tokens` in one step; time that step (after an
+    // untimed one, unless --no-warmup).
+    if !a.no_warmup {
+        run_batch(&mut core, &mut next_id, vec![(prompt(a.prompt_tokens, 98, vocab), greedy(1))])?;
+    }
     let mut prefill = Vec::new();
     for r in 0..a.repeat {
         let p = prompt(a.prompt_tokens, r as u64, vocab);
@@ -145,6 +155,12 @@ fn bench_core<B: Backend>(
         let mut step_ms = Vec::new();
         let mut ops = OpTimes::new();
         let mut op_steps = 0;
+        if !a.no_warmup {
+            // Untimed: the same batch and context, a few decode steps (a CUDA backend
+            // runs a decode shape's first step op by op and captures its second).
+            let reqs = (0..b).map(|i| (prompt(a.context, 500 + i as u64, vocab), greedy(4))).collect();
+            run_batch(&mut core, &mut next_id, reqs)?;
+        }
         for r in 0..a.repeat {
             let reqs = (0..b)
                 .map(|i| (prompt(a.context, 1000 + (r * b + i) as u64, vocab), greedy(a.gen_tokens + 1)))
@@ -216,6 +232,7 @@ fn bench_core<B: Backend>(
         "prefill_tflops": prefill_flops / (s / prefill_tok_s) / 1e12,
         "op_profile": profile,
         "repeat": a.repeat,
+        "warmup": !a.no_warmup,
         "stats": core.stats(),
     });
     println!("{}", serde_json::to_string_pretty(&out)?);
