@@ -438,7 +438,7 @@ pub fn run(a: ServeBenchArgs) -> anyhow::Result<()> {
                 gw_first_out_send.push(ms(t.engine_first_text, t.sent_first_text));
                 gw_out_send.push(ms(t.engine_finish, t.sent_finish));
                 if let Some((at, emit)) = t.second_text {
-                    gw_second_out.push(emit.duration_since(at).as_secs_f64() * 1e3);
+                    gw_second_out.push(ms(at, emit));
                 }
                 gw_e2e.push(t.gateway_e2e_s() * 1e3);
                 gw_first.push(t.gateway_first_token_s() * 1e3);

@@ -76,9 +76,9 @@ async fn tokenize_off_thread(
 }
 
 /// For `disagg bench serve` (`record_timings`, else nothing): the marks inside a
-/// request's time before submission ([`crate::InProbe`], recorded with its timing). No await lies between the body
-/// read and submission for prompts tokenized in place, so one thread's use is measured
-/// (none is kept where the task moved to another thread).
+/// request's time before submission ([`crate::InProbe`], recorded with its timing). No
+/// await lies between the body read and submission for prompts tokenized in place, so
+/// one thread's use is measured (none is kept where the task moved to another thread).
 struct InMarks(Option<(crate::InProbe, std::thread::ThreadId)>);
 
 impl InMarks {

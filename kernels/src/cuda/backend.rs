@@ -211,7 +211,7 @@ pub struct CudaBackend {
     step_decode: bool,
     flash_decode: bool,
     /// Decode steps of one token per sequence and GQA groups of ≤ 8 take the keys-on-M
-    /// kernel (`flash_decode_km_*`; `DISAGG_CUDA_DECODE_KM=0`: the WS form's).
+    /// kernel (`flash_decode_km_*`; `DISAGG_CUDA_DECODE_KM=0`: the flash kernel's decode form).
     decode_km: bool,
     fa_tiles: CudaSlice<i32>,
     n_fa_tiles: usize,
@@ -1236,7 +1236,7 @@ impl CudaBackend {
         self.step_splits = self.attn_splits(units, per_sm, batch.n_tokens * attn.n_heads);
         // (The same token and logit counts can be one token of each sequence or several
         // of fewer: the keys-on-M kernel's bit keeps their graphs apart.)
-        let km = self.step_flash && self.step_flash_kernel.starts_with("flash_decode_km");
+        let km = self.step_flash && super::is_km_kernel(self.step_flash_kernel);
         let kernel =
             u8::from(self.step_flash) | (u8::from(self.step_decode && self.step_flash) << 1) | (u8::from(km) << 2);
         self.step_key = (batch.n_tokens, logit_rows.len(), self.step_splits, kernel);

@@ -155,11 +155,16 @@ pub(crate) const FLASH_KERNELS: [(&str, usize); 21] = [
     ("flash_decode_km_f16_d128", 128),
 ];
 
+/// Whether `kernel` is one of the keys-on-M decode kernels (`flash_decode_km_*`).
+pub(crate) fn is_km_kernel(kernel: &str) -> bool {
+    kernel.starts_with("flash_decode_km")
+}
+
 /// Dynamic shared memory of a flash-attention block: two stages of a 64-key K and V
 /// tile, rows of head_dim + 8 halves (`FA_SMEM_BYTES` in ops.cu); the keys-on-M decode
 /// kernels (`flash_decode_km_*`) three (`KM_SMEM_BYTES(HD, KM_STAGES)`).
 pub(crate) fn flash_smem_bytes(kernel: &str, head_dim: usize) -> usize {
-    let stages = if kernel.starts_with("flash_decode_km") { 3 } else { 2 };
+    let stages = if is_km_kernel(kernel) { 3 } else { 2 };
     stages * 2 * 64 * (head_dim + 8) * 2
 }
 

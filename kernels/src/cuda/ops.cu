@@ -628,20 +628,6 @@ __device__ __forceinline__ float fa_exp2(float x) {
 // Dynamic shared memory of a flash block: two stages (double buffering) of a K and a V
 // tile, FA_KEYS rows of head_dim + 8 halves each.
 #define FA_SMEM_BYTES(HD) (2 * 2 * FA_KEYS * ((HD) + 8) * 2)
-// WS (decode: a tile of ≤ 16 rows, one warp's worth): the four warps take the same rows
-// and split each 64-key tile between them (16 keys each), then merge their partial
-// softmaxes through shared memory, so a decode block computes 4× faster.
-// LDSM: the K and V fragments come from shared memory by ldmatrix (one instruction per
-// four 8×8 matrices, V transposed on the way) instead of 32- and 16-bit loads.
-// V, the kernel's form (each level keeps the ones below, for A/B runs): 0 as first
-// written; 1 adds fa_exp2's bare form (FX); 2 adds shared addresses as 32-bit offsets
-// from the tile base computed once (SA), so each ldmatrix and cp.async takes a constant
-// displacement instead of 64-bit pointer arithmetic and two address-space conversions
-// (ALU was the busiest pipe in the prefill kernel's profile); 3 (WG, prefill form at
-// head_dim 128 only, sm_90a) computes S = Q·Kᵀ and O += P·V with warpgroup MMAs: the
-// K and V tiles lie in shared memory in the 128-byte-swizzled layout (see my_off) and
-// the tensor cores read them once for all four warps; the next tile's copies are
-// issued while S is on the tensor cores.
 // The end of a decode block whose four warps each took a quarter of every key tile: one
 // query row's merge of their partial softmaxes, four columns from c. Warp v's (max, sum)
 // lie at ml[(v·rows + r)·2], its output sums at parts[(v·rows + r)·stride + c] (shared
@@ -683,6 +669,20 @@ __device__ __forceinline__ void merge_warp_parts(const float* ml, const float* p
     }
 }
 
+// WS (decode: a tile of ≤ 16 rows, one warp's worth): the four warps take the same rows
+// and split each 64-key tile between them (16 keys each), then merge their partial
+// softmaxes through shared memory, so a decode block computes 4× faster.
+// LDSM: the K and V fragments come from shared memory by ldmatrix (one instruction per
+// four 8×8 matrices, V transposed on the way) instead of 32- and 16-bit loads.
+// V, the kernel's form (each level keeps the ones below, for A/B runs): 0 as first
+// written; 1 adds fa_exp2's bare form (FX); 2 adds shared addresses as 32-bit offsets
+// from the tile base computed once (SA), so each ldmatrix and cp.async takes a constant
+// displacement instead of 64-bit pointer arithmetic and two address-space conversions
+// (ALU was the busiest pipe in the prefill kernel's profile); 3 (WG, prefill form at
+// head_dim 128 only, sm_90a) computes S = Q·Kᵀ and O += P·V with warpgroup MMAs: the
+// K and V tiles lie in shared memory in the 128-byte-swizzled layout (see my_off) and
+// the tensor cores read them once for all four warps; the next tile's copies are
+// issued while S is on the tensor cores.
 template <int HD, bool WS, bool LDSM, int V>
 __device__ void flash_attn_impl(const float* qkv, const unsigned short* cache, long long half, const int* tiles,
                                 const unsigned int* tables, int n_heads, int n_kv, int block_size, float scale,
