@@ -330,8 +330,19 @@ impl<B: Backend> Model<B> {
         be.run_step(replayable, &mut |be| {
             be.embed(&self.embed, tokens, &mut ws.x);
             for (l, layer) in self.layers.iter().enumerate() {
-                be.norm_matmul(&ws.x, &layer.attn_norm, c.rms_eps, n, &mut ws.h, &layer.qkv, &mut ws.qkv);
-                be.rope_write_kv(&mut ws.qkv, l, batch, &self.rope, &self.attn, kv);
+                be.norm_qkv_rope(
+                    &ws.x,
+                    &layer.attn_norm,
+                    c.rms_eps,
+                    &mut ws.h,
+                    &layer.qkv,
+                    &mut ws.qkv,
+                    l,
+                    batch,
+                    &self.rope,
+                    &self.attn,
+                    kv,
+                );
                 be.attention_residual(&ws.qkv, l, batch, &self.attn, kv, &mut ws.attn, &layer.attn_out, &mut ws.x);
                 be.mlp_residual(
                     &mut ws.x,

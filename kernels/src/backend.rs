@@ -312,6 +312,27 @@ pub trait Backend {
         self.rms_norm(x, norm, eps, n_tokens, h);
         self.matmul(w, h, n_tokens, out, false);
     }
+    /// `qkv[t] = W_qkv · rms_norm(x[t], norm)`, then q and k rotated in place and k, v
+    /// written into the KV cache: [`Backend::norm_matmul`] and
+    /// [`Backend::rope_write_kv`], which a backend may fuse (`h` as for `norm_matmul`).
+    #[allow(clippy::too_many_arguments)]
+    fn norm_qkv_rope(
+        &mut self,
+        x: &Self::Act,
+        norm: &Self::Vector,
+        eps: f32,
+        h: &mut Self::Act,
+        w_qkv: &Self::Linear,
+        qkv: &mut Self::Act,
+        layer: usize,
+        batch: &StepBatch,
+        rope: &Rope,
+        attn: &AttnShape,
+        kv: &mut Self::Kv,
+    ) {
+        self.norm_matmul(x, norm, eps, batch.n_tokens, h, w_qkv, qkv);
+        self.rope_write_kv(qkv, layer, batch, rope, attn, kv);
+    }
     /// `out[t] = silu(g) ⊙ u` where `[g | u] = W · rms_norm(x[t], norm)` (through the
     /// scratch `h` and `gu`, which a fused backend may leave unwritten; `gu` is `2 · ff`
     /// wide): the norm, the gate/up matmul and SiLU·gate, which a backend may fuse.

@@ -157,6 +157,11 @@ pub const CUDA_FLASH_MASK_EDGE: &str = "DISAGG_CUDA_FLASH_MASK_EDGE";
 /// steps of up to 1,024 tokens (longer ones always take the block per token); for A/B runs.
 pub const CUDA_ROPE_PAIRS: &str = "DISAGG_CUDA_ROPE_PAIRS";
 
+/// `0`: a one-token step's RoPE + KV write runs as its own kernel after the QKV GEMV,
+/// instead of in the GEMV's epilogue (each warp there takes one rotation pair's rows);
+/// for A/B runs.
+pub const CUDA_GEMV_ROPE: &str = "DISAGG_CUDA_GEMV_ROPE";
+
 /// `0`: the CUDA one-token GEMV kernels load a group of weights and then use it, instead
 /// of issuing the next group's loads before using this one's (software pipelining,
 /// 64 registers); for A/B runs.

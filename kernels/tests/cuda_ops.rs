@@ -18,7 +18,8 @@ fn main() {
         Ok(())
     })];
     if std::env::var_os(kernels::env::TEST_CUDA).is_some() {
-        let gpu_tests: [(&str, fn()); 8] = [
+        let gpu_tests: [(&str, fn()); 9] = [
+            ("qkv_gemv_with_rope_equals_the_separate_ops", qkv_gemv_with_rope_equals_the_separate_ops),
             ("mlp_residual_matches_cpu_fused_or_not", mlp_residual_matches_cpu_fused_or_not),
             ("rope_write_kv_matches_cpu", rope_write_kv_matches_cpu),
             ("fused_gemv_matches_cpu_norm_matmul_silu", fused_gemv_matches_cpu_norm_matmul_silu),
@@ -416,6 +417,69 @@ fn rope_write_kv_matches_cpu() {
                 assert!(ekv < if dtype == KvDtype::F16 { 1e-3 } else { 1e-6 }, "cache: {ekv}");
                 // The written slots hold the rotated keys: not all zero.
                 assert!(got_kv.iter().filter(|v| **v != 0.0).count() > n_tokens * n_kv * hd);
+            }
+        }
+    }
+}
+
+/// A one-token step's QKV GEMV with RoPE and the KV write in its epilogue
+/// (`norm_qkv_rope` fused) gives the same bits as the GEMV then `rope_write_kv` (the
+/// separate ops, each tested against the CPU above): q|k|v and every byte of the f16
+/// cache, for both pair layouts, head_dim 128 (32/8 heads over 4,096) and 64 (9/3 over
+/// 576), at positions 5 and 30,000; and the fused kernel is what ran (or not, with
+/// the switch off or an f32 cache).
+fn qkv_gemv_with_rope_equals_the_separate_ops() {
+    use kernels::quant::GgmlType;
+    use kernels::{AttnShape, Backend, KvDtype, KvShape, Rope, StepBatch, WeightPart};
+    let eps = 1e-5f32;
+    for (n_heads, n_kv, hd, hidden) in [(32usize, 8usize, 128usize, 4096usize), (9, 3, 64, 576)] {
+        let attn = AttnShape { n_heads, n_kv_heads: n_kv, head_dim: hd, scale: 1.0 };
+        let rows = attn.qkv_dim();
+        let w: Vec<u8> = data(rows * hidden, 41).iter().flat_map(|x| x.to_le_bytes()).collect();
+        let (x, nw) = (data(hidden, 42), data(hidden, 43));
+        let inv_freq: Vec<f32> = (0..hd / 2).map(|i| 500000f32.powf(-2.0 * i as f32 / hd as f32)).collect();
+        for interleaved in [false, true] {
+            let rope = Rope { interleaved, inv_freq: inv_freq.clone() };
+            for pos in [5usize, 30000] {
+                // One sequence; its new token in block 3 of a 4-block cache (slot pos % 16).
+                let table: Vec<u32> = (0..=pos / 16).map(|b| if b == pos / 16 { 3 } else { 0 }).collect();
+                let spans = [kernels::SeqSpan { rows: 0..1, pos0: pos, block_table: &table }];
+                let batch = StepBatch { n_tokens: 1, seqs: &spans, block_size: 16 };
+                let mut runs: Vec<(Vec<f32>, Vec<u8>)> = Vec::new();
+                for (fused, dtype) in [(true, KvDtype::F16), (false, KvDtype::F16), (true, KvDtype::F32)] {
+                    let mut be = kernels::cuda::CudaBackend::new(0, true).expect("cuda:0 opens");
+                    be.set_gemv_rope(fused);
+                    let lin = be.linear(&[WeightPart { ty: GgmlType::F32, rows, cols: hidden, bytes: &w }]).unwrap();
+                    let shape =
+                        KvShape { n_layers: 1, n_blocks: 4, block_size: 16, n_kv_heads: n_kv, head_dim: hd, dtype };
+                    let mut kv = be.kv_cache(shape).unwrap();
+                    let (dx, dnw) = (be.device().upload(&x).unwrap(), be.vector(&nw));
+                    let (mut dh, mut dqkv) = (be.act(hidden).unwrap(), be.act(rows).unwrap());
+                    be.begin_step(&[0], &batch, &rope, &attn, &[]);
+                    let takes = be.fuses_qkv_rope(&lin, 1, &kv, 0, &attn);
+                    assert_eq!(takes, fused && dtype == KvDtype::F16, "fused kernel taken: switch {fused}, {dtype:?}");
+                    be.norm_qkv_rope(&dx, &dnw, eps, &mut dh, &lin, &mut dqkv, 0, &batch, &rope, &attn, &mut kv);
+                    let mut q = vec![0f32; rows];
+                    be.to_host(&dqkv, &mut q);
+                    let mut cache = Vec::new();
+                    be.kv_export(&kv, 0, &[3], &mut cache);
+                    runs.push((q, cache));
+                }
+                let (fused, separate) = (&runs[0], &runs[1]);
+                let diff = fused.0.iter().zip(&separate.0).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
+                let cache_diff = fused.1.iter().zip(&separate.1).filter(|(a, b)| a != b).count();
+                let written = fused.1.chunks(2).filter(|b| b != &[0, 0]).count();
+                println!(
+                    "QKV GEMV + RoPE, {n_heads}/{n_kv} heads d{hd}, interleaved {interleaved}, position {pos}: \
+                     {diff} of {rows} q|k|v values and {cache_diff} cache bytes differ; {written} cache values written"
+                );
+                assert!(fused.0.iter().all(|v| v.is_finite()));
+                assert_eq!(diff, 0, "q|k|v: fused against separate");
+                assert_eq!(cache_diff, 0, "cache: fused against separate");
+                // The token's k and v: 2 × n_kv × hd values, nearly all nonzero.
+                assert!(written > n_kv * hd && written <= 2 * n_kv * hd, "{written} cache values written");
+                // The f32 cache (separate ops) holds the same q|k|v.
+                assert_eq!(runs[2].0, fused.0, "q|k|v with an f32 cache");
             }
         }
     }

@@ -5,9 +5,10 @@
 //!   the CPU backend's f32 path). GEMMs go through cuBLAS: bf16 × bf16 with f32
 //!   accumulation and f32 output (`cublasGemmEx`), or f32 `cublasSgemm` (no TF32). A
 //!   one-token step (batch-1 decode) takes the GEMV kernels instead, which read the f32
-//!   activations directly and fuse the RMSNorm before QKV and gate/up and the SiLU·gate
-//!   after gate/up (`DISAGG_CUDA_GEMV_MAX_TOKENS`: 0 = cuBLAS and separate ops; up to 8,
-//!   though from 2 tokens on cuBLAS was measured faster).
+//!   activations directly and fuse the RMSNorm before QKV and gate/up, the SiLU·gate
+//!   after gate/up, and RoPE with the KV write after QKV (`DISAGG_CUDA_GEMV_ROPE=0`: a
+//!   kernel of its own) (`DISAGG_CUDA_GEMV_MAX_TOKENS`: 0 = cuBLAS and separate ops; up
+//!   to 8, though from 2 tokens on cuBLAS was measured faster).
 //! - Memory: weights at load; then `reserve` sizes every per-step scratch buffer for the
 //!   engine's largest step, and the KV cache comes last, so steps never allocate.
 //! - Activations: f32 device buffers, allocated once by the engine's workspace.
@@ -260,6 +261,8 @@ pub struct CudaBackend {
     /// RoPE + KV write with one thread per rotation pair (`DISAGG_CUDA_ROPE_PAIRS=0`: one
     /// block per token).
     rope_pairs: bool,
+    /// One-token QKV GEMVs rotate q, k and write k, v into an f16 cache themselves.
+    gemv_rope: bool,
     /// The one-token GEMV kernels issue each group's weight loads before the previous
     /// group is used (`DISAGG_CUDA_GEMV_PIPE=0`: load, then use).
     gemv_pipe: bool,
@@ -380,6 +383,7 @@ impl CudaBackend {
             flash_pair_loads: !off(crate::env::CUDA_FLASH_PAIR_LOADS),
             flash_mask_edge: !off(crate::env::CUDA_FLASH_MASK_EDGE),
             rope_pairs: !off(crate::env::CUDA_ROPE_PAIRS),
+            gemv_rope: !off(crate::env::CUDA_GEMV_ROPE),
             gemv_pipe: !off(crate::env::CUDA_GEMV_PIPE),
             skinny: !off(crate::env::CUDA_SKINNY) && dev.arch.0 >= 9,
             norm_cast: !off(crate::env::CUDA_NORM_CAST),
@@ -592,6 +596,31 @@ impl CudaBackend {
     /// (default: on unless `DISAGG_CUDA_ROPE_PAIRS=0`).
     pub fn set_rope_pairs(&mut self, on: bool) {
         self.set_switch(on, |b| &mut b.rope_pairs);
+    }
+
+    /// A one-token step's RoPE + KV write in the QKV GEMV's epilogue (default: on
+    /// unless `DISAGG_CUDA_GEMV_ROPE=0`; it needs the pipelined GEMV and an f16 cache).
+    pub fn set_gemv_rope(&mut self, on: bool) {
+        self.set_switch(on, |b| &mut b.gemv_rope);
+    }
+
+    /// Whether [`Backend::norm_qkv_rope`] runs as one kernel (the GEMV with RoPE and the
+    /// KV write in its epilogue) for a step of `n_tokens` with these weights and cache.
+    pub fn fuses_qkv_rope(
+        &self,
+        w_qkv: &CudaLinear,
+        n_tokens: usize,
+        kv: &CudaKv,
+        layer: usize,
+        attn: &AttnShape,
+    ) -> bool {
+        self.gemv_rope
+            && self.gemv_pipe
+            && n_tokens == 1
+            && self.takes_gemv(w_qkv, 1)
+            && matches!(kv.layers.get(layer), Some(KvBuf::F16(_)))
+            && attn.head_dim.is_multiple_of(2)
+            && w_qkv.rows() == attn.qkv_dim()
     }
 
     /// One-token GEMVs with software-pipelined loads (default: on unless
@@ -1633,6 +1662,50 @@ impl Backend for CudaBackend {
         } else {
             self.norm_then_gemm(x, norm, eps, n_tokens, h, w, out);
         }
+    }
+
+    fn norm_qkv_rope(
+        &mut self,
+        x: &CudaSlice<f32>,
+        norm: &CudaSlice<f32>,
+        eps: f32,
+        h: &mut CudaSlice<f32>,
+        w_qkv: &CudaLinear,
+        qkv: &mut CudaSlice<f32>,
+        layer: usize,
+        batch: &StepBatch,
+        rope: &Rope,
+        attn: &AttnShape,
+        kv: &mut CudaKv,
+    ) {
+        if !self.fuses_qkv_rope(w_qkv, batch.n_tokens, kv, layer, attn) {
+            self.norm_matmul(x, norm, eps, batch.n_tokens, h, w_qkv, qkv);
+            self.rope_write_kv(qkv, layer, batch, rope, attn, kv);
+            return;
+        }
+        let CudaLinear::Bf16 { w, rows, cols } = w_qkv else { unreachable!("checked by fuses_qkv_rope") };
+        assert!(x.len() >= *cols && qkv.len() >= *rows && norm.len() == *cols, "QKV GEMV buffers");
+        let t = self.tic();
+        let st = self.dev.stream().clone();
+        // A warp per rotation pair (two rows of W), as the plain GEMV's warp per two rows.
+        let cfg = LaunchConfig {
+            grid_dim: ((rows / 2).div_ceil(super::GEMV_WARPS) as u32, 1, 1),
+            block_dim: (32 * super::GEMV_WARPS as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (n, k, acc) = (*rows as i32, *cols as i32, 0i32);
+        let (nh, nkv, hd) = (attn.n_heads as i32, attn.n_kv_heads as i32, attn.head_dim as i32);
+        let (il, bs, half) = (i32::from(rope.interleaved), batch.block_size as i32, kv.half() as i64);
+        let KvBuf::F16(cache) = &mut kv.layers[layer] else { unreachable!("checked by fuses_qkv_rope") };
+        let mut b = st.launch_builder(self.dev.func("gemv_norm_rope_bf16_m1"));
+        b.arg(w).arg(x).arg(norm).arg(&eps).arg(&n).arg(&k).arg(&mut *qkv).arg(&acc);
+        b.arg(&self.pos).arg(&self.inv_freq).arg(&self.slots).arg(&nh).arg(&nkv).arg(&hd).arg(&il).arg(&bs);
+        b.arg(cache).arg(&half);
+        // SAFETY: argument types match the kernel; x holds one row of `cols` (a multiple
+        // of 8), qkv one of `rows` = [q|k|v] of whole heads, W `rows` × `cols`; the step's
+        // slot lies in the cache (begin_step uploaded it with the position).
+        unsafe { b.launch(cfg) }.expect("CUDA: QKV GEMV with RoPE");
+        self.toc("gemv_norm_rope", t);
     }
 
     fn norm_matmul_silu(

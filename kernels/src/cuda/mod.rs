@@ -60,6 +60,7 @@ const KERNELS: &[&str] = &[
     "rope_write_kv_f32",
     "rope_write_kv_pairs_f16",
     "rope_write_kv_pairs_f32",
+    "gemv_norm_rope_bf16_m1",
     "attention_f16",
     "attention_f32",
     "attention_split_f16",

@@ -197,6 +197,18 @@ __device__ void rope_write_kv_impl(float* qkv, const int* pos, const float* inv_
     }
 }
 
+// One rotation pair (x0, x1) of q or k at position p, frequency f: the angle in f32,
+// cos/sin in f64 (the CPU backend's rounding). Shared by the pair form below and the
+// one-token QKV GEMV's RoPE epilogue, so both give the same bits.
+__device__ __forceinline__ void rope_rotate(float p, float f, float& x0, float& x1) {
+    double sn, cs;
+    sincos((double)(p * f), &sn, &cs);
+    const float c = (float)cs, s = (float)sn;
+    const float y0 = x0 * c - x1 * s, y1 = x0 * s + x1 * c;
+    x0 = y0;
+    x1 = y1;
+}
+
 // The same, one thread per rotation pair (token, head of q|k|v, j < hd/2): every load of
 // a token is in flight at once, where the block-per-token form walks the heads in
 // dependent rounds (at one token per sequence, a decode step's RoPE is one memory
@@ -215,12 +227,7 @@ __device__ void rope_write_kv_pairs_impl(float* qkv, const int* pos, const float
     float* x = qkv + (size_t)t * heads * hd + (size_t)h * hd;
     float x0 = x[a], x1 = x[b];
     if (h < n_heads + n_kv) {
-        double sn, cs;
-        sincos((double)((float)pos[t] * inv_freq[j]), &sn, &cs);
-        const float c = (float)cs, s = (float)sn;
-        const float y0 = x0 * c - x1 * s, y1 = x0 * s + x1 * c;
-        x0 = y0;
-        x1 = y1;
+        rope_rotate((float)pos[t], inv_freq[j], x0, x1);
         x[a] = x0;
         x[b] = x1;
     }
@@ -1394,10 +1401,34 @@ __device__ __forceinline__ void load_x8(const float* __restrict__ xr, const floa
     }
 }
 
-template <int M, bool NORM, bool SILU, int U, bool PIPE>
+// What the one-token QKV GEMV's RoPE epilogue needs: the token's position, slot and the
+// RoPE frequencies (device), the heads, and the layer's f16 cache (keys, then values
+// `half` elements further; the layout of rope_write_kv_impl).
+struct RopeKv {
+    const int* pos;
+    const float* inv_freq;
+    const long long* slots;
+    int n_heads, n_kv, hd, interleaved, block_size;
+    unsigned short* cache;
+    long long half;
+};
+
+// Rotation pair `i` of a token's [q|k|v] row: its two elements (neighbours when
+// interleaved, half a head apart otherwise).
+__device__ __forceinline__ void rope_pair_rows(const RopeKv& rk, int i, int& r0, int& r1) {
+    const int hh = rk.hd / 2, h = i / hh, j = i % hh;
+    r0 = h * rk.hd + (rk.interleaved ? 2 * j : j);
+    r1 = r0 + (rk.interleaved ? 1 : hh);
+}
+
+// With ROPE (one token, rows [q|k|v] of whole heads): a warp takes the two rows of one
+// rotation pair instead of two neighbours, rotates q and k as rope_write_kv_pairs_impl
+// does (same helper, same bits), writes q|k|v to `out` and k, v into the cache.
+template <int M, bool NORM, bool SILU, int U, bool PIPE, bool ROPE = false>
 __device__ void gemv_bf16_impl(const unsigned short* __restrict__ w, const float* __restrict__ x,
                                const float* __restrict__ nw, float eps, int n_out, int k, float* __restrict__ out,
-                               int accumulate) {
+                               int accumulate, const RopeKv rk = RopeKv{}) {
+    static_assert(!ROPE || (M == 1 && !SILU), "RoPE epilogue: one token, plain rows");
     __shared__ float scale[M > 0 ? M : 1];
     if (NORM) {
         __shared__ float part[GEMV_WARPS];
@@ -1423,6 +1454,9 @@ __device__ void gemv_bf16_impl(const unsigned short* __restrict__ w, const float
     if (SILU) {
         if (warp >= n_out) return;
         r0 = warp, r1 = warp + n_out;
+    } else if (ROPE) {
+        if (warp >= n_out / 2) return;
+        rope_pair_rows(rk, warp, r0, r1);
     } else {
         r0 = 2 * warp;
         if (r0 >= n_out) return;
@@ -1498,15 +1532,32 @@ __device__ void gemv_bf16_impl(const unsigned short* __restrict__ w, const float
             acc[r][m] = s;
         }
     if (lane != 0) return;
+    if constexpr (ROPE) {
+        const int hh = rk.hd / 2, h = warp / hh, j = warp % hh;
+        float x0 = acc[0][0], x1 = acc[1][0];
+        if (h < rk.n_heads + rk.n_kv) rope_rotate((float)rk.pos[0], rk.inv_freq[j], x0, x1);
+        out[r0] = x0;
+        out[r1] = x1;
+        if (h >= rk.n_heads) {
+            const int kh = (h - rk.n_heads) % rk.n_kv;
+            const long long slot = rk.slots[0];
+            const long long block = slot / rk.block_size, off = slot % rk.block_size;
+            const size_t at = (size_t)(((block * rk.n_kv + kh) * rk.block_size + off) * rk.hd) +
+                              (h >= rk.n_heads + rk.n_kv ? (size_t)rk.half : 0);
+            kv_store(rk.cache, at + (r0 - h * rk.hd), x0);
+            kv_store(rk.cache, at + (r1 - h * rk.hd), x1);
+        }
+    } else {
 #pragma unroll
-    for (int m = 0; m < M; m++) {
-        if (SILU) {
-            const float g = acc[0][m], u = acc[1][m];
-            out[(size_t)m * n_out + warp] = silu_gate(g, u);
-        } else {
-            float* o = out + (size_t)m * n_out + r0;
-            o[0] = accumulate ? o[0] + acc[0][m] : acc[0][m];
-            if (r0 + 1 < n_out) o[1] = accumulate ? o[1] + acc[1][m] : acc[1][m];
+        for (int m = 0; m < M; m++) {
+            if (SILU) {
+                const float g = acc[0][m], u = acc[1][m];
+                out[(size_t)m * n_out + warp] = silu_gate(g, u);
+            } else {
+                float* o = out + (size_t)m * n_out + r0;
+                o[0] = accumulate ? o[0] + acc[0][m] : acc[0][m];
+                if (r0 + 1 < n_out) o[1] = accumulate ? o[1] + acc[1][m] : acc[1][m];
+            }
         }
     }
 }
@@ -1529,6 +1580,14 @@ __device__ void gemv_bf16_impl(const unsigned short* __restrict__ w, const float
 // without pipelining, as measured.
 GEMV_KERNELS(1, true, (GEMV_WARPS * 32, 4), )
 GEMV_KERNELS(1, false, (GEMV_WARPS * 32), _flat)
+// One token's QKV with RMSNorm, RoPE and the f16 KV write in the epilogue (pipelined, as
+// gemv_norm_bf16_m1): the decode step's rope_write_kv launch folded into the GEMV.
+extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 4) gemv_norm_rope_bf16_m1(
+    GEMV_ARGS, const int* pos, const float* inv_freq, const long long* slots, int n_heads, int n_kv, int hd,
+    int interleaved, int block_size, unsigned short* cache, long long half) {
+    const RopeKv rk{pos, inv_freq, slots, n_heads, n_kv, hd, interleaved, block_size, cache, half};
+    gemv_bf16_impl<1, true, false, 2, true, true>(w, x, nw, eps, n_out, k, out, accumulate, rk);
+}
 #define GEMV_FLAT_KERNELS(M) GEMV_KERNELS(M, false, (GEMV_WARPS * 32), )
 GEMV_FLAT_KERNELS(2)
 GEMV_FLAT_KERNELS(3)
