@@ -1,5 +1,5 @@
-//! The process's memory allocator: glibc's malloc by default, mimalloc with
-//! `DISAGG_ALLOCATOR=mimalloc` (for A/B runs in one build).
+//! The process's memory allocator: mimalloc by default, glibc's malloc with
+//! `DISAGG_ALLOCATOR=system` (for A/B runs in one build).
 //!
 //! Why the choice exists: under load the gateway's threads free what the engine's thread
 //! allocated (its outputs) and allocate beside the engine's other threads. glibc's malloc
@@ -9,15 +9,16 @@
 //! and `realloc` (tokenization), and on the H200 host about half of the requests at 64
 //! and 256 streams blocked at least once before submission. mimalloc gives each thread
 //! its own heap and returns a block freed by another thread through a lock-free list:
-//! with it no request blocked there and the time to submission's p99 halved, but the
-//! end-to-end tail was not better over the runs measured (docs/PERF.md), so glibc's stays
-//! the default.
+//! with it no request blocked there, the time to submission's p99 halved and the gateway
+//! spent less CPU per token. Its end-to-end tail was worse than glibc's on one start of
+//! the H200 host and better on the next (every level under 1 ms at p99 in four runs of
+//! four, against none of four for glibc's); docs/PERF.md has both.
 #![allow(unsafe_code)]
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicU8, Ordering};
 
-/// The system allocator, or mimalloc where the environment asks for it (read once, at
+/// mimalloc, or the system allocator where the environment asks for it (read once, at
 /// the process's first allocation, before any other thread exists).
 pub struct Switchable;
 
@@ -44,7 +45,7 @@ fn read_choice() -> bool {
     // allocation no other thread exists to change it.
     let v = unsafe { libc::getenv(VAR.as_ptr()) };
     // SAFETY: a non-null getenv result is a NUL-terminated string.
-    let sys = v.is_null() || unsafe { std::ffi::CStr::from_ptr(v) }.to_bytes() != b"mimalloc";
+    let sys = !v.is_null() && unsafe { std::ffi::CStr::from_ptr(v) }.to_bytes() == b"system";
     CHOICE.store(if sys { SYSTEM } else { MIMALLOC }, Ordering::Relaxed);
     sys
 }

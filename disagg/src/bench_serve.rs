@@ -587,7 +587,7 @@ pub fn run(a: ServeBenchArgs) -> anyhow::Result<()> {
         "backend": backend,
         "max_tokens": a.max_tokens,
         "cpu_latency_qos": a.cpu_latency_qos,
-        // The process's allocator (glibc's; `DISAGG_ALLOCATOR=mimalloc`: mimalloc).
+        // The process's allocator (mimalloc; `DISAGG_ALLOCATOR=system`: glibc's).
         "allocator": crate::alloc::name(),
         "levels": levels,
     });

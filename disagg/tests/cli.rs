@@ -117,7 +117,7 @@ fn bad_flags_say_what_to_change() {
 fn bench_serve_accounts_for_every_request() {
     // A small run: every HTTP request's gateway timing is found, the slowest request's
     // parts add up to the reported maximum, and the scheduler figures are there (Linux).
-    // It runs on mimalloc, the other allocator (the other tests run on glibc's).
+    // It runs on glibc's malloc, the other allocator (the other tests run on mimalloc).
     let (code, out, err) = disagg_with(
         &[
             "bench",
@@ -133,11 +133,11 @@ fn bench_serve_accounts_for_every_request() {
             "4",
             "--json",
         ],
-        &[("DISAGG_ALLOCATOR", "mimalloc")],
+        &[("DISAGG_ALLOCATOR", "system")],
     );
     assert_eq!(code, 0, "{err}");
     let v: serde_json::Value = serde_json::from_str(out.trim()).expect("one JSON object");
-    assert_eq!(v["allocator"], "mimalloc");
+    assert_eq!(v["allocator"], "system");
     let level = &v["levels"][0];
     assert_eq!(level["requests_measured"], 8);
     assert_eq!(level["matched_timings"], 8);

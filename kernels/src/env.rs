@@ -7,7 +7,7 @@
 /// Where the embedded model and other downloads are cached. Default `~/.cache/disagg`.
 pub const CACHE_DIR: &str = "DISAGG_CACHE";
 
-/// `mimalloc`: the `disagg` process allocates with mimalloc instead of glibc's malloc
+/// `system`: the `disagg` process allocates with glibc's malloc instead of mimalloc
 /// (for A/B runs; read once at start).
 pub const ALLOCATOR: &str = "DISAGG_ALLOCATOR";
 
