@@ -50,6 +50,17 @@ fn read_choice() -> bool {
     sys
 }
 
+/// A `DISAGG_ALLOCATOR` that names neither allocator, as an error to stop on (the
+/// choice itself was made at the first allocation: mimalloc for any value but `system`).
+pub fn check_choice() -> Result<(), String> {
+    match std::env::var(kernels::env::ALLOCATOR) {
+        Ok(v) if v != "system" && v != "mimalloc" => {
+            Err(format!("{}={v}: use `system` (glibc's malloc) or `mimalloc` (the default)", kernels::env::ALLOCATOR))
+        }
+        _ => Ok(()),
+    }
+}
+
 /// The allocator in use: "mimalloc" or "system" (for benchmark reports).
 pub fn name() -> &'static str {
     if system() {

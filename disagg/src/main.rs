@@ -153,6 +153,10 @@ impl EngineArgs {
 }
 
 fn main() {
+    if let Err(e) = alloc::check_choice() {
+        eprintln!("error: {e}");
+        std::process::exit(1);
+    }
     let cli = Cli::parse();
     let result = match cli.cmd {
         Cmd::Generate(a) => generate::run(a),

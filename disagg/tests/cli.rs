@@ -114,6 +114,13 @@ fn bad_flags_say_what_to_change() {
 }
 
 #[test]
+fn an_unknown_allocator_is_a_clear_error() {
+    let (code, _, err) = disagg_with(&["generate", "--prompt", "hi"], &[("DISAGG_ALLOCATOR", "glibc")]);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("DISAGG_ALLOCATOR=glibc") && err.contains("system"), "{err}");
+}
+
+#[test]
 fn bench_serve_accounts_for_every_request() {
     // A small run: every HTTP request's gateway timing is found, the slowest request's
     // parts add up to the reported maximum, and the scheduler figures are there (Linux).

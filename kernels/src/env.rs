@@ -154,7 +154,9 @@ pub const CUDA_FLASH_MASK_EDGE: &str = "DISAGG_CUDA_FLASH_MASK_EDGE";
 
 /// `0`: the CUDA RoPE + KV write runs one block per token, walking its heads in rounds,
 /// instead of one thread per rotation pair (all of a step's loads in flight at once) for
-/// steps of up to 1,024 tokens (longer ones always take the block per token); for A/B runs.
+/// steps of up to 1,024 tokens (longer ones always take the block per token; one-token
+/// steps on an f16 cache only with `DISAGG_CUDA_GEMV_ROPE=0`, else the QKV GEMV does
+/// it); for A/B runs.
 pub const CUDA_ROPE_PAIRS: &str = "DISAGG_CUDA_ROPE_PAIRS";
 
 /// `0`: a one-token step's RoPE + KV write runs as its own kernel after the QKV GEMV,

@@ -448,6 +448,9 @@ fn qkv_gemv_with_rope_equals_the_separate_ops() {
                 let mut runs: Vec<(Vec<f32>, Vec<u8>)> = Vec::new();
                 for (fused, dtype) in [(true, KvDtype::F16), (false, KvDtype::F16), (true, KvDtype::F32)] {
                     let mut be = kernels::cuda::CudaBackend::new(0, true).expect("cuda:0 opens");
+                    // (The fused kernel needs the one-token GEMV in its pipelined form.)
+                    be.set_gemv_max_tokens(1);
+                    be.set_gemv_pipe(true);
                     be.set_gemv_rope(fused);
                     let lin = be.linear(&[WeightPart { ty: GgmlType::F32, rows, cols: hidden, bytes: &w }]).unwrap();
                     let shape =
@@ -461,14 +464,17 @@ fn qkv_gemv_with_rope_equals_the_separate_ops() {
                     be.norm_qkv_rope(&dx, &dnw, eps, &mut dh, &lin, &mut dqkv, 0, &batch, &rope, &attn, &mut kv);
                     let mut q = vec![0f32; rows];
                     be.to_host(&dqkv, &mut q);
+                    // Every block: the token's slot in block 3, nothing written elsewhere.
                     let mut cache = Vec::new();
-                    be.kv_export(&kv, 0, &[3], &mut cache);
+                    be.kv_export(&kv, 0, &[0, 1, 2, 3], &mut cache);
                     runs.push((q, cache));
                 }
                 let (fused, separate) = (&runs[0], &runs[1]);
                 let diff = fused.0.iter().zip(&separate.0).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
                 let cache_diff = fused.1.iter().zip(&separate.1).filter(|(a, b)| a != b).count();
-                let written = fused.1.chunks(2).filter(|b| b != &[0, 0]).count();
+                let block = fused.1.len() / 4;
+                assert!(fused.1[..3 * block].iter().all(|b| *b == 0), "a write outside the token's block");
+                let written = fused.1[3 * block..].chunks(2).filter(|b| b != &[0, 0]).count();
                 println!(
                     "QKV GEMV + RoPE, {n_heads}/{n_kv} heads d{hd}, interleaved {interleaved}, position {pos}: \
                      {diff} of {rows} q|k|v values and {cache_diff} cache bytes differ; {written} cache values written"

@@ -1423,7 +1423,8 @@ __device__ __forceinline__ void rope_pair_rows(const RopeKv& rk, int i, int& r0,
 
 // With ROPE (one token, rows [q|k|v] of whole heads): a warp takes the two rows of one
 // rotation pair instead of two neighbours, rotates q and k as rope_write_kv_pairs_impl
-// does (same helper, same bits), writes q|k|v to `out` and k, v into the cache.
+// does (same helper, same bits), writes q|k|v to `out` (`accumulate` ignored) and k, v
+// into the cache.
 template <int M, bool NORM, bool SILU, int U, bool PIPE, bool ROPE = false>
 __device__ void gemv_bf16_impl(const unsigned short* __restrict__ w, const float* __restrict__ x,
                                const float* __restrict__ nw, float eps, int n_out, int k, float* __restrict__ out,
