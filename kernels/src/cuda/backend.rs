@@ -148,11 +148,25 @@ impl SampleBufs {
 }
 
 /// The GEMV kernels' fusions (ops.cu).
-#[derive(Clone, Copy)]
-enum Gemv {
+enum Gemv<'a> {
     Plain,
     Norm,
     NormSilu,
+    /// One token's QKV: RMSNorm before, RoPE and the write of k, v into this f16 cache
+    /// layer after (`gemv_norm_rope_bf16_m1`).
+    NormRope(RopeKv<'a>),
+}
+
+/// What the QKV GEMV's RoPE epilogue needs beyond the step's positions, slots and
+/// frequencies (ops.cu `RopeKv`).
+struct RopeKv<'a> {
+    cache: &'a mut CudaSlice<u16>,
+    half: i64,
+    n_heads: i32,
+    n_kv: i32,
+    head_dim: i32,
+    interleaved: i32,
+    block_size: i32,
 }
 
 /// Per-op GPU time from CUDA events (`DISAGG_CUDA_PROFILE`): ops are not synchronized,
@@ -922,7 +936,7 @@ impl CudaBackend {
     #[allow(clippy::too_many_arguments)]
     fn gemv(
         &mut self,
-        kind: Gemv,
+        mut kind: Gemv<'_>,
         w: &CudaLinear,
         x: &CudaSlice<f32>,
         norm: &CudaSlice<f32>,
@@ -934,14 +948,17 @@ impl CudaBackend {
     ) {
         let CudaLinear::Bf16 { w, rows, cols } = w else { unreachable!("GEMV takes bf16 weights") };
         let (rows_out, names, flat) = match kind {
-            Gemv::Plain => (n_out, &super::GEMV_BF16, super::GEMV_FLAT_M1[0]),
-            Gemv::Norm => (n_out, &super::GEMV_NORM_BF16, super::GEMV_FLAT_M1[1]),
-            Gemv::NormSilu => (2 * n_out, &super::GEMV_NORM_SILU_BF16, super::GEMV_FLAT_M1[2]),
+            Gemv::Plain => (n_out, &super::GEMV_BF16[..], super::GEMV_FLAT_M1[0]),
+            Gemv::Norm => (n_out, &super::GEMV_NORM_BF16[..], super::GEMV_FLAT_M1[1]),
+            Gemv::NormSilu => (2 * n_out, &super::GEMV_NORM_SILU_BF16[..], super::GEMV_FLAT_M1[2]),
+            // (One token, pipelined: checked by fuses_qkv_rope.)
+            Gemv::NormRope(_) => (n_out, std::slice::from_ref(&super::GEMV_NORM_ROPE_M1), super::GEMV_NORM_ROPE_M1),
         };
         assert!(*rows == rows_out && (1..=super::GEMV_MAX_TOKENS).contains(&n_tokens) && cols % 8 == 0);
         assert!(x.len() >= n_tokens * cols && out.len() >= n_tokens * n_out, "GEMV buffers");
         assert!(matches!(kind, Gemv::Plain) || norm.len() == *cols, "GEMV: RMSNorm weight of the input width");
-        // Plain: a warp per two outputs; NormSilu: a warp per output (its gate and up rows).
+        // Plain, Norm: a warp per two outputs (NormRope: the two of one rotation pair);
+        // NormSilu: a warp per output (its gate and up rows).
         let warps = if matches!(kind, Gemv::NormSilu) { n_out } else { n_out.div_ceil(2) };
         let cfg = LaunchConfig {
             grid_dim: (warps.div_ceil(super::GEMV_WARPS) as u32, 1, 1),
@@ -953,8 +970,15 @@ impl CudaBackend {
         let name = if n_tokens == 1 && !self.gemv_pipe { flat } else { names[n_tokens - 1] };
         let mut b = st.launch_builder(self.dev.func(name));
         b.arg(w).arg(x).arg(norm).arg(&eps).arg(&n).arg(&k).arg(&mut *out).arg(&acc);
+        if let Gemv::NormRope(r) = &mut kind {
+            b.arg(&self.pos).arg(&self.inv_freq).arg(&self.slots);
+            b.arg(&r.n_heads).arg(&r.n_kv).arg(&r.head_dim).arg(&r.interleaved).arg(&r.block_size);
+            b.arg(&mut *r.cache).arg(&r.half);
+        }
         // SAFETY: argument types match the kernel; x holds n_tokens rows of `cols` (a
-        // multiple of 8, so its float4 reads stay aligned), out as many of n_out, W `rows`.
+        // multiple of 8, so its float4 reads stay aligned), out as many of n_out, W `rows`;
+        // NormRope: out is one token's [q|k|v] of whole heads, and the step's slot (which
+        // begin_step uploaded with its position) lies in the cache.
         unsafe { b.launch(cfg) }.expect("CUDA: GEMV");
     }
 
@@ -1683,28 +1707,19 @@ impl Backend for CudaBackend {
             self.rope_write_kv(qkv, layer, batch, rope, attn, kv);
             return;
         }
-        let CudaLinear::Bf16 { w, rows, cols } = w_qkv else { unreachable!("checked by fuses_qkv_rope") };
-        assert!(x.len() >= *cols && qkv.len() >= *rows && norm.len() == *cols, "QKV GEMV buffers");
         let t = self.tic();
-        let st = self.dev.stream().clone();
-        // A warp per rotation pair (two rows of W), as the plain GEMV's warp per two rows.
-        let cfg = LaunchConfig {
-            grid_dim: ((rows / 2).div_ceil(super::GEMV_WARPS) as u32, 1, 1),
-            block_dim: (32 * super::GEMV_WARPS as u32, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let (n, k, acc) = (*rows as i32, *cols as i32, 0i32);
-        let (nh, nkv, hd) = (attn.n_heads as i32, attn.n_kv_heads as i32, attn.head_dim as i32);
-        let (il, bs, half) = (i32::from(rope.interleaved), batch.block_size as i32, kv.half() as i64);
+        let half = kv.half() as i64;
         let KvBuf::F16(cache) = &mut kv.layers[layer] else { unreachable!("checked by fuses_qkv_rope") };
-        let mut b = st.launch_builder(self.dev.func("gemv_norm_rope_bf16_m1"));
-        b.arg(w).arg(x).arg(norm).arg(&eps).arg(&n).arg(&k).arg(&mut *qkv).arg(&acc);
-        b.arg(&self.pos).arg(&self.inv_freq).arg(&self.slots).arg(&nh).arg(&nkv).arg(&hd).arg(&il).arg(&bs);
-        b.arg(cache).arg(&half);
-        // SAFETY: argument types match the kernel; x holds one row of `cols` (a multiple
-        // of 8), qkv one of `rows` = [q|k|v] of whole heads, W `rows` × `cols`; the step's
-        // slot lies in the cache (begin_step uploaded it with the position).
-        unsafe { b.launch(cfg) }.expect("CUDA: QKV GEMV with RoPE");
+        let rope_kv = RopeKv {
+            cache,
+            half,
+            n_heads: attn.n_heads as i32,
+            n_kv: attn.n_kv_heads as i32,
+            head_dim: attn.head_dim as i32,
+            interleaved: i32::from(rope.interleaved),
+            block_size: batch.block_size as i32,
+        };
+        self.gemv(Gemv::NormRope(rope_kv), w_qkv, x, norm, eps, 1, w_qkv.rows(), qkv, false);
         self.toc("gemv_norm_rope", t);
     }
 

@@ -60,7 +60,7 @@ const KERNELS: &[&str] = &[
     "rope_write_kv_f32",
     "rope_write_kv_pairs_f16",
     "rope_write_kv_pairs_f32",
-    "gemv_norm_rope_bf16_m1",
+    GEMV_NORM_ROPE_M1,
     "attention_f16",
     "attention_f32",
     "attention_split_f16",
@@ -125,6 +125,9 @@ pub(crate) fn skinny_smem_bytes() -> usize {
     let partials = 8 * (SKINNY_ROWS + 4) * 4;
     stages.max(partials)
 }
+
+/// The one-token QKV GEMV with RoPE and the KV write in its epilogue.
+pub(crate) const GEMV_NORM_ROPE_M1: &str = "gemv_norm_rope_bf16_m1";
 
 /// The one-token GEMV kernels without the software pipelining of their loads
 /// (`DISAGG_CUDA_GEMV_PIPE=0`), [plain, RMSNorm, RMSNorm + SiLU·gate].
