@@ -343,7 +343,19 @@ impl<B: Backend> Model<B> {
                     &self.attn,
                     kv,
                 );
-                be.attention_residual(&ws.qkv, l, batch, &self.attn, kv, &mut ws.attn, &layer.attn_out, &mut ws.x);
+                // The norm each residual write feeds next (a hint a backend may prepare for).
+                let next_norm = self.layers.get(l + 1).map_or(&self.norm, |next| &next.attn_norm);
+                be.attention_residual(
+                    &ws.qkv,
+                    l,
+                    batch,
+                    &self.attn,
+                    kv,
+                    &mut ws.attn,
+                    &layer.attn_out,
+                    &mut ws.x,
+                    Some(&layer.ffn_norm),
+                );
                 be.mlp_residual(
                     &mut ws.x,
                     &layer.ffn_norm,
@@ -355,6 +367,7 @@ impl<B: Backend> Model<B> {
                     c.ffn,
                     &mut ws.act,
                     &layer.down,
+                    Some(next_norm),
                 );
                 if let Some(hook) = after_layer.as_mut() {
                     hook(be, kv, l);

@@ -278,6 +278,9 @@ pub trait Backend {
     );
     /// `x[t] += W_o · attention(t)`: the attention and the output projection with its
     /// residual add, which a backend may fuse (`out` is scratch it may leave unwritten).
+    /// `next_norm`: the RMSNorm weight the next op applies to `x`, a hint with which a
+    /// backend may leave that norm's inputs ready as it writes `x` (the result is the same
+    /// to float rounding, and a backend may ignore it).
     #[allow(clippy::too_many_arguments)]
     fn attention_residual(
         &mut self,
@@ -289,7 +292,9 @@ pub trait Backend {
         out: &mut Self::Act,
         w_o: &Self::Linear,
         x: &mut Self::Act,
+        next_norm: Option<&Self::Vector>,
     ) {
+        let _ = next_norm;
         self.attention(qkv, layer, batch, attn, kv, out);
         self.matmul(w_o, out, batch.n_tokens, x, true);
     }
@@ -356,7 +361,7 @@ pub trait Backend {
     /// `x[t] += W_down · (silu(g) ⊙ u)` where `[g | u] = W_gu · rms_norm(x[t], norm)`:
     /// the whole SwiGLU block with its residual add, which a backend may fuse further
     /// than [`Backend::norm_matmul_silu`] (`h`, `gu` and `act` are scratch it may leave
-    /// unwritten).
+    /// unwritten). `next_norm` as for [`Backend::attention_residual`].
     #[allow(clippy::too_many_arguments)]
     fn mlp_residual(
         &mut self,
@@ -370,7 +375,9 @@ pub trait Backend {
         ff: usize,
         act: &mut Self::Act,
         down: &Self::Linear,
+        next_norm: Option<&Self::Vector>,
     ) {
+        let _ = next_norm;
         self.norm_matmul_silu(x, norm, eps, n_tokens, h, gate_up, gu, ff, act);
         self.matmul(down, act, n_tokens, x, true);
     }

@@ -169,6 +169,12 @@ pub const CUDA_GEMV_ROPE: &str = "DISAGG_CUDA_GEMV_ROPE";
 /// 64 registers); for A/B runs.
 pub const CUDA_GEMV_PIPE: &str = "DISAGG_CUDA_GEMV_PIPE";
 
+/// `0`: a one-token GEMV after RMSNorm computes the norm itself (each block sums the
+/// squares of x before its first weight load, then scales x and multiplies by the norm
+/// weight as it reads it), instead of taking x · weight and the sums of x² that the
+/// residual GEMV before it left; for A/B runs.
+pub const CUDA_GEMV_PRENORM: &str = "DISAGG_CUDA_GEMV_PRENORM";
+
 /// `0`: CUDA bf16 GEMMs of 2–8 tokens go to cuBLAS, instead of the skinny GEMM kernel
 /// (sm_90); for A/B runs.
 pub const CUDA_SKINNY: &str = "DISAGG_CUDA_SKINNY";

@@ -18,8 +18,12 @@ fn main() {
         Ok(())
     })];
     if std::env::var_os(kernels::env::TEST_CUDA).is_some() {
-        let gpu_tests: [(&str, fn()); 9] = [
+        let gpu_tests: [(&str, fn()); 10] = [
             ("qkv_gemv_with_rope_equals_the_separate_ops", qkv_gemv_with_rope_equals_the_separate_ops),
+            (
+                "prenormed_gemvs_match_the_gemvs_that_norm_themselves",
+                prenormed_gemvs_match_the_gemvs_that_norm_themselves,
+            ),
             ("mlp_residual_matches_cpu_fused_or_not", mlp_residual_matches_cpu_fused_or_not),
             ("rope_write_kv_matches_cpu", rope_write_kv_matches_cpu),
             ("fused_gemv_matches_cpu_norm_matmul_silu", fused_gemv_matches_cpu_norm_matmul_silu),
@@ -325,7 +329,7 @@ fn attention_residual_case(
         be.begin_step(tokens, batch, rope, attn, &[]);
         let mut x = be.device().upload(&x0).unwrap();
         let mut out = be.act(n * cols).unwrap();
-        be.attention_residual(dq, 0, batch, attn, gkv, &mut out, &lin, &mut x);
+        be.attention_residual(dq, 0, batch, attn, gkv, &mut out, &lin, &mut x, None);
         let mut got = vec![0f32; n * rows];
         be.to_host(&x, &mut got);
         let err = (0..n * rows).map(|i| (got[i] as f64 - reference[i]).abs() / scale[i].max(1e-6)).fold(0f64, worst64);
@@ -488,6 +492,119 @@ fn qkv_gemv_with_rope_equals_the_separate_ops() {
                 assert_eq!(runs[2].0, fused.0, "q|k|v with an f32 cache");
             }
         }
+    }
+}
+
+/// A one-token chain in which each residual GEMV leaves the next norm's inputs (x · weight,
+/// sums of x²) and the normed GEMV after it takes them — gate/up (NormSilu), QKV with RoPE
+/// and the KV write, and, through the gathered logit row, the output head — against the
+/// same chain with `DISAGG_CUDA_GEMV_PRENORM=0` (each GEMV computes its norm, as the other
+/// tests check against the CPU): the residual stream after a producing GEMV has the same
+/// bits; what a prenormed GEMV writes differs by float rounding only (the scale applied
+/// after the dot product instead of before, the squares summed in another order): held to
+/// 1e-5 of the largest |value| (f16 cache values: 2e-3). The prenormed path must have run
+/// three times with the switch on, never with it off.
+fn prenormed_gemvs_match_the_gemvs_that_norm_themselves() {
+    use kernels::quant::GgmlType;
+    use kernels::{AttnShape, Backend, KvDtype, KvShape, Rope, StepBatch, WeightPart};
+    let eps = 1e-5f32;
+    let bytes = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+    let worst = |a: &[f32], b: &[f32]| {
+        let top = b.iter().fold(0f32, |m, v| m.max(v.abs()));
+        a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0f32, worst32) / top
+    };
+    for (n_heads, n_kv, hd, hidden) in [(9usize, 3usize, 64usize, 576usize), (32, 8, 128, 4096)] {
+        let (ff, vocab) = (1536usize, 1000usize);
+        let attn = AttnShape { n_heads, n_kv_heads: n_kv, head_dim: hd, scale: 1.0 };
+        let q_rows = attn.qkv_dim();
+        let (wgu, wd, wq, wh) =
+            (data(2 * ff * hidden, 61), data(hidden * ff, 62), data(q_rows * hidden, 63), data(vocab * hidden, 64));
+        let x0 = data(hidden, 65);
+        let norms: Vec<Vec<f32>> = (0..4).map(|i| data(hidden, 70 + i)).collect();
+        let inv_freq: Vec<f32> = (0..hd / 2).map(|i| 500000f32.powf(-2.0 * i as f32 / hd as f32)).collect();
+        let rope = Rope { interleaved: false, inv_freq };
+        let table = [2u32];
+        let spans = [kernels::SeqSpan { rows: 0..1, pos0: 7, block_table: &table }];
+        let batch = StepBatch { n_tokens: 1, seqs: &spans, block_size: 16 };
+        // (x after the first residual GEMV, x after the second, q|k|v, cache, x at the end, logits)
+        type Run = (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>);
+        let mut runs: Vec<Run> = Vec::new();
+        for prenorm in [true, false] {
+            let mut be = kernels::cuda::CudaBackend::new(0, true).expect("cuda:0 opens");
+            be.set_gemv_max_tokens(1);
+            be.set_gemv_pipe(true);
+            be.set_gemv_rope(true);
+            be.set_gemv_prenorm(prenorm);
+            let lin = |be: &kernels::cuda::CudaBackend, rows: usize, cols: usize, w: &[f32]| {
+                let b = bytes(w);
+                be.linear(&[WeightPart { ty: GgmlType::F32, rows, cols, bytes: &b }]).unwrap()
+            };
+            let (gate_up, down) = (lin(&be, 2 * ff, hidden, &wgu), lin(&be, hidden, ff, &wd));
+            let (qkv_w, head) = (lin(&be, q_rows, hidden, &wq), lin(&be, vocab, hidden, &wh));
+            let dn: Vec<_> = norms.iter().map(|n| be.vector(n)).collect();
+            let shape = KvShape {
+                n_layers: 1,
+                n_blocks: 4,
+                block_size: 16,
+                n_kv_heads: n_kv,
+                head_dim: hd,
+                dtype: KvDtype::F16,
+            };
+            let mut kv = be.kv_cache(shape).unwrap();
+            let mut dx = be.device().upload(&x0).unwrap();
+            let (mut h, mut gu, mut act) = (be.act(hidden).unwrap(), be.act(2 * ff).unwrap(), be.act(ff).unwrap());
+            let (mut dqkv, mut sel, mut logits) =
+                (be.act(q_rows).unwrap(), be.act(hidden).unwrap(), be.act(vocab).unwrap());
+            be.begin_step(&[0], &batch, &rope, &attn, &[0]);
+            let host =
+                |be: &mut kernels::cuda::CudaBackend, v: &<kernels::cuda::CudaBackend as Backend>::Act, n: usize| {
+                    let mut out = vec![0f32; n];
+                    be.to_host(v, &mut out);
+                    out
+                };
+            // 1. Leaves norm 1's inputs. 2. Takes them (gate/up), leaves norm 2's.
+            be.mlp_residual(&mut dx, &dn[0], eps, 1, &mut h, &gate_up, &mut gu, ff, &mut act, &down, Some(&dn[1]));
+            let x1 = host(&mut be, &dx, hidden);
+            be.mlp_residual(&mut dx, &dn[1], eps, 1, &mut h, &gate_up, &mut gu, ff, &mut act, &down, Some(&dn[2]));
+            let x2 = host(&mut be, &dx, hidden);
+            // 3. QKV + RoPE + KV write takes norm 2's.
+            be.norm_qkv_rope(&dx, &dn[2], eps, &mut h, &qkv_w, &mut dqkv, 0, &batch, &rope, &attn, &mut kv);
+            let q = host(&mut be, &dqkv, q_rows);
+            let mut cache = Vec::new();
+            be.kv_export(&kv, 0, &[2], &mut cache);
+            let cache: Vec<f32> = cache.chunks(2).map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()).collect();
+            // 4. Nothing prepared for this gate/up (norm's own); leaves norm 3's, which the
+            //    output head takes through the gathered row.
+            be.mlp_residual(&mut dx, &dn[2], eps, 1, &mut h, &gate_up, &mut gu, ff, &mut act, &down, Some(&dn[3]));
+            let x3 = host(&mut be, &dx, hidden);
+            be.gather_rows(&dx, &[0], hidden, &mut sel);
+            be.norm_matmul(&sel, &dn[3], eps, 1, &mut h, &head, &mut logits);
+            let lg = host(&mut be, &logits, vocab);
+            assert_eq!(be.prenormed_gemvs(), if prenorm { 3 } else { 0 }, "prenormed GEMVs, switch {prenorm}");
+            runs.push((x1, x2, q, cache, x3, lg));
+        }
+        let (on, off) = (&runs[0], &runs[1]);
+        assert!(on.0.iter().chain(&on.5).all(|v| v.is_finite()));
+        let errs = [
+            worst(&on.1, &off.1),
+            worst(&on.2, &off.2),
+            worst(&on.3, &off.3),
+            worst(&on.4, &off.4),
+            worst(&on.5, &off.5),
+        ];
+        println!(
+            "prenormed GEMVs, {hidden} wide: x after the first residual GEMV {} the self-normed chain's; largest \
+             difference / largest |value|: x {:.2e}, q|k|v {:.2e}, cache {:.2e}, x {:.2e}, logits {:.2e}",
+            if on.0 == off.0 { "equals" } else { "DIFFERS from" },
+            errs[0],
+            errs[1],
+            errs[2],
+            errs[3],
+            errs[4]
+        );
+        assert!(on.0 == off.0, "the producing GEMV changed the residual stream");
+        assert!(errs[0] < 1e-5 && errs[1] < 1e-5 && errs[3] < 1e-5 && errs[4] < 1e-5, "{errs:?}");
+        assert!(errs[2] < 2e-3, "cache: {}", errs[2]);
     }
 }
 
@@ -665,7 +782,7 @@ fn mlp_residual_matches_cpu_fused_or_not() {
             let mut dx = be.device().upload(&x).unwrap();
             let (mut h, mut gu, mut act) =
                 (be.act(n * hidden).unwrap(), be.act(n * 2 * ff).unwrap(), be.act(n * ff).unwrap());
-            be.mlp_residual(&mut dx, &dnw, eps, n, &mut h, &gate_up, &mut gu, ff, &mut act, &down);
+            be.mlp_residual(&mut dx, &dnw, eps, n, &mut h, &gate_up, &mut gu, ff, &mut act, &down, None);
             let mut got = vec![0f32; n * hidden];
             be.to_host(&dx, &mut got);
             let err = (0..n * hidden).map(|i| (got[i] as f64 - want[i]).abs() / scale[i].max(1e-6)).fold(0f64, worst64);

@@ -101,11 +101,16 @@ fn bf16_weights_stay_close_to_cpu() {
         equal += usize::from(go.output_ids == co.output_ids);
         first_equal += usize::from(go.output_ids[0] == co.output_ids[0]);
     }
+    // Its one-token decode steps take their norms' inputs from the residual GEMVs
+    // (DISAGG_CUDA_GEMV_PRENORM, on by default): the path these tokens checked.
+    let prenormed = gpu.backend().prenormed_gemvs();
     println!(
-        "bf16 weights: max |GPU − CPU| / logit range = {worst_rel:.3e}; first token equal {first_equal}/{n}, 16 tokens equal {equal}/{n}",
+        "bf16 weights: max |GPU − CPU| / logit range = {worst_rel:.3e}; first token equal {first_equal}/{n}, 16 tokens equal {equal}/{n}; {prenormed} prenormed GEMVs",
         n = r.cases.len()
     );
     assert!(worst_rel < 0.05, "bf16 logits drift by {worst_rel} of their range");
+    let prenorm_on = !std::env::var(kernels::env::CUDA_GEMV_PRENORM).is_ok_and(|v| v == "0");
+    assert_eq!(prenormed > 0, prenorm_on, "prenormed GEMVs with DISAGG_CUDA_GEMV_PRENORM on: {prenorm_on}");
 }
 
 fn kv_moves_between_gpu_and_cpu_unchanged() {

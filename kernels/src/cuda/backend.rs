@@ -155,6 +155,9 @@ enum Gemv<'a> {
     /// One token's QKV: RMSNorm before, RoPE and the write of k, v into this f16 cache
     /// layer after (`gemv_norm_rope_bf16_m1`).
     NormRope(RopeKv<'a>),
+    /// One token's residual GEMV that also leaves the inputs of the next GEMV's RMSNorm
+    /// with this weight (`gemv_stats_bf16_m1`; see [`CudaBackend::prenorm`]).
+    PlainStats(&'a CudaSlice<f32>),
 }
 
 /// What the QKV GEMV's RoPE epilogue needs beyond the step's positions, slots and
@@ -280,6 +283,19 @@ pub struct CudaBackend {
     /// The one-token GEMV kernels issue each group's weight loads before the previous
     /// group is used (`DISAGG_CUDA_GEMV_PIPE=0`: load, then use).
     gemv_pipe: bool,
+    /// One-token residual GEMVs told the norm that comes next (`next_norm`) leave its
+    /// inputs, and the one-token GEMV of that norm takes them (`DISAGG_CUDA_GEMV_PRENORM=0`:
+    /// the GEMV computes the norm itself). See [`Self::prenorm`].
+    gemv_prenorm: bool,
+    /// What the last such residual GEMV left: x · the norm weight, and the sums of x² per
+    /// 16 elements.
+    prenorm_xg: CudaSlice<f32>,
+    prenorm_parts: CudaSlice<f32>,
+    /// Whose they are: (x's device address, the norm weight's, x's width), cleared when
+    /// they are used or x may have been written otherwise.
+    prenormed: Option<(u64, u64, usize)>,
+    /// GEMVs that took them.
+    prenorm_taken: u64,
     /// `DISAGG_CUDA_SKINNY` (sm_90): GEMMs of 2–8 tokens on the skinny kernel (see
     /// [`Self::takes_skinny`]).
     skinny: bool,
@@ -399,6 +415,11 @@ impl CudaBackend {
             rope_pairs: !off(crate::env::CUDA_ROPE_PAIRS),
             gemv_rope: !off(crate::env::CUDA_GEMV_ROPE),
             gemv_pipe: !off(crate::env::CUDA_GEMV_PIPE),
+            gemv_prenorm: !off(crate::env::CUDA_GEMV_PRENORM),
+            prenorm_xg: stream.alloc_zeros::<f32>(1).map_err(dev_err)?,
+            prenorm_parts: stream.alloc_zeros::<f32>(1).map_err(dev_err)?,
+            prenormed: None,
+            prenorm_taken: 0,
             skinny: !off(crate::env::CUDA_SKINNY) && dev.arch.0 >= 9,
             norm_cast: !off(crate::env::CUDA_NORM_CAST),
             silu_rows4: !off(crate::env::CUDA_SILU_ROWS4),
@@ -635,6 +656,18 @@ impl CudaBackend {
             && matches!(kv.layers.get(layer), Some(KvBuf::F16(_)))
             && attn.head_dim.is_multiple_of(2)
             && w_qkv.rows() == attn.qkv_dim()
+    }
+
+    /// A one-token GEMV after RMSNorm takes the norm's inputs from the residual GEMV
+    /// before it (default: on unless `DISAGG_CUDA_GEMV_PRENORM=0`).
+    pub fn set_gemv_prenorm(&mut self, on: bool) {
+        self.set_switch(on, |b| &mut b.gemv_prenorm);
+    }
+
+    /// How many GEMVs have taken their RMSNorm's inputs from the residual GEMV before
+    /// them (for tests that must know which path they checked).
+    pub fn prenormed_gemvs(&self) -> u64 {
+        self.prenorm_taken
     }
 
     /// One-token GEMVs with software-pipelined loads (default: on unless
@@ -947,16 +980,34 @@ impl CudaBackend {
         accumulate: bool,
     ) {
         let CudaLinear::Bf16 { w, rows, cols } = w else { unreachable!("GEMV takes bf16 weights") };
-        let (rows_out, names, flat) = match kind {
-            Gemv::Plain => (n_out, &super::GEMV_BF16[..], super::GEMV_FLAT_M1[0]),
-            Gemv::Norm => (n_out, &super::GEMV_NORM_BF16[..], super::GEMV_FLAT_M1[1]),
-            Gemv::NormSilu => (2 * n_out, &super::GEMV_NORM_SILU_BF16[..], super::GEMV_FLAT_M1[2]),
-            // (One token, pipelined: checked by fuses_qkv_rope.)
-            Gemv::NormRope(_) => (n_out, std::slice::from_ref(&super::GEMV_NORM_ROPE_M1), super::GEMV_NORM_ROPE_M1),
+        let st = self.dev.stream().clone();
+        // A one-token GEMV after RMSNorm whose input the residual GEMV before it prepared
+        // takes x · weight and the sums of squares it left (NORM_PART). Either way what
+        // was prepared is spent: this GEMV used it, or it writes something that may be x.
+        let normed = matches!(kind, Gemv::Norm | Gemv::NormSilu | Gemv::NormRope(_));
+        let pre = normed
+            && n_tokens == 1
+            && self.gemv_pipe
+            && self.prenormed == Some((x.device_ptr(&st).0, norm.device_ptr(&st).0, *cols));
+        self.prenormed = None;
+        let (rows_out, names, flat, pnorm) = match kind {
+            Gemv::Plain => (n_out, &super::GEMV_BF16[..], super::GEMV_FLAT_M1[0], ""),
+            Gemv::Norm => (n_out, &super::GEMV_NORM_BF16[..], super::GEMV_FLAT_M1[1], super::GEMV_PNORM_M1[0]),
+            Gemv::NormSilu => {
+                (2 * n_out, &super::GEMV_NORM_SILU_BF16[..], super::GEMV_FLAT_M1[2], super::GEMV_PNORM_M1[1])
+            }
+            // (One token, pipelined: checked by fuses_qkv_rope and prenorm.)
+            Gemv::NormRope(_) => (
+                n_out,
+                std::slice::from_ref(&super::GEMV_NORM_ROPE_M1),
+                super::GEMV_NORM_ROPE_M1,
+                super::GEMV_PNORM_M1[2],
+            ),
+            Gemv::PlainStats(_) => (n_out, std::slice::from_ref(&super::GEMV_STATS_M1), super::GEMV_STATS_M1, ""),
         };
         assert!(*rows == rows_out && (1..=super::GEMV_MAX_TOKENS).contains(&n_tokens) && cols % 8 == 0);
         assert!(x.len() >= n_tokens * cols && out.len() >= n_tokens * n_out, "GEMV buffers");
-        assert!(matches!(kind, Gemv::Plain) || norm.len() == *cols, "GEMV: RMSNorm weight of the input width");
+        assert!(!normed || norm.len() == *cols, "GEMV: RMSNorm weight of the input width");
         // Plain, Norm: a warp per two outputs (NormRope: the two of one rotation pair);
         // NormSilu: a warp per output (its gate and up rows).
         let warps = if matches!(kind, Gemv::NormSilu) { n_out } else { n_out.div_ceil(2) };
@@ -966,20 +1017,85 @@ impl CudaBackend {
             shared_mem_bytes: 0,
         };
         let (n, k, acc) = (n_out as i32, *cols as i32, i32::from(accumulate));
-        let st = self.dev.stream().clone();
-        let name = if n_tokens == 1 && !self.gemv_pipe { flat } else { names[n_tokens - 1] };
+        let name = match () {
+            _ if pre => pnorm,
+            _ if n_tokens == 1 && !self.gemv_pipe => flat,
+            _ => names[n_tokens - 1],
+        };
+        // The prepared buffers by address: this GEMV reads them (pre) or writes them
+        // (PlainStats); both stay where they are while graphs hold them (buffers_moving).
+        let xg = self.prenorm_xg.device_ptr(&st).0;
+        let parts = self.prenorm_parts.device_ptr(&st).0;
         let mut b = st.launch_builder(self.dev.func(name));
-        b.arg(w).arg(x).arg(norm).arg(&eps).arg(&n).arg(&k).arg(&mut *out).arg(&acc);
-        if let Gemv::NormRope(r) = &mut kind {
-            b.arg(&self.pos).arg(&self.inv_freq).arg(&self.slots);
-            b.arg(&r.n_heads).arg(&r.n_kv).arg(&r.head_dim).arg(&r.interleaved).arg(&r.block_size);
-            b.arg(&mut *r.cache).arg(&r.half);
+        b.arg(w);
+        if pre {
+            b.arg(&xg).arg(&parts);
+        } else {
+            b.arg(x).arg(norm);
+        }
+        b.arg(&eps).arg(&n).arg(&k).arg(&mut *out).arg(&acc);
+        match &mut kind {
+            Gemv::NormRope(r) => {
+                b.arg(&self.pos).arg(&self.inv_freq).arg(&self.slots);
+                b.arg(&r.n_heads).arg(&r.n_kv).arg(&r.head_dim).arg(&r.interleaved).arg(&r.block_size);
+                b.arg(&mut *r.cache).arg(&r.half);
+            }
+            Gemv::PlainStats(g) => {
+                b.arg(*g).arg(&xg).arg(&parts);
+            }
+            _ => {}
         }
         // SAFETY: argument types match the kernel; x holds n_tokens rows of `cols` (a
         // multiple of 8, so its float4 reads stay aligned), out as many of n_out, W `rows`;
         // NormRope: out is one token's [q|k|v] of whole heads, and the step's slot (which
-        // begin_step uploaded with its position) lies in the cache.
+        // begin_step uploaded with its position) lies in the cache; PlainStats: one token,
+        // n_out a multiple of 16 (every warp of a block has rows: the kernel's barrier),
+        // g, xg n_out wide and n_out / 16 partial sums (checked by prenorm); with `pre`,
+        // those describe x (its address, width and norm weight, checked above).
         unsafe { b.launch(cfg) }.expect("CUDA: GEMV");
+        if pre {
+            self.prenorm_taken += 1;
+        }
+    }
+
+    /// Whether a one-token residual GEMV (`w` into x) leaves the inputs of the next
+    /// GEMV's RMSNorm with weight `next_norm`, and if so, launches it (`x` += W · `a`): it
+    /// writes x · weight and the sums of x² per 16 elements as it writes x, so that the
+    /// normed GEMV after it (`GEMV_PNORM_M1`) runs the loop of a plain GEMV and scales at
+    /// the end, with no norm of its own first (lab: the block's norm made the QKV and
+    /// gate/up GEMVs 28% and 15% slower). False (nothing launched) when the switch is off
+    /// or the step, weights or widths do not fit.
+    fn prenorm(
+        &mut self,
+        w: &CudaLinear,
+        a: &CudaSlice<f32>,
+        n_tokens: usize,
+        x: &mut CudaSlice<f32>,
+        next_norm: Option<&CudaSlice<f32>>,
+    ) -> bool {
+        let Some(g) = next_norm else { return false };
+        let rows = w.rows();
+        if !(self.gemv_prenorm
+            && self.gemv_pipe
+            && n_tokens == 1
+            && self.takes_gemv(w, 1)
+            && rows.is_multiple_of(16)
+            && g.len() == rows)
+        {
+            return false;
+        }
+        if self.prenorm_xg.len() < rows {
+            self.buffers_moving();
+            let st = self.dev.stream().clone();
+            self.prenorm_xg = st.alloc_zeros::<f32>(rows).expect("CUDA: the prepared norm input");
+            self.prenorm_parts = st.alloc_zeros::<f32>(rows / 16).expect("CUDA: the prepared norm sums");
+        }
+        let t = self.tic();
+        self.gemv(Gemv::PlainStats(g), w, a, a, 0.0, 1, rows, x, true);
+        let st = self.dev.stream().clone();
+        self.prenormed = Some((x.device_ptr(&st).0, g.device_ptr(&st).0, rows));
+        self.toc("gemv_stats", t);
+        true
     }
 
     /// Grows the bf16 GEMM input scratch to `len` values (dropping captured graphs).
@@ -996,6 +1112,7 @@ impl CudaBackend {
     fn gemm_bf16_scratch(&mut self, w: &CudaLinear, n_tokens: usize, out: &mut CudaSlice<f32>, accumulate: bool) {
         let CudaLinear::Bf16 { w, rows, cols } = w else { unreachable!("bf16 GEMM of f32 weights") };
         assert!(self.x_bf16.len() >= n_tokens * cols && out.len() >= n_tokens * rows, "bf16 GEMM buffers");
+        self.prenormed = None;
         let st = self.dev.stream().clone();
         if self.takes_skinny(*cols, n_tokens) {
             // Key splits: the most (≤ 8, ≤ the 64-column slabs) that keep the blocks within
@@ -1428,6 +1545,7 @@ impl Backend for CudaBackend {
 
     fn begin_step(&mut self, tokens: &[u32], batch: &StepBatch, rope: &Rope, attn: &AttnShape, logit_rows: &[u32]) {
         let t = self.tic();
+        self.prenormed = None;
         self.prepare_step(tokens, batch, rope, attn, logit_rows);
         self.toc("step_metadata_upload", t);
     }
@@ -1470,6 +1588,7 @@ impl Backend for CudaBackend {
         let dim = table.cols();
         assert!(ids.iter().all(|&i| (i as usize) < table.rows()) && out.len() >= ids.len() * dim);
         assert_eq!(ids.len(), self.n_step, "CUDA: embed takes the ids given to begin_step");
+        self.prenormed = None;
         let st = self.dev.stream().clone();
         let d_ids = &self.ids;
         let (d, n) = (dim as i32, ids.len() as i32);
@@ -1517,6 +1636,7 @@ impl Backend for CudaBackend {
         if n_tokens == 0 {
             return;
         }
+        self.prenormed = None;
         let t = self.tic();
         let (rows, cols) = (w.rows(), w.cols());
         assert!(x.len() >= n_tokens * cols && out.len() >= n_tokens * rows, "matmul buffers");
@@ -1639,6 +1759,7 @@ impl Backend for CudaBackend {
         out: &mut CudaSlice<f32>,
         w_o: &CudaLinear,
         x: &mut CudaSlice<f32>,
+        next_norm: Option<&CudaSlice<f32>>,
     ) {
         let n = batch.n_tokens;
         let fused = self.attn_bf16
@@ -1651,7 +1772,9 @@ impl Backend for CudaBackend {
             && !self.takes_gemv(w_o, n);
         if !fused {
             self.attention(qkv, layer, batch, attn, kv, out);
-            self.matmul(w_o, out, n, x, true);
+            if !self.prenorm(w_o, out, n, x, next_norm) {
+                self.matmul(w_o, out, n, x, true);
+            }
             return;
         }
         self.grow_x_bf16(n * w_o.cols());
@@ -1757,6 +1880,7 @@ impl Backend for CudaBackend {
         ff: usize,
         act: &mut CudaSlice<f32>,
         down: &CudaLinear,
+        next_norm: Option<&CudaSlice<f32>>,
     ) {
         let bf16 = |w: &CudaLinear| matches!(w, CudaLinear::Bf16 { .. });
         let fused = self.silu_bf16
@@ -1772,7 +1896,9 @@ impl Backend for CudaBackend {
             && !self.takes_gemv(down, n_tokens);
         if !fused {
             self.norm_matmul_silu(x, norm, eps, n_tokens, h, gate_up, gu, ff, act);
-            self.matmul(down, act, n_tokens, x, true);
+            if !self.prenorm(down, act, n_tokens, x, next_norm) {
+                self.matmul(down, act, n_tokens, x, true);
+            }
             return;
         }
         self.norm_then_gemm(x, norm, eps, n_tokens, h, gate_up, gu);
@@ -1792,10 +1918,17 @@ impl Backend for CudaBackend {
         // The rows given to begin_step, already on the device.
         let st = self.dev.stream().clone();
         let (d, n) = (dim as i32, rows.len() as i32);
+        // A one-token step's row, copied: what its residual GEMV prepared for the norm
+        // after it now describes `out` (the final norm runs on the gathered rows).
+        let moves = match self.prenormed.take() {
+            Some((px, g, width)) if rows == [0] && width == dim && px == x.device_ptr(&st).0 => Some((g, width)),
+            _ => None,
+        };
         let mut b = st.launch_builder(self.dev.func("gather_rows"));
-        b.arg(x).arg(&self.rows).arg(&d).arg(&n).arg(out);
+        b.arg(x).arg(&self.rows).arg(&d).arg(&n).arg(&mut *out);
         // SAFETY: rows index rows of x (the engine's own batch rows).
         unsafe { b.launch(launch_cfg(rows.len() * dim)) }.expect("CUDA: gather rows");
+        self.prenormed = moves.map(|(g, width)| (out.device_ptr(&st).0, g, width));
     }
 
     fn to_host(&mut self, x: &CudaSlice<f32>, out: &mut [f32]) {

@@ -61,6 +61,7 @@ const KERNELS: &[&str] = &[
     "rope_write_kv_pairs_f16",
     "rope_write_kv_pairs_f32",
     GEMV_NORM_ROPE_M1,
+    GEMV_STATS_M1,
     "attention_f16",
     "attention_f32",
     "attention_split_f16",
@@ -128,6 +129,14 @@ pub(crate) fn skinny_smem_bytes() -> usize {
 
 /// The one-token QKV GEMV with RoPE and the KV write in its epilogue.
 pub(crate) const GEMV_NORM_ROPE_M1: &str = "gemv_norm_rope_bf16_m1";
+
+/// The one-token residual GEMV that leaves the next GEMV's RMSNorm inputs (x · its
+/// weight, the sums of x² per 16 elements: ops.cu EPI_STATS), and the one-token GEMVs
+/// that take them (NORM_PART) in place of [`GEMV_NORM_BF16`], [`GEMV_NORM_SILU_BF16`] and
+/// [`GEMV_NORM_ROPE_M1`].
+pub(crate) const GEMV_STATS_M1: &str = "gemv_stats_bf16_m1";
+pub(crate) const GEMV_PNORM_M1: [&str; 3] =
+    ["gemv_pnorm_bf16_m1", "gemv_pnorm_silu_bf16_m1", "gemv_pnorm_rope_bf16_m1"];
 
 /// The one-token GEMV kernels without the software pipelining of their loads
 /// (`DISAGG_CUDA_GEMV_PIPE=0`), [plain, RMSNorm, RMSNorm + SiLU·gate].
@@ -254,7 +263,14 @@ impl CudaDevice {
         let gemv = [GEMV_BF16, GEMV_NORM_BF16, GEMV_NORM_SILU_BF16];
         let flash = FLASH_KERNELS.iter().map(|(k, _)| k);
         let skinny = SKINNY_KERNELS.iter();
-        for &k in KERNELS.iter().chain(gemv.iter().flatten()).chain(&GEMV_FLAT_M1).chain(flash).chain(skinny) {
+        for &k in KERNELS
+            .iter()
+            .chain(gemv.iter().flatten())
+            .chain(&GEMV_FLAT_M1)
+            .chain(&GEMV_PNORM_M1)
+            .chain(flash)
+            .chain(skinny)
+        {
             funcs.insert(k, f(k)?);
         }
         // Dynamic shared memory past the default 48 KiB: the flash kernels' double-buffered

@@ -1356,11 +1356,25 @@ KM_KERNEL(flash_decode_km_f16_d128, 128)
 // the SM reads it) directly: no bf16 copy of the activations is made. U is how many
 // 16-byte loads per row a lane has in flight (4 was measured no faster than 2). Sums are f32,
 // reduced across the warp in a fixed order. Two fusions (the decode step's neighbours):
-//   NORM: x is the residual stream; the block first computes each token's RMSNorm scale
-//         (as rms_norm_rows does) and multiplies x by scale · nw[k] as it reads it;
+//   NORM: x is the residual stream, normalised by RMSNorm (as rms_norm_rows does): with
+//         NORM_BLOCK the block first computes each token's scale and multiplies x by
+//         scale · nw[k] as it reads it. With NORM_PART (one token) the kernel that wrote
+//         the residual left x · nw and the sums of x² per 16 elements (EPI_STATS below):
+//         x is that product and nw those sums, the loop is the plain one's and each warp
+//         scales its two dot products at the end, so no pass over x, no block barrier and
+//         no second vector per step (the lab, tools/gpu-lab/normlab.cu: the block's norm
+//         made the QKV and gate/up GEMVs 28% and 15% slower than plain ones);
 //   SILU: W is [gate; up] (2·n_out rows): a warp takes gate row n and up row n + n_out
 //         and writes silu(g) · u (as silu_mul_rows does), so n_out = ff.
 #define GEMV_WARPS 8
+#define NORM_NONE 0
+#define NORM_BLOCK 1
+#define NORM_PART 2
+// The epilogue: write (or add to) out; RoPE + KV write (EPI_ROPE); or, after adding to the
+// residual, also write x · g and the block's sum of x² for the next NORM_PART GEMV (EPI_STATS).
+#define EPI_OUT 0
+#define EPI_ROPE 1
+#define EPI_STATS 2
 
 __device__ __forceinline__ uint4 ld_stream_u4(const unsigned short* p) {
     uint4 v;
@@ -1385,14 +1399,15 @@ __device__ __forceinline__ float dot8_bf16(uint4 w, const float (&v)[8]) {
     return s;
 }
 
-// x[kk .. kk+8) of one token, normalised when NORM (scale: the token's RMSNorm scale).
-template <bool NORM>
+// x[kk .. kk+8) of one token, times scale · nw with NORM_BLOCK (scale: the token's RMSNorm
+// scale).
+template <int NORM>
 __device__ __forceinline__ void load_x8(const float* __restrict__ xr, const float* __restrict__ nw, float scale, int kk,
                                         float (&v)[8]) {
     const float4 a = *reinterpret_cast<const float4*>(xr + kk);
     const float4 b = *reinterpret_cast<const float4*>(xr + kk + 4);
     v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
-    if (NORM) {
+    if (NORM == NORM_BLOCK) {
         const float4 c = *reinterpret_cast<const float4*>(nw + kk);
         const float4 d = *reinterpret_cast<const float4*>(nw + kk + 4);
         const float g[8] = {c.x, c.y, c.z, c.w, d.x, d.y, d.z, d.w};
@@ -1421,17 +1436,28 @@ __device__ __forceinline__ void rope_pair_rows(const RopeKv& rk, int i, int& r0,
     r1 = r0 + (rk.interleaved ? 1 : hh);
 }
 
-// With ROPE (one token, rows [q|k|v] of whole heads): a warp takes the two rows of one
+// What EPI_STATS writes for the next NORM_PART GEMV: xg = x · g (g: that GEMV's norm
+// weight) and parts[b] = Σ x² over elements [16b, 16b + 16) (block b's rows).
+struct NormStats {
+    const float* g;
+    float* xg;
+    float* parts;
+};
+
+// With EPI_ROPE (one token, rows [q|k|v] of whole heads): a warp takes the two rows of one
 // rotation pair instead of two neighbours, rotates q and k as rope_write_kv_pairs_impl
 // does (same helper, same bits), writes q|k|v to `out` (`accumulate` ignored) and k, v
-// into the cache.
-template <int M, bool NORM, bool SILU, int U, bool PIPE, bool ROPE = false>
+// into the cache. EPI_STATS (one token, plain rows, n_out a multiple of 16 so every warp
+// of a block has rows): out written as usual, then the block's x · g and sum of squares.
+template <int M, int NORM, bool SILU, int U, bool PIPE, int EPI = EPI_OUT>
 __device__ void gemv_bf16_impl(const unsigned short* __restrict__ w, const float* __restrict__ x,
                                const float* __restrict__ nw, float eps, int n_out, int k, float* __restrict__ out,
-                               int accumulate, const RopeKv rk = RopeKv{}) {
-    static_assert(!ROPE || (M == 1 && !SILU), "RoPE epilogue: one token, plain rows");
+                               int accumulate, const RopeKv rk = RopeKv{}, const NormStats ns = NormStats{}) {
+    constexpr bool ROPE = EPI == EPI_ROPE;
+    static_assert(EPI == EPI_OUT || (M == 1 && !SILU), "RoPE and stats epilogues: one token, plain rows");
+    static_assert(NORM != NORM_PART || (M == 1 && PIPE), "the producer's norm: one token, pipelined");
     __shared__ float scale[M > 0 ? M : 1];
-    if (NORM) {
+    if (NORM == NORM_BLOCK) {
         __shared__ float part[GEMV_WARPS];
         for (int m = 0; m < M; m++) {
             const float* xr = x + (size_t)m * k;
@@ -1483,7 +1509,7 @@ __device__ void gemv_bf16_impl(const unsigned short* __restrict__ w, const float
 #pragma unroll
             for (int m = 0; m < M; m++) {
                 float v[8];
-                load_x8<NORM>(x + (size_t)m * k, nw, NORM ? scale[m] : 1.f, kk + u * step, v);
+                load_x8<NORM>(x + (size_t)m * k, nw, NORM == NORM_BLOCK ? scale[m] : 1.f, kk + u * step, v);
                 acc[0][m] += dot8_bf16(a[u], v);
                 acc[1][m] += dot8_bf16(b[u], v);
             }
@@ -1519,7 +1545,7 @@ __device__ void gemv_bf16_impl(const unsigned short* __restrict__ w, const float
 #pragma unroll
         for (int m = 0; m < M; m++) {
             float v[8];
-            load_x8<NORM>(x + (size_t)m * k, nw, NORM ? scale[m] : 1.f, k0, v);
+            load_x8<NORM>(x + (size_t)m * k, nw, NORM == NORM_BLOCK ? scale[m] : 1.f, k0, v);
             acc[0][m] += dot8_bf16(a, v);
             acc[1][m] += dot8_bf16(b, v);
         }
@@ -1532,6 +1558,32 @@ __device__ void gemv_bf16_impl(const unsigned short* __restrict__ w, const float
             for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffff, s, o);
             acc[r][m] = s;
         }
+    if (NORM == NORM_PART) {
+        // The token's sum of squares from the k / 16 partial sums, in a fixed order.
+        float ss = 0.f;
+        for (int i = lane; i < k / 16; i += 32) ss += nw[i];
+        for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffff, ss, o);
+        const float sc = rsqrtf(ss / k + eps);
+        acc[0][0] *= sc, acc[1][0] *= sc;
+    }
+    if constexpr (EPI == EPI_STATS) {
+        __shared__ float sq[GEMV_WARPS];
+        if (lane == 0) {
+            float* o = out + r0;
+            const float y0 = accumulate ? o[0] + acc[0][0] : acc[0][0];
+            const float y1 = accumulate ? o[1] + acc[1][0] : acc[1][0];
+            o[0] = y0, o[1] = y1;
+            ns.xg[r0] = y0 * ns.g[r0], ns.xg[r0 + 1] = y1 * ns.g[r0 + 1];
+            sq[threadIdx.x >> 5] = y0 * y0 + y1 * y1;
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            float t = 0.f;
+            for (int i = 0; i < GEMV_WARPS; i++) t += sq[i];
+            ns.parts[blockIdx.x] = t;
+        }
+        return;
+    }
     if (lane != 0) return;
     if constexpr (ROPE) {
         const int hh = rk.hd / 2, h = warp / hh, j = warp % hh;
@@ -1567,13 +1619,13 @@ __device__ void gemv_bf16_impl(const unsigned short* __restrict__ w, const float
     const unsigned short *w, const float *x, const float *nw, float eps, int n_out, int k, float *out, int accumulate
 #define GEMV_KERNELS(M, PIPE, LB, SUFFIX) \
     extern "C" __global__ void __launch_bounds__ LB gemv_bf16_m##M##SUFFIX(GEMV_ARGS) { \
-        gemv_bf16_impl<M, false, false, 2, PIPE>(w, x, nw, eps, n_out, k, out, accumulate); \
+        gemv_bf16_impl<M, NORM_NONE, false, 2, PIPE>(w, x, nw, eps, n_out, k, out, accumulate); \
     } \
     extern "C" __global__ void __launch_bounds__ LB gemv_norm_bf16_m##M##SUFFIX(GEMV_ARGS) { \
-        gemv_bf16_impl<M, true, false, 2, PIPE>(w, x, nw, eps, n_out, k, out, accumulate); \
+        gemv_bf16_impl<M, NORM_BLOCK, false, 2, PIPE>(w, x, nw, eps, n_out, k, out, accumulate); \
     } \
     extern "C" __global__ void __launch_bounds__ LB gemv_norm_silu_bf16_m##M##SUFFIX(GEMV_ARGS) { \
-        gemv_bf16_impl<M, true, true, 2, PIPE>(w, x, nw, eps, n_out, k, out, accumulate); \
+        gemv_bf16_impl<M, NORM_BLOCK, true, 2, PIPE>(w, x, nw, eps, n_out, k, out, accumulate); \
     }
 // One token, software-pipelined: 4 blocks per SM fit in 64 registers without spills (74
 // unbounded, which leaves 3); without the pipelining (DISAGG_CUDA_GEMV_PIPE=0) as before,
@@ -1581,14 +1633,30 @@ __device__ void gemv_bf16_impl(const unsigned short* __restrict__ w, const float
 // without pipelining, as measured.
 GEMV_KERNELS(1, true, (GEMV_WARPS * 32, 4), )
 GEMV_KERNELS(1, false, (GEMV_WARPS * 32), _flat)
+// One token: the residual GEMV that leaves the next GEMV's norm inputs (EPI_STATS), and the
+// GEMVs that take them (NORM_PART; DISAGG_CUDA_GEMV_PRENORM=0 for the block's norm).
+extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 4) gemv_stats_bf16_m1(GEMV_ARGS, const float* g,
+                                                                                   float* xg, float* parts) {
+    gemv_bf16_impl<1, NORM_NONE, false, 2, true, EPI_STATS>(w, x, nw, eps, n_out, k, out, accumulate, RopeKv{},
+                                                             NormStats{g, xg, parts});
+}
+extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 4) gemv_pnorm_bf16_m1(GEMV_ARGS) {
+    gemv_bf16_impl<1, NORM_PART, false, 2, true>(w, x, nw, eps, n_out, k, out, accumulate);
+}
+extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 4) gemv_pnorm_silu_bf16_m1(GEMV_ARGS) {
+    gemv_bf16_impl<1, NORM_PART, true, 2, true>(w, x, nw, eps, n_out, k, out, accumulate);
+}
 // One token's QKV with RMSNorm, RoPE and the f16 KV write in the epilogue (pipelined, as
 // gemv_norm_bf16_m1): the decode step's rope_write_kv launch folded into the GEMV.
-extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 4) gemv_norm_rope_bf16_m1(
-    GEMV_ARGS, const int* pos, const float* inv_freq, const long long* slots, int n_heads, int n_kv, int hd,
-    int interleaved, int block_size, unsigned short* cache, long long half) {
-    const RopeKv rk{pos, inv_freq, slots, n_heads, n_kv, hd, interleaved, block_size, cache, half};
-    gemv_bf16_impl<1, true, false, 2, true, true>(w, x, nw, eps, n_out, k, out, accumulate, rk);
-}
+#define GEMV_ROPE_KERNEL(NAME, NORM) \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 4) NAME( \
+        GEMV_ARGS, const int* pos, const float* inv_freq, const long long* slots, int n_heads, int n_kv, int hd, \
+        int interleaved, int block_size, unsigned short* cache, long long half) { \
+        const RopeKv rk{pos, inv_freq, slots, n_heads, n_kv, hd, interleaved, block_size, cache, half}; \
+        gemv_bf16_impl<1, NORM, false, 2, true, EPI_ROPE>(w, x, nw, eps, n_out, k, out, accumulate, rk); \
+    }
+GEMV_ROPE_KERNEL(gemv_norm_rope_bf16_m1, NORM_BLOCK)
+GEMV_ROPE_KERNEL(gemv_pnorm_rope_bf16_m1, NORM_PART)
 #define GEMV_FLAT_KERNELS(M) GEMV_KERNELS(M, false, (GEMV_WARPS * 32), )
 GEMV_FLAT_KERNELS(2)
 GEMV_FLAT_KERNELS(3)
