@@ -664,8 +664,9 @@ impl CudaBackend {
         self.set_switch(on, |b| &mut b.gemv_prenorm);
     }
 
-    /// How many GEMVs have taken their RMSNorm's inputs from the residual GEMV before
-    /// them (for tests that must know which path they checked).
+    /// How many GEMVs launched from the host have taken their RMSNorm's inputs from the
+    /// residual GEMV before them (a replayed graph launches none), for tests that must
+    /// know which path they checked.
     pub fn prenormed_gemvs(&self) -> u64 {
         self.prenorm_taken
     }
