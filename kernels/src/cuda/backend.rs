@@ -288,7 +288,7 @@ pub struct CudaBackend {
     /// the GEMV computes the norm itself). See [`Self::prenorm`].
     gemv_prenorm: bool,
     /// What the last such residual GEMV left: x · the norm weight, and the sums of x² per
-    /// 16 elements.
+    /// `NORM_SPAN` elements.
     prenorm_xg: CudaSlice<f32>,
     prenorm_parts: CudaSlice<f32>,
     /// Whose they are: (x's device address, the norm weight's, x's width), cleared when
@@ -1050,8 +1050,9 @@ impl CudaBackend {
         // multiple of 8, so its float4 reads stay aligned), out as many of n_out, W `rows`;
         // NormRope: out is one token's [q|k|v] of whole heads, and the step's slot (which
         // begin_step uploaded with its position) lies in the cache; PlainStats: one token,
-        // n_out a multiple of 16 (every warp of a block has rows: the kernel's barrier),
-        // g, xg n_out wide and n_out / 16 partial sums (checked by prenorm); with `pre`,
+        // n_out a multiple of NORM_SPAN (every warp of a block has rows: the kernel's
+        // barrier), g, xg n_out wide and n_out / NORM_SPAN partial sums (checked by
+        // prenorm); with `pre`,
         // those describe x (its address, width and norm weight, checked above).
         unsafe { b.launch(cfg) }.expect("CUDA: GEMV");
         if pre {
@@ -1061,7 +1062,7 @@ impl CudaBackend {
 
     /// Whether a one-token residual GEMV (`w` into x) leaves the inputs of the next
     /// GEMV's RMSNorm with weight `next_norm`, and if so, launches it (`x` += W · `a`): it
-    /// writes x · weight and the sums of x² per 16 elements as it writes x, so that the
+    /// writes x · weight and the sums of x² per block's rows as it writes x, so that the
     /// normed GEMV after it (`GEMV_PNORM_M1`) runs the loop of a plain GEMV and scales at
     /// the end, with no norm of its own first (lab: the block's norm made the QKV and
     /// gate/up GEMVs 28% and 15% slower). False (nothing launched) when the switch is off
@@ -1080,7 +1081,7 @@ impl CudaBackend {
             && self.gemv_pipe
             && n_tokens == 1
             && self.takes_gemv(w, 1)
-            && rows.is_multiple_of(16)
+            && rows.is_multiple_of(super::NORM_SPAN)
             && g.len() == rows)
         {
             return false;
@@ -1089,7 +1090,7 @@ impl CudaBackend {
             self.buffers_moving();
             let st = self.dev.stream().clone();
             self.prenorm_xg = st.alloc_zeros::<f32>(rows).expect("CUDA: the prepared norm input");
-            self.prenorm_parts = st.alloc_zeros::<f32>(rows / 16).expect("CUDA: the prepared norm sums");
+            self.prenorm_parts = st.alloc_zeros::<f32>(rows / super::NORM_SPAN).expect("CUDA: the prepared norm sums");
         }
         let t = self.tic();
         self.gemv(Gemv::PlainStats(g), w, a, a, 0.0, 1, rows, x, true);

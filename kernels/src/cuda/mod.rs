@@ -78,6 +78,9 @@ const KERNELS: &[&str] = &[
 pub(crate) const GEMV_MAX_TOKENS: usize = 8;
 pub(crate) const GEMV_DEFAULT_MAX_TOKENS: usize = 1;
 pub(crate) const GEMV_WARPS: usize = 8;
+/// The elements of x whose squares one partial sum of a prenormed GEMV's input holds
+/// (ops.cu `NORM_SPAN`: one GEMV block's rows).
+pub(crate) const NORM_SPAN: usize = 2 * GEMV_WARPS;
 /// The GEMV kernels by kind (plain, RMSNorm first, RMSNorm first and SiLU·gate after)
 /// and token count.
 pub(crate) const GEMV_BF16: [&str; GEMV_MAX_TOKENS] = [
@@ -131,7 +134,7 @@ pub(crate) fn skinny_smem_bytes() -> usize {
 pub(crate) const GEMV_NORM_ROPE_M1: &str = "gemv_norm_rope_bf16_m1";
 
 /// The one-token residual GEMV that leaves the next GEMV's RMSNorm inputs (x · its
-/// weight, the sums of x² per 16 elements: ops.cu EPI_STATS), and the one-token GEMVs
+/// weight, the sums of x² per [`NORM_SPAN`] elements: ops.cu EPI_STATS), and the one-token GEMVs
 /// that take them (NORM_PART) in place of [`GEMV_NORM_BF16`], [`GEMV_NORM_SILU_BF16`] and
 /// [`GEMV_NORM_ROPE_M1`].
 pub(crate) const GEMV_STATS_M1: &str = "gemv_stats_bf16_m1";

@@ -1359,7 +1359,8 @@ KM_KERNEL(flash_decode_km_f16_d128, 128)
 //   NORM: x is the residual stream, normalised by RMSNorm (as rms_norm_rows does): with
 //         NORM_BLOCK the block first computes each token's scale and multiplies x by
 //         scale · nw[k] as it reads it. With NORM_PART (one token) the kernel that wrote
-//         the residual left x · nw and the sums of x² per 16 elements (EPI_STATS below):
+//         the residual left x · nw and the sums of x² per block's rows (NORM_SPAN
+//         elements; EPI_STATS below):
 //         x is that product and nw those sums, the loop is the plain one's and each warp
 //         scales its two dot products at the end, so no pass over x, no block barrier and
 //         no second vector per step (the lab, tools/gpu-lab/normlab.cu: the block's norm
@@ -1370,6 +1371,8 @@ KM_KERNEL(flash_decode_km_f16_d128, 128)
 #define NORM_NONE 0
 #define NORM_BLOCK 1
 #define NORM_PART 2
+// The elements of x whose squares one partial sum of NORM_PART holds: one block's rows.
+#define NORM_SPAN (2 * GEMV_WARPS)
 // The epilogue: write (or add to) out; RoPE + KV write (EPI_ROPE); or, after adding to the
 // residual, also write x · g and the block's sum of x² for the next NORM_PART GEMV (EPI_STATS).
 #define EPI_OUT 0
@@ -1437,7 +1440,7 @@ __device__ __forceinline__ void rope_pair_rows(const RopeKv& rk, int i, int& r0,
 }
 
 // What EPI_STATS writes for the next NORM_PART GEMV: xg = x · g (g: that GEMV's norm
-// weight) and parts[b] = Σ x² over elements [16b, 16b + 16) (block b's rows).
+// weight) and parts[b] = Σ x² over block b's rows, elements [NORM_SPAN · b, NORM_SPAN · (b + 1)).
 struct NormStats {
     const float* g;
     float* xg;
@@ -1447,7 +1450,7 @@ struct NormStats {
 // With EPI_ROPE (one token, rows [q|k|v] of whole heads): a warp takes the two rows of one
 // rotation pair instead of two neighbours, rotates q and k as rope_write_kv_pairs_impl
 // does (same helper, same bits), writes q|k|v to `out` (`accumulate` ignored) and k, v
-// into the cache. EPI_STATS (one token, plain rows, n_out a multiple of 16 so every warp
+// into the cache. EPI_STATS (one token, plain rows, n_out a multiple of NORM_SPAN so every warp
 // of a block has rows): out written as usual, then the block's x · g and sum of squares.
 template <int M, int NORM, bool SILU, int U, bool PIPE, int EPI = EPI_OUT>
 __device__ void gemv_bf16_impl(const unsigned short* __restrict__ w, const float* __restrict__ x,
@@ -1559,9 +1562,9 @@ __device__ void gemv_bf16_impl(const unsigned short* __restrict__ w, const float
             acc[r][m] = s;
         }
     if (NORM == NORM_PART) {
-        // The token's sum of squares from the k / 16 partial sums, in a fixed order.
+        // The token's sum of squares from the k / NORM_SPAN partial sums, in a fixed order.
         float ss = 0.f;
-        for (int i = lane; i < k / 16; i += 32) ss += nw[i];
+        for (int i = lane; i < k / NORM_SPAN; i += 32) ss += nw[i];
         for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffff, ss, o);
         const float sc = rsqrtf(ss / k + eps);
         acc[0][0] *= sc, acc[1][0] *= sc;
