@@ -405,8 +405,11 @@ pub fn run(a: ServeBenchArgs) -> anyhow::Result<()> {
             // outputs with text (`out` above is its last).
             let (mut gw_first_out, mut gw_second_out) = (Vec::new(), Vec::new());
             // Of "first_out" and "out": engine output → handed to the request's stream (the
-            // engine thread's loop over the step's outputs, or the delivery task).
+            // engine thread's loop over the step's outputs, or the delivery task); handed →
+            // taken by the handler (its task's wake); taken → bytes ready (its shaping).
             let (mut gw_first_out_send, mut gw_out_send) = (Vec::new(), Vec::new());
+            let (mut gw_first_out_wake, mut gw_out_wake) = (Vec::new(), Vec::new());
+            let (mut gw_first_out_format, mut gw_out_format) = (Vec::new(), Vec::new());
             // Outside the gateway's handler: client send → handler start, and the
             // gateway's final bytes ready → the client has read `[DONE]`.
             let (mut wire_in, mut wire_out, mut engine_ttft) = (Vec::new(), Vec::new(), Vec::new());
@@ -437,6 +440,10 @@ pub fn run(a: ServeBenchArgs) -> anyhow::Result<()> {
                 gw_first_out.push(ms(t.engine_first_text, t.emit_first_text));
                 gw_first_out_send.push(ms(t.engine_first_text, t.sent_first_text));
                 gw_out_send.push(ms(t.engine_finish, t.sent_finish));
+                gw_first_out_wake.push(ms(t.sent_first_text, t.polled_first_text));
+                gw_out_wake.push(ms(t.sent_finish, t.polled_finish));
+                gw_first_out_format.push(ms(t.polled_first_text, t.emit_first_text));
+                gw_out_format.push(ms(t.polled_finish, t.emit_finish));
                 if let Some((at, emit)) = t.second_text {
                     gw_second_out.push(ms(at, emit));
                 }
@@ -458,8 +465,9 @@ pub fn run(a: ServeBenchArgs) -> anyhow::Result<()> {
             // `index`: its place in the pooled requests, rounds in order; "in" split into
             // waiting for the client's body, parse and checks, tokenization, submission,
             // and the thread's use from the body read to submission: its CPU time, page
-            // faults and context switches; "first_out_send" and "out_send": the parts of
-            // "first_out" and "out" before the output reached its stream).
+            // faults and context switches; "first_out" and "out" split into the hand-off to
+            // the stream ("_send"), the handler's wake ("_wake") and its shaping of the
+            // bytes ("_format").
             let slowest = |index: usize| {
                 let h = http.get(index)?;
                 let t = timings.get(&h.id)?;
@@ -477,8 +485,12 @@ pub fn run(a: ServeBenchArgs) -> anyhow::Result<()> {
                     })),
                     "first_out": ms(t.engine_first_text, t.emit_first_text),
                     "first_out_send": ms(t.engine_first_text, t.sent_first_text),
+                    "first_out_wake": ms(t.sent_first_text, t.polled_first_text),
+                    "first_out_format": ms(t.polled_first_text, t.emit_first_text),
                     "out": ms(t.engine_finish, t.emit_finish),
                     "out_send": ms(t.engine_finish, t.sent_finish),
+                    "out_wake": ms(t.sent_finish, t.polled_finish),
+                    "out_format": ms(t.polled_finish, t.emit_finish),
                     "send_to_handler": ms(h.send, t.arrival),
                 }))
             };
@@ -503,7 +515,19 @@ pub fn run(a: ServeBenchArgs) -> anyhow::Result<()> {
             // request or from a tail shows here.
             let over_1ms = |v: &[f64]| v.iter().filter(|&&x| x > 1.0).count();
             let (gw_e2e_over_1ms, gw_first_over_1ms) = (over_1ms(&gw_e2e), over_1ms(&gw_first));
-            levels.push(json!({
+            // The rest of "first_out" and "out": the handler's wake (handed → taken from the
+            // stream) and its shaping of the bytes (taken → ready); joined to
+            // gateway_overhead_ms below (one json! of it all passes the macro's recursion
+            // limit).
+            let out_split = json!({
+                "first_out_wake_p99": pct(gw_first_out_wake.clone(), 0.99),
+                "first_out_wake_max": pct(gw_first_out_wake, 1.0),
+                "first_out_format_p99": pct(gw_first_out_format.clone(), 0.99),
+                "first_out_format_max": pct(gw_first_out_format, 1.0),
+                "out_wake_p99": pct(gw_out_wake.clone(), 0.99), "out_wake_max": pct(gw_out_wake, 1.0),
+                "out_format_p99": pct(gw_out_format.clone(), 0.99), "out_format_max": pct(gw_out_format, 1.0),
+            });
+            let mut level = json!({
                 "concurrency": c,
                 // Per run; latencies and chunk counts cover all rounds' requests.
                 "requests": n,
@@ -576,7 +600,11 @@ pub fn run(a: ServeBenchArgs) -> anyhow::Result<()> {
                 // Their time runnable but not running, per streamed token: CPU taken by
                 // other threads or processes, or slow wakes of idle CPUs.
                 "run_queue_wait_us_per_token": {"gateway": wait_us("gateway"), "load_generator": wait_us("load")},
-            }));
+            });
+            if let (Some(gw), Some(split)) = (level["gateway_overhead_ms"].as_object_mut(), out_split.as_object()) {
+                gw.extend(split.clone());
+            }
+            levels.push(level);
         }
         Ok::<_, anyhow::Error>(levels)
     })?;

@@ -110,6 +110,7 @@ impl Inference for GrpcService {
         let prompt_len = prompt.len();
         let mut first = Some(prompt);
         let mut tracker = crate::handlers::Tracker::new(
+            &state,
             arrival,
             &format!("grpc-{}", stream.id),
             submitted,

@@ -227,9 +227,12 @@ pub(crate) struct Tracker {
     last: Option<Instant>,
     first: Option<Instant>,
     scheduled: Option<Instant>,
-    /// The first output that carried text: engine time, handed to the stream, and when
-    /// the gateway had its bytes ready.
-    first_text: Option<(Instant, Instant, Instant)>,
+    /// The first output that carried text: engine time, handed to the stream, taken
+    /// from it by the handler, and when the gateway had its bytes ready.
+    first_text: Option<(Instant, Instant, Instant, Instant)>,
+    /// When the handler took the output it is shaping now from its stream (set by
+    /// `observe`, which runs first on every output).
+    polled: Option<Instant>,
     /// The same for the second output that carried text.
     second_text: Option<(Instant, Instant)>,
     /// Inside the time before submission (`record_timings` only).
@@ -237,11 +240,14 @@ pub(crate) struct Tracker {
     done: bool,
     /// Ids of this request's `request` span, chosen at submission (traces on).
     ids: Option<crate::telemetry::TraceParent>,
+    /// Counts this choice as being answered while it lives (`DISAGG_GATEWAY_SPIN`).
+    _spin: crate::SpinGuard,
 }
 
 impl Tracker {
-    pub(crate) fn new(arrival: Instant, id: &str, submitted: Instant, route: &'static str) -> Tracker {
+    pub(crate) fn new(s: &AppState, arrival: Instant, id: &str, submitted: Instant, route: &'static str) -> Tracker {
         Tracker {
+            _spin: s.spin.enter(),
             arrival,
             submitted,
             id: id.to_string(),
@@ -250,6 +256,7 @@ impl Tracker {
             first: None,
             scheduled: None,
             first_text: None,
+            polled: None,
             second_text: None,
             in_probe: None,
             done: false,
@@ -271,6 +278,7 @@ impl Tracker {
 
     /// Metrics for one engine output.
     pub(crate) fn observe(&mut self, s: &AppState, item: &StreamItem) {
+        self.polled = Some(Instant::now());
         let m = &s.metrics;
         match self.last {
             None => {
@@ -295,9 +303,10 @@ impl Tracker {
     /// records the request's timing and trace spans when those are enabled.
     pub(crate) fn emitted(&mut self, s: &AppState, item: &StreamItem) {
         let now = Instant::now();
+        let polled = self.polled.unwrap_or(now);
         if !item.out.new_text.is_empty() {
             if self.first_text.is_none() {
-                self.first_text = Some((item.at, item.sent, now));
+                self.first_text = Some((item.at, item.sent, polled, now));
             } else if self.second_text.is_none() {
                 self.second_text = Some((item.at, now));
             }
@@ -316,18 +325,20 @@ impl Tracker {
             "request finished"
         );
         if s.cfg.record_timings {
-            let (engine_first_text, sent_first_text, emit_first_text) =
-                self.first_text.unwrap_or((item.at, item.sent, now));
+            let (engine_first_text, sent_first_text, polled_first_text, emit_first_text) =
+                self.first_text.unwrap_or((item.at, item.sent, polled, now));
             s.timings.lock().unwrap_or_else(|e| e.into_inner()).push(crate::RequestTiming {
                 id: self.id.clone(),
                 arrival: self.arrival,
                 submitted: self.submitted,
                 engine_first_text,
                 sent_first_text,
+                polled_first_text,
                 emit_first_text,
                 second_text: self.second_text,
                 engine_finish: item.at,
                 sent_finish: item.sent,
+                polled_finish: polled,
                 emit_finish: now,
                 in_probe: self.in_probe,
             });
@@ -414,7 +425,7 @@ async fn collect_all(
     in_probe: Option<crate::InProbe>,
 ) -> Result<(Vec<Collected>, usize), ApiError> {
     let results = futures::future::join_all(streams.into_iter().map(|st| {
-        let t = Tracker::new(arrival, id, submitted, route).with_trace(st.trace.as_deref()).with_in_probe(in_probe);
+        let t = Tracker::new(s, arrival, id, submitted, route).with_trace(st.trace.as_deref()).with_in_probe(in_probe);
         collect(st, s, t)
     }))
     .await;
@@ -711,7 +722,7 @@ pub async fn chat(State(s): State<Arc<AppState>>, headers: HeaderMap, body: Body
         pending: Default::default(),
         trackers: (0..n)
             .map(|i| {
-                Tracker::new(arrival, &format.id, submitted, "/v1/chat/completions")
+                Tracker::new(&s, arrival, &format.id, submitted, "/v1/chat/completions")
                     .with_trace(traces[i].as_deref())
                     .with_in_probe(marks.probe())
             })
@@ -863,7 +874,7 @@ pub async fn completions(State(s): State<Arc<AppState>>, headers: HeaderMap, bod
         pending: Default::default(),
         trackers: (0..total)
             .map(|i| {
-                Tracker::new(arrival, &format.id, submitted, "/v1/completions")
+                Tracker::new(&s, arrival, &format.id, submitted, "/v1/completions")
                     .with_trace(traces[i].as_deref())
                     .with_in_probe(marks.probe())
             })
