@@ -343,8 +343,8 @@ impl<B: Backend> Model<B> {
                     &self.attn,
                     kv,
                 );
-                // The norm each residual write feeds next (a hint a backend may prepare for).
-                let next_norm = self.layers.get(l + 1).map_or(&self.norm, |next| &next.attn_norm);
+                // Each residual write is told the norm that reads x next (a hint a backend
+                // may prepare for): the FFN norm, then the next layer's or the final one.
                 be.attention_residual(
                     &ws.qkv,
                     l,
@@ -356,6 +356,7 @@ impl<B: Backend> Model<B> {
                     &mut ws.x,
                     Some(&layer.ffn_norm),
                 );
+                let next_norm = self.layers.get(l + 1).map_or(&self.norm, |next| &next.attn_norm);
                 be.mlp_residual(
                     &mut ws.x,
                     &layer.ffn_norm,

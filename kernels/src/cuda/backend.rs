@@ -1023,10 +1023,11 @@ impl CudaBackend {
             _ if n_tokens == 1 && !self.gemv_pipe => flat,
             _ => names[n_tokens - 1],
         };
-        // The prepared buffers by address: this GEMV reads them (pre) or writes them
+        // The prepared buffers by address, where this GEMV reads them (pre) or writes them
         // (PlainStats); both stay where they are while graphs hold them (buffers_moving).
-        let xg = self.prenorm_xg.device_ptr(&st).0;
-        let parts = self.prenorm_parts.device_ptr(&st).0;
+        let prepared = (pre || matches!(kind, Gemv::PlainStats(_)))
+            .then(|| (self.prenorm_xg.device_ptr(&st).0, self.prenorm_parts.device_ptr(&st).0));
+        let (xg, parts) = prepared.unwrap_or_default();
         let mut b = st.launch_builder(self.dev.func(name));
         b.arg(w);
         if pre {
@@ -1052,8 +1053,8 @@ impl CudaBackend {
         // begin_step uploaded with its position) lies in the cache; PlainStats: one token,
         // n_out a multiple of NORM_SPAN (every warp of a block has rows: the kernel's
         // barrier), g, xg n_out wide and n_out / NORM_SPAN partial sums (checked by
-        // prenorm); with `pre`,
-        // those describe x (its address, width and norm weight, checked above).
+        // prenorm); with `pre`, those describe x (its address, width and norm weight,
+        // checked above).
         unsafe { b.launch(cfg) }.expect("CUDA: GEMV");
         if pre {
             self.prenorm_taken += 1;
@@ -1086,15 +1087,15 @@ impl CudaBackend {
         {
             return false;
         }
+        let st = self.dev.stream().clone();
         if self.prenorm_xg.len() < rows {
             self.buffers_moving();
-            let st = self.dev.stream().clone();
             self.prenorm_xg = st.alloc_zeros::<f32>(rows).expect("CUDA: the prepared norm input");
             self.prenorm_parts = st.alloc_zeros::<f32>(rows / super::NORM_SPAN).expect("CUDA: the prepared norm sums");
         }
         let t = self.tic();
+        // (A plain GEMV: `a` stands in for the norm weight it does not read.)
         self.gemv(Gemv::PlainStats(g), w, a, a, 0.0, 1, rows, x, true);
-        let st = self.dev.stream().clone();
         self.prenormed = Some((x.device_ptr(&st).0, g.device_ptr(&st).0, rows));
         self.toc("gemv_stats", t);
         true

@@ -1360,9 +1360,8 @@ KM_KERNEL(flash_decode_km_f16_d128, 128)
 //         NORM_BLOCK the block first computes each token's scale and multiplies x by
 //         scale · nw[k] as it reads it. With NORM_PART (one token) the kernel that wrote
 //         the residual left x · nw and the sums of x² per block's rows (NORM_SPAN
-//         elements; EPI_STATS below):
-//         x is that product and nw those sums, the loop is the plain one's and each warp
-//         scales its two dot products at the end, so no pass over x, no block barrier and
+//         elements; EPI_STATS below): x is that product and nw those sums, the loop is
+//         the plain one's and each warp scales its two dot products at the end, so no pass over x, no block barrier and
 //         no second vector per step (the lab, tools/gpu-lab/normlab.cu: the block's norm
 //         made the QKV and gate/up GEMVs 28% and 15% slower than plain ones);
 //   SILU: W is [gate; up] (2·n_out rows): a warp takes gate row n and up row n + n_out
