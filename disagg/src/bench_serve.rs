@@ -297,13 +297,16 @@ pub fn run(a: ServeBenchArgs) -> anyhow::Result<()> {
     let max_c = a.concurrency.iter().copied().max().unwrap_or(1);
     opts.max_num_seqs = opts.max_num_seqs.max(max_c.min(256));
     opts.max_batched_tokens = opts.max_batched_tokens.max(opts.max_num_seqs);
+    let spin =
+        router::spin_default(matches!(opts.device, engine::load::Device::Cuda(_))).map_err(anyhow::Error::msg)?;
     let engine = engine::load::spawn_engine(&opts, 1 << 20)?;
     let backend = engine.backend.to_string();
     let model = opts.model.clone();
     // The gateway runs on its own runtime, as under `disagg serve`; the load generator
     // on another, so the gateway's tasks never queue behind the client's parsing.
     let server_rt = tokio::runtime::Builder::new_multi_thread().thread_name("gateway").enable_all().build()?;
-    let cfg = GatewayConfig { served_model_name: model.clone(), record_timings: true, ..GatewayConfig::default() };
+    let cfg =
+        GatewayConfig { served_model_name: model.clone(), record_timings: true, spin, ..GatewayConfig::default() };
     let state = AppState::new(cfg);
     // In the gateway's runtime, where a delivery task (DISAGG_OUTPUT_TASK=1) would run.
     server_rt.block_on(async { state.set_engine(engine.clone()) });
@@ -617,6 +620,8 @@ pub fn run(a: ServeBenchArgs) -> anyhow::Result<()> {
         "cpu_latency_qos": a.cpu_latency_qos,
         // The process's allocator (mimalloc; `DISAGG_ALLOCATOR=system`: glibc's).
         "allocator": crate::alloc::name(),
+        // A gateway task kept a runtime worker awake while requests ran (DISAGG_GATEWAY_SPIN).
+        "gateway_spin": spin,
         "levels": levels,
     });
     println!("{}", serde_json::to_string_pretty(&out)?);

@@ -310,6 +310,7 @@ pub fn router(a: RouterArgs) -> anyhow::Result<()> {
         let cfg = GatewayConfig {
             served_model_name: a.served_model_name.clone().unwrap_or_else(|| a.model.clone()),
             api_key: a.api_key.clone().filter(|k| !k.is_empty()),
+            spin: router::spin_default(false).map_err(anyhow::Error::msg)?,
             ..GatewayConfig::default()
         };
         let state = AppState::new(cfg);

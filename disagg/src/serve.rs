@@ -84,6 +84,7 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
         served_model_name: a.served_model_name.clone().unwrap_or_else(|| opts.model.clone()),
         api_key: a.api_key.clone().filter(|k| !k.is_empty()),
         max_body_bytes: a.max_body_mib.max(1) << 20,
+        spin: router::spin_default(matches!(opts.device, engine::load::Device::Cuda(_))).map_err(anyhow::Error::msg)?,
         ..GatewayConfig::default()
     };
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;

@@ -114,6 +114,14 @@ fn bad_flags_say_what_to_change() {
 }
 
 #[test]
+fn an_unknown_gateway_spin_is_a_clear_error() {
+    // Checked before the model loads, so `serve` neither listens nor loads.
+    let (code, _, err) = disagg_with(&["serve", "--port", "0"], &[("DISAGG_GATEWAY_SPIN", "yes")]);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("DISAGG_GATEWAY_SPIN=yes") && err.contains("give 1"), "{err}");
+}
+
+#[test]
 fn an_unknown_allocator_is_a_clear_error() {
     let (code, _, err) = disagg_with(&["generate", "--prompt", "hi"], &[("DISAGG_ALLOCATOR", "glibc")]);
     assert_eq!(code, 1, "{err}");
@@ -125,7 +133,8 @@ fn bench_serve_accounts_for_every_request() {
     // A small run: every HTTP request's gateway timing is found, the slowest request's
     // parts add up to the reported maximum, and the scheduler figures are there (Linux).
     // It runs on glibc's malloc, the other allocator (the other tests run on mimalloc),
-    // and with the gateway's spinning task (DISAGG_GATEWAY_SPIN, off elsewhere).
+    // and with the gateway's spinning task (DISAGG_GATEWAY_SPIN=1; a CPU engine's gateway
+    // does not spin by default).
     let (code, out, err) = disagg_with(
         &[
             "bench",
@@ -146,6 +155,7 @@ fn bench_serve_accounts_for_every_request() {
     assert_eq!(code, 0, "{err}");
     let v: serde_json::Value = serde_json::from_str(out.trim()).expect("one JSON object");
     assert_eq!(v["allocator"], "system");
+    assert_eq!(v["gateway_spin"], true);
     let level = &v["levels"][0];
     assert_eq!(level["requests_measured"], 8);
     assert_eq!(level["matched_timings"], 8);
