@@ -187,6 +187,14 @@ const MAX_GRAPHS: usize = 512;
 pub struct CudaBackend {
     /// `DISAGG_CUDA_PROFILE`: GPU time and calls per op, from CUDA events.
     profile: Option<Profile>,
+    /// When the replayed decode graph in flight was launched, and when the last one's
+    /// results reached the host; the wall time from launches to results, and from a
+    /// replay's results to the next replay's launch (the host's work while the GPU
+    /// waits), each summed with its count.
+    replay_launched: Option<std::time::Instant>,
+    replay_settled: Option<std::time::Instant>,
+    replay_wall: (f64, u64),
+    replay_gap: (f64, u64),
     dev: CudaDevice,
     blas: CudaBlas,
     bf16_weights: bool,
@@ -455,6 +463,10 @@ impl CudaBackend {
             }
             .min(super::GEMV_MAX_TOKENS),
             profile,
+            replay_launched: None,
+            replay_settled: None,
+            replay_wall: (0.0, 0),
+            replay_gap: (0.0, 0),
             blas,
             bf16_weights,
             x_bf16: stream.alloc_zeros::<u16>(1).map_err(dev_err)?,
@@ -735,6 +747,11 @@ impl CudaBackend {
 
     /// Adds the time of every op timed so far (the stream is idle: after a copy to the host).
     fn settle(&mut self) {
+        if let Some(t) = self.replay_launched.take() {
+            self.replay_wall.0 += t.elapsed().as_secs_f64();
+            self.replay_wall.1 += 1;
+            self.replay_settled = Some(std::time::Instant::now());
+        }
         if let Some(p) = self.profile.as_mut() {
             for (name, start, end) in p.pending.drain(..) {
                 let ms = start.elapsed_ms(&end).expect("CUDA: reading a profiling event");
@@ -1554,11 +1571,19 @@ impl Backend for CudaBackend {
     }
 
     fn run_step(&mut self, replayable: bool, body: &mut dyn FnMut(&mut Self)) {
+        // (The host's time between replays counts only from one replay to the next.)
+        let settled = self.replay_settled.take();
         if !(replayable && self.graphs_on) {
             return body(self);
         }
         let key = self.step_key;
         if let Some(g) = self.graphs.0.get(&key) {
+            let now = std::time::Instant::now();
+            if let Some(t) = settled {
+                self.replay_gap.0 += (now - t).as_secs_f64();
+                self.replay_gap.1 += 1;
+            }
+            self.replay_launched = Some(now);
             g.launch().expect("CUDA: launching a decode graph");
             return;
         }
@@ -1987,7 +2012,14 @@ impl Backend for CudaBackend {
     }
 
     fn op_profile(&self) -> Vec<(&'static str, f64, u64)> {
-        self.profile.iter().flat_map(|p| &p.totals).map(|(k, (s, n))| (*k, *s, *n)).collect()
+        let mut ops: Vec<_> = self.profile.iter().flat_map(|p| &p.totals).map(|(k, (s, n))| (*k, *s, *n)).collect();
+        if self.replay_wall.1 > 0 {
+            ops.push((super::REPLAY_WALL_OP, self.replay_wall.0, self.replay_wall.1));
+        }
+        if self.replay_gap.1 > 0 {
+            ops.push((super::REPLAY_GAP_OP, self.replay_gap.0, self.replay_gap.1));
+        }
+        ops
     }
 
     fn copy_bandwidth_gbps(&self) -> Option<f64> {
