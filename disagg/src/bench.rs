@@ -188,7 +188,8 @@ fn bench_core<B: Backend>(
             "tokens_per_s": median(rates),
             "ms_per_step": median(step_ms),
             "host_us_per_step": host_us,
-            // Per-op time of the timed steps (DISAGG_CUDA_PROFILE; every op synchronized).
+            // Per-op time of the timed steps (DISAGG_CUDA_PROFILE; every op synchronized), and
+            // on CUDA always the replayed graphs' launch-to-result time and the host's between them.
             "op_us_per_step": ops.iter().map(|(op, (s, n))| json!({"op": op, "us": s * 1e6 / op_steps.max(1) as f64, "calls_per_step": *n as f64 / op_steps.max(1) as f64})).collect::<Vec<_>>(),
         }));
     }

@@ -196,7 +196,7 @@ pub const SPIN_MIN_CORES: usize = 4;
 
 /// Whether the gateway spins ([`SPIN_ENV`]'s value `env`, if set, decides). By default
 /// it does when the engine runs on a GPU and the machine has [`SPIN_MIN_CORES`]: on the
-/// 16-core H200 host it cut the handler's wake (first output p99 0.16-0.17 → 0.010-0.015
+/// 16-core H200 host it cut the handler's wake (first output p99 0.16-0.18 → 0.010-0.015
 /// ms at one stream) and every run kept the added p99 under 1 ms, at no loss of tokens/s
 /// (docs/PERF.md); a CPU engine needs the cores (on the 2-core VM it lost 77-90% of its
 /// tokens/s to the spinning worker), and a cluster's router has no engine beside it.
