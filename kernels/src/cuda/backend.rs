@@ -2012,14 +2012,9 @@ impl Backend for CudaBackend {
     }
 
     fn op_profile(&self) -> Vec<(&'static str, f64, u64)> {
-        let mut ops: Vec<_> = self.profile.iter().flat_map(|p| &p.totals).map(|(k, (s, n))| (*k, *s, *n)).collect();
-        if self.replay_wall.1 > 0 {
-            ops.push((super::REPLAY_WALL_OP, self.replay_wall.0, self.replay_wall.1));
-        }
-        if self.replay_gap.1 > 0 {
-            ops.push((super::REPLAY_GAP_OP, self.replay_gap.0, self.replay_gap.1));
-        }
-        ops
+        let replays = [(super::REPLAY_WALL_OP, self.replay_wall), (super::REPLAY_GAP_OP, self.replay_gap)];
+        let replays = replays.into_iter().filter(|(_, (_, n))| *n > 0).map(|(op, (s, n))| (op, s, n));
+        self.profile.iter().flat_map(|p| &p.totals).map(|(k, (s, n))| (*k, *s, *n)).chain(replays).collect()
     }
 
     fn copy_bandwidth_gbps(&self) -> Option<f64> {
