@@ -180,16 +180,16 @@ fn bench_core<B: Backend>(
             }
             op_steps += t.full_steps;
         }
-        // Between two replayed CUDA graphs of timed steps: the host's work while the GPU
-        // waited (outputs, scheduling, the next step's metadata), a mean per gap.
-        let host_us = ops.get(kernels::cuda::REPLAY_GAP_OP).map(|(s, n)| s * 1e6 / (*n).max(1) as f64);
+        // The GPU's time between two steps' forward passes (sampling, copies, and waiting
+        // for the host unless async scheduling hid it), a mean per gap.
+        let gap_us = ops.get(kernels::cuda::STEP_GAP_OP).map(|(s, n)| s * 1e6 / (*n).max(1) as f64);
         decode.push(json!({
             "batch": b,
             "tokens_per_s": median(rates),
             "ms_per_step": median(step_ms),
-            "host_us_per_step": host_us,
+            "gpu_gap_us_per_step": gap_us,
             // Per-op time of the timed steps (DISAGG_CUDA_PROFILE; every op synchronized), and
-            // on CUDA always the replayed graphs' launch-to-result time and the host's between them.
+            // on CUDA always the GPU's time between steps.
             "op_us_per_step": ops.iter().map(|(op, (s, n))| json!({"op": op, "us": s * 1e6 / op_steps.max(1) as f64, "calls_per_step": *n as f64 / op_steps.max(1) as f64})).collect::<Vec<_>>(),
         }));
     }

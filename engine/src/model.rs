@@ -177,6 +177,19 @@ pub struct Workspace<B: Backend> {
     logits: B::Act,
 }
 
+/// How [`Model::forward`] takes the tokens of its logit rows.
+pub enum Sampling<'s, 'a> {
+    /// The logits are copied to the host.
+    Host,
+    /// The backend samples where the logits are, one spec per row, into the vector (or,
+    /// where it does not, the logits are copied to the host).
+    Device(&'s [SampleSpec<'a>], &'s mut Vec<SampledRow>),
+    /// Plain greedy rows: the backend takes their argmax and leaves it where it is, for
+    /// the next step and for [`Backend::collect_sampled`] (only where
+    /// [`Backend::defers_sampling`]).
+    Deferred,
+}
+
 /// Runs after a layer's K/V are in the cache: `(backend, kv, layer)`.
 pub type LayerHook<'a, B> = &'a mut dyn FnMut(&mut B, &<B as Backend>::Kv, usize);
 
@@ -302,9 +315,9 @@ impl<B: Backend> Model<B> {
     /// their K/V into `kv`, and the logits of the rows in `logit_rows` into `logits`
     /// (`logit_rows.len() × vocab`). `after_layer(backend, kv, l)`, when given, runs once
     /// layer `l`'s K/V are in the cache (the KV transfer sends them from there while later
-    /// layers compute). With `sampling` (a spec per logit row), the backend may sample
-    /// where the logits are and write its results there (returns true); otherwise (false)
-    /// the logits are copied to `logits`.
+    /// layers compute). `sampling` says how the rows' tokens are taken: returns true when
+    /// the backend sampled them (on the device, or deferred), false when the logits were
+    /// copied to `logits`.
     ///
     /// A decode-only step without a layer hook is replayable: the same ops for every step
     /// of its shape, which a backend may capture once and replay (CUDA graphs).
@@ -318,7 +331,7 @@ impl<B: Backend> Model<B> {
         batch: &StepBatch,
         logit_rows: &[u32],
         logits: &mut [f32],
-        sampling: Option<(&[SampleSpec], &mut Vec<SampledRow>)>,
+        sampling: Sampling,
         mut after_layer: Option<LayerHook<B>>,
     ) -> bool {
         let n = tokens.len();
@@ -383,9 +396,16 @@ impl<B: Backend> Model<B> {
         if m == 0 {
             return false;
         }
-        if let Some((specs, out)) = sampling {
-            assert_eq!(specs.len(), m, "one sampling spec per logit row");
-            if be.sample_rows(&mut ws.logits, c.vocab, specs, out) {
+        match sampling {
+            Sampling::Host => {}
+            Sampling::Device(specs, out) => {
+                assert_eq!(specs.len(), m, "one sampling spec per logit row");
+                if be.sample_rows(&mut ws.logits, c.vocab, specs, out) {
+                    return true;
+                }
+            }
+            Sampling::Deferred => {
+                be.sample_rows_deferred(&ws.logits, c.vocab, m);
                 return true;
             }
         }

@@ -275,6 +275,19 @@ impl Sampler {
         self.record(token);
     }
 
+    /// Whether this step's sample is a bare argmax of the raw logits that no earlier token
+    /// changes: greedy, no logprobs, no logit edits now (`n_generated` tokens so far), and
+    /// no penalties (which would depend on tokens not read yet). Such rows may be sampled
+    /// deferred ([`kernels::Backend::sample_rows_deferred`]).
+    pub fn defers(&self, p: &SamplingParams, n_generated: usize, end_ids: &[u32]) -> bool {
+        p.is_greedy()
+            && p.logprobs.is_none()
+            && p.repetition_penalty == 1.0
+            && p.presence_penalty == 0.0
+            && p.frequency_penalty == 0.0
+            && self.edits(p, n_generated, end_ids).is_empty()
+    }
+
     /// What a backend needs to sample this step where the logits are: the edits and the
     /// draw's uniform number (taken from the stream now, as [`Sampler::sample`] would).
     pub fn device_spec(&mut self, p: &SamplingParams, n_generated: usize, end_ids: &[u32]) -> (Vec<LogitEdit>, f64) {

@@ -40,11 +40,11 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::Instant;
 
-use kernels::{Backend, KvShape, LogitEdit, SampleSpec, SampledRow, SeqSpan, StepBatch};
+use kernels::{Backend, FedToken, KvShape, LogitEdit, SampleSpec, SampledRow, SeqSpan, StepBatch};
 use serde::Serialize;
 
 use crate::kv::{blocks_for, BlockAllocator, HostTier};
-use crate::model::{Model, Workspace};
+use crate::model::{Model, Sampling, Workspace};
 use crate::prefix::{extend_hashes, HashSalt};
 use crate::sampling::{Sampler, SamplingParams, TokenLogprob};
 use crate::tokenizer::{IncrementalDecoder, Tokenizer};
@@ -162,6 +162,9 @@ pub struct EngineStats {
     /// Steps in which every scheduled sequence ran exactly one token (decode only: the
     /// steps a CUDA backend can replay from a graph); the rest mixed prefill in.
     pub decode_only_steps: u64,
+    /// Steps launched before the tokens of the step before them were read (async
+    /// scheduling; see [`EngineCore::step`]).
+    pub async_steps: u64,
     /// Seconds spent in the steps that ran, from scheduling to their outputs (host work
     /// and the forward pass); the rest of an engine's wall time it waited for work or
     /// handled commands and delivered outputs.
@@ -208,11 +211,23 @@ struct Sequence {
     n_registered: usize,
     /// Prompt tokens found in the cache when first admitted.
     cached_tokens: Option<usize>,
+    /// Tokens sampled by deferred steps and not read yet (async scheduling; they follow
+    /// `tokens`), and the row of the latest one in its step's sample.
+    pending: usize,
+    feed_row: u32,
 }
 
 impl Sequence {
     fn n_generated(&self) -> usize {
         self.tokens.len() - self.prompt_len
+    }
+    /// Its length with the tokens not read yet.
+    fn len_all(&self) -> usize {
+        self.tokens.len() + self.pending
+    }
+    /// Whether its tokens not read yet reach `max_tokens` (it ends once they are read).
+    fn ends_when_read(&self) -> bool {
+        self.pending > 0 && self.len_all() - self.prompt_len >= self.max_tokens
     }
 }
 
@@ -243,6 +258,11 @@ pub struct EngineCore<B: Backend> {
     sampled_rows: Vec<SampledRow>,
     /// Outputs by delivery priority (unless [`OUTPUT_ORDER_ENV`] is `step`).
     priority_order: bool,
+    /// The step whose sample was deferred and not read yet (async scheduling): its
+    /// sampled sequences in row order; and scratch for the ids read.
+    in_flight: Option<Vec<RequestId>>,
+    collected: Vec<u32>,
+    fed: Vec<FedToken>,
 }
 
 impl<B: Backend> EngineCore<B> {
@@ -285,6 +305,9 @@ impl<B: Backend> EngineCore<B> {
             step_tokens: Vec::new(),
             step_rows: Vec::new(),
             priority_order: !std::env::var(OUTPUT_ORDER_ENV).is_ok_and(|v| v == "step"),
+            in_flight: None,
+            collected: Vec::new(),
+            fed: Vec::new(),
         }
     }
 
@@ -315,7 +338,7 @@ impl<B: Backend> EngineCore<B> {
     }
 
     pub fn has_work(&self) -> bool {
-        !self.running.is_empty() || !self.waiting.is_empty()
+        !self.running.is_empty() || !self.waiting.is_empty() || self.in_flight.is_some()
     }
 
     /// The numbers requests are validated against.
@@ -500,6 +523,8 @@ impl<B: Backend> EngineCore<B> {
             holdback,
             scheduled_at: None,
             awaiting_kv: false,
+            pending: 0,
+            feed_row: 0,
         };
         Ok(seq)
     }
@@ -540,7 +565,7 @@ impl<B: Backend> EngineCore<B> {
         while pos < prompt.len() {
             let n = (prompt.len() - pos).min(self.cfg.max_batched_tokens);
             let spans = [SeqSpan { rows: 0..n, pos0: pos, block_table: &table }];
-            let batch = StepBatch { n_tokens: n, seqs: &spans, block_size: self.cfg.block_size };
+            let batch = StepBatch { n_tokens: n, seqs: &spans, block_size: self.cfg.block_size, fed: &[] };
             let last = pos + n == prompt.len();
             let rows = [n as u32 - 1];
             self.model.forward(
@@ -551,7 +576,7 @@ impl<B: Backend> EngineCore<B> {
                 &batch,
                 if last { &rows[..] } else { &[] },
                 &mut self.logits,
-                None,
+                Sampling::Host,
                 None,
             );
             pos += n;
@@ -570,7 +595,12 @@ impl<B: Backend> EngineCore<B> {
         while i < self.running.len() && budget > 0 {
             let id = self.running[i];
             let seq = &self.seqs[&id];
-            let n = (seq.tokens.len() - seq.n_computed).min(budget);
+            if seq.ends_when_read() {
+                // Its last token is on its way: nothing more to compute.
+                i += 1;
+                continue;
+            }
+            let n = (seq.len_all() - seq.n_computed).min(budget);
             let mut need = blocks_for(seq.n_computed + n, bs).saturating_sub(seq.block_table.len());
             let mut self_preempted = false;
             // Blocks held by activated requests not yet admitted go first.
@@ -607,7 +637,7 @@ impl<B: Backend> EngineCore<B> {
                 j += 1;
                 continue;
             }
-            let n = (seq.tokens.len() - seq.n_computed).min(budget);
+            let n = (seq.len_all() - seq.n_computed).min(budget);
             let need = blocks_for(seq.n_computed + n, bs) - seq.block_table.len();
             while need > self.alloc.n_free() && self.release_a_waiting_holder(Some(id)) {}
             let seq = self.seqs.get_mut(&id).expect("waiting sequence exists");
@@ -632,7 +662,7 @@ impl<B: Backend> EngineCore<B> {
                 self.attach_prefix(id);
             }
             let seq = self.seqs.get_mut(&id).expect("waiting sequence exists");
-            let n = (seq.tokens.len() - seq.n_computed).min(budget);
+            let n = (seq.len_all() - seq.n_computed).min(budget);
             let need = blocks_for(seq.n_computed + n, bs) - seq.block_table.len();
             if !self.alloc.allocate(need, &mut seq.block_table) {
                 if attached {
@@ -702,12 +732,14 @@ impl<B: Backend> EngineCore<B> {
     }
 
     /// Registers the blocks of `seq` that are fully computed and not registered yet.
+    /// (Tokens not read yet are not: their blocks are registered once they are.)
     fn register_computed(alloc: &mut BlockAllocator, seq: &mut Sequence, bs: usize) {
-        let full = seq.n_computed / bs;
+        let done = seq.n_computed.min(seq.tokens.len());
+        let full = done / bs;
         if !alloc.caching() || full <= seq.n_registered {
             return;
         }
-        extend_hashes(seq.salt, bs, &seq.tokens[..seq.n_computed], &mut seq.hashes);
+        extend_hashes(seq.salt, bs, &seq.tokens[..done], &mut seq.hashes);
         for i in seq.n_registered..full {
             alloc.register(seq.block_table[i], seq.hashes[i]);
         }
@@ -812,40 +844,114 @@ impl<B: Backend> EngineCore<B> {
     /// delivery priority: outputs carrying a request's first text, then requests'
     /// last outputs, then the rest, each group in the step's row order (oldest request
     /// first); with [`OUTPUT_ORDER_ENV`]`=step`, all in row order.
+    /// Runs one step and returns the outputs it made available: each sampled sequence's
+    /// next token and text, by delivery priority (see below).
+    ///
+    /// Async scheduling (where the backend [`Backend::defers_sampling`]): a step whose
+    /// sampled rows are all plain greedy ([`Sampler::defers`]) leaves its tokens on the
+    /// device, and its outputs come from the next call. That call launches the next step
+    /// first when it is decode only (every sequence one token, each sampled plainly again),
+    /// feeding the tokens not read yet from the device ([`StepBatch::fed`]), and reads
+    /// them while the device computes: the host's work (outputs, scheduling, metadata)
+    /// overlaps the device's instead of leaving it idle. A sequence that the tokens read
+    /// then end has computed one token too many, which is dropped with its blocks; any
+    /// other step first reads them, as without async scheduling.
     pub fn step(&mut self) -> Vec<RequestOutput> {
         let t0 = std::time::Instant::now();
-        let plan = self.schedule();
-        if plan.is_empty() {
-            return Vec::new();
-        }
-        self.step_tokens.clear();
-        self.step_rows.clear();
-        // Sampling where the logits are, when the backend does it: each sampled row's
-        // edits and draw (taken from its stream now), in the order of the rows.
-        let on_device = self.backend.samples_on_device();
-        self.dev_specs.clear();
-        if on_device {
-            for &(id, n) in &plan {
-                let seq = self.seqs.get_mut(&id).expect("exists");
-                if seq.n_computed + n == seq.tokens.len() {
-                    let n_gen = seq.n_generated();
-                    self.dev_specs.push(seq.sampler.device_spec(&seq.params, n_gen, &self.tokenizer.eos_ids));
-                }
+        let mut plan = self.schedule();
+        let defer_ok = self.backend.defers_sampling();
+        let mut prev = self.in_flight.take();
+        let overlap = prev.is_some()
+            && defer_ok
+            && !plan.is_empty()
+            && plan.iter().all(|&(id, n)| {
+                let s = &self.seqs[&id];
+                n == 1 && s.n_computed + 1 == s.len_all() && self.defers(s)
+            });
+        let mut outputs: Vec<(u8, RequestOutput)> = Vec::new();
+        if !overlap {
+            if let Some(rows) = prev.take() {
+                self.collect(&rows, &mut outputs);
+                // Those whose tokens just read ended them.
+                plan.retain(|(id, _)| self.seqs.contains_key(id));
             }
         }
-        let mut spans = Vec::with_capacity(plan.len());
+        if !plan.is_empty() {
+            self.stats.async_steps += u64::from(overlap);
+            self.launch(&plan, defer_ok, &mut outputs);
+        }
+        if let Some(rows) = prev {
+            self.collect(&rows, &mut outputs);
+        }
+        // Delivery priority: whoever sends the outputs on sends them in this order, and a
+        // step's last sends wait for all the others (a cross-thread wake each), so the
+        // outputs that end a client's wait for its first text or its answer go first.
+        // Stable, and a request has at most one output per call (a call reads one step's
+        // tokens: a deferred one, or the one it ran), so each request's outputs keep
+        // their order.
+        if self.priority_order {
+            outputs.sort_by_key(|o| o.0);
+        }
+        self.sync_cache();
+        self.stats.step_s += t0.elapsed().as_secs_f64();
+        outputs.into_iter().map(|o| o.1).collect()
+    }
+
+    /// Whether `seq`'s next sample may be deferred (it is its next token's whole sample).
+    fn defers(&self, seq: &Sequence) -> bool {
+        seq.sampler.defers(&seq.params, seq.len_all() - seq.prompt_len, &self.tokenizer.eos_ids)
+    }
+
+    /// Runs the step of `plan`. Its tokens are left on the device when `defer_ok` and
+    /// every sampled row [`Self::defers`] (then `in_flight` holds the rows); otherwise
+    /// they are read and their outputs pushed to `outputs`.
+    fn launch(&mut self, plan: &[(RequestId, usize)], defer_ok: bool, outputs: &mut Vec<(u8, RequestOutput)>) {
+        self.step_tokens.clear();
+        self.step_rows.clear();
+        self.fed.clear();
         let mut sampled = Vec::new();
-        for &(id, n) in &plan {
+        for &(id, n) in plan {
             let seq = &self.seqs[&id];
             let start = self.step_tokens.len();
-            self.step_tokens.extend_from_slice(&seq.tokens[seq.n_computed..seq.n_computed + n]);
-            spans.push(SeqSpan { rows: start..start + n, pos0: seq.n_computed, block_table: &seq.block_table[..] });
-            if seq.n_computed + n == seq.tokens.len() {
+            let end = seq.n_computed + n;
+            let known = end.min(seq.tokens.len());
+            self.step_tokens.extend_from_slice(&seq.tokens[seq.n_computed..known]);
+            if end > known {
+                // The token the in-flight step sampled for it: taken on the device.
+                assert!(end == known + 1 && seq.pending == 1, "one token not read yet, the last of the step");
+                self.fed.push(FedToken { row: self.step_tokens.len() as u32, from: seq.feed_row });
+                self.step_tokens.push(0);
+            }
+            if end == seq.len_all() {
                 self.step_rows.push((start + n - 1) as u32);
                 sampled.push(id);
             }
         }
-        let batch = StepBatch { n_tokens: self.step_tokens.len(), seqs: &spans, block_size: self.cfg.block_size };
+        let deferred = defer_ok && !sampled.is_empty() && sampled.iter().all(|id| self.defers(&self.seqs[id]));
+        // Sampling where the logits are, when the backend does it: each sampled row's
+        // edits and draw (taken from its stream now), in the order of the rows.
+        let on_device = !deferred && self.backend.samples_on_device();
+        self.dev_specs.clear();
+        if on_device {
+            for id in &sampled {
+                let seq = self.seqs.get_mut(id).expect("exists");
+                let n_gen = seq.len_all() - seq.prompt_len;
+                self.dev_specs.push(seq.sampler.device_spec(&seq.params, n_gen, &self.tokenizer.eos_ids));
+            }
+        }
+        let mut spans = Vec::with_capacity(plan.len());
+        let mut start = 0;
+        for &(id, n) in plan {
+            let seq = &self.seqs[&id];
+            spans.push(SeqSpan { rows: start..start + n, pos0: seq.n_computed, block_table: &seq.block_table[..] });
+            start += n;
+        }
+        let batch = StepBatch {
+            n_tokens: self.step_tokens.len(),
+            seqs: &spans,
+            block_size: self.cfg.block_size,
+            fed: &self.fed,
+        };
         let specs: Vec<SampleSpec> = sampled
             .iter()
             .zip(&self.dev_specs)
@@ -879,6 +985,13 @@ impl<B: Backend> EngineCore<B> {
                 (ex.sink)(chunk);
             }
         };
+        let sampling = if deferred {
+            Sampling::Deferred
+        } else if on_device {
+            Sampling::Device(&specs[..], &mut self.sampled_rows)
+        } else {
+            Sampling::Host
+        };
         let sampled_on_device = self.model.forward(
             &mut self.backend,
             &mut self.ws,
@@ -887,7 +1000,7 @@ impl<B: Backend> EngineCore<B> {
             &batch,
             &self.step_rows,
             &mut self.logits,
-            if on_device { Some((&specs[..], &mut self.sampled_rows)) } else { None },
+            sampling,
             if hooked { Some(&mut export_layer) } else { None },
         );
         for (ex, upto, _) in exporting {
@@ -896,21 +1009,27 @@ impl<B: Backend> EngineCore<B> {
         drop(specs);
         drop(spans);
         assert!(
-            sampled.is_empty() || sampled_on_device == on_device,
+            sampled.is_empty() || sampled_on_device == (on_device || deferred),
             "a backend that samples on the device sampled nothing"
         );
         self.stats.steps += 1;
         self.stats.decode_only_steps += (self.step_tokens.len() == plan.len()) as u64;
         self.stats.forward_tokens += self.step_tokens.len() as u64;
-        for &(id, n) in &plan {
+        for &(id, n) in plan {
             let seq = self.seqs.get_mut(&id).expect("exists");
             seq.n_computed += n;
             Self::register_computed(&mut self.alloc, seq, bs);
         }
+        if deferred {
+            for (row, id) in sampled.iter().enumerate() {
+                let seq = self.seqs.get_mut(id).expect("exists");
+                seq.pending += 1;
+                seq.feed_row = row as u32;
+            }
+            self.in_flight = Some(sampled);
+            return;
+        }
         let vocab = self.model.cfg.vocab;
-        // Each output with its delivery priority: 0 a request's first text (what its
-        // time to first token waits for), 1 its last output, 2 the rest.
-        let mut outputs: Vec<(u8, RequestOutput)> = Vec::with_capacity(sampled.len());
         let m = sampled.len();
         let mut full_logits = false;
         for (row, id) in sampled.into_iter().enumerate() {
@@ -936,36 +1055,65 @@ impl<B: Backend> EngineCore<B> {
             } else {
                 Self::advance(seq, &mut self.logits[row * vocab..(row + 1) * vocab], &self.tokenizer)
             };
-            let prio = if no_text_yet && !out.new_text.is_empty() {
-                0
-            } else if out.finish.is_some() {
-                1
-            } else {
-                2
-            };
-            if out.finish.is_some() {
-                self.finish(id);
-            }
-            outputs.push((prio, out));
+            self.deliver(id, no_text_yet, out, outputs);
         }
-        // Delivery priority: whoever sends the outputs on sends them in this order, and a
-        // step's last sends wait for all the others (a cross-thread wake each), so the
-        // outputs that end a client's wait for its first text or its answer go first.
-        // Stable, and a request has at most one output per step, so each request's
-        // outputs keep their order.
-        if self.priority_order {
-            outputs.sort_by_key(|o| o.0);
+    }
+
+    /// Reads the tokens of the deferred step whose sampled sequences are `rows` and turns
+    /// them into outputs. Rows of sequences gone since (ended by the tokens of the step
+    /// before, or aborted) are dropped.
+    fn collect(&mut self, rows: &[RequestId], outputs: &mut Vec<(u8, RequestOutput)>) {
+        let mut ids = std::mem::take(&mut self.collected);
+        self.backend.collect_sampled(&mut ids);
+        assert_eq!(ids.len(), rows.len(), "a deferred sample of {} rows", rows.len());
+        let bs = self.cfg.block_size;
+        for (&id, &token) in rows.iter().zip(&ids) {
+            let Some(seq) = self.seqs.get_mut(&id).filter(|s| s.pending > 0) else { continue };
+            seq.pending -= 1;
+            let no_text_yet = seq.sent == 0;
+            let row = SampledRow { token: Some(token), ..Default::default() };
+            let (token, lp) = seq.sampler.finish_device(&seq.params, &row, &[], 0.0, None).expect("a drawn token");
+            seq.tokens.push(token);
+            Self::register_computed(&mut self.alloc, seq, bs);
+            let out = Self::emit(seq, token, lp, &self.tokenizer);
+            self.deliver(id, no_text_yet, out, outputs);
         }
-        self.sync_cache();
-        self.stats.step_s += t0.elapsed().as_secs_f64();
-        outputs.into_iter().map(|o| o.1).collect()
+        self.collected = ids;
+    }
+
+    /// Queues `out`, sequence `id`'s output, by its delivery priority: 0 a request's
+    /// first text (what its time to first token waits for), 1 its last output, 2 the
+    /// rest; and ends the sequence when it is the last.
+    fn deliver(
+        &mut self,
+        id: RequestId,
+        no_text_yet: bool,
+        out: RequestOutput,
+        outputs: &mut Vec<(u8, RequestOutput)>,
+    ) {
+        let prio = if no_text_yet && !out.new_text.is_empty() {
+            0
+        } else if out.finish.is_some() {
+            1
+        } else {
+            2
+        };
+        if out.finish.is_some() {
+            self.finish(id);
+        }
+        outputs.push((prio, out));
     }
 
     fn finish(&mut self, id: RequestId) {
         self.exports.remove(&id);
         if let Some(mut seq) = self.seqs.remove(&id) {
             self.alloc.release(&mut seq.block_table);
+            let n = self.running.len();
             self.running.retain(|r| *r != id);
+            if self.running.len() == n {
+                // Preempted before its last token was read (async scheduling).
+                self.waiting.retain(|r| *r != id);
+            }
         }
     }
 

@@ -175,12 +175,24 @@ pub struct SeqSpan<'a> {
     pub block_table: &'a [u32],
 }
 
+/// A token of a step that the step before sampled with [`Backend::sample_rows_deferred`]
+/// and the host has not read yet: row `row`'s id is that step's sampled row `from`
+/// (async scheduling: the next step is launched before the last one's tokens are read).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FedToken {
+    pub row: u32,
+    pub from: u32,
+}
+
 /// What a forward step needs besides the tensors.
 #[derive(Clone, Debug)]
 pub struct StepBatch<'a> {
     pub n_tokens: usize,
     pub seqs: &'a [SeqSpan<'a>],
     pub block_size: usize,
+    /// Rows whose token ids the backend takes from the last deferred sample (their ids in
+    /// the step's `tokens` are placeholders).
+    pub fed: &'a [FedToken],
 }
 
 impl StepBatch<'_> {
@@ -410,6 +422,27 @@ pub trait Backend {
     fn sample_rows(&mut self, x: &mut Self::Act, dim: usize, specs: &[SampleSpec], out: &mut Vec<SampledRow>) -> bool {
         let _ = (x, dim, specs, out);
         false
+    }
+
+    /// Whether [`Backend::sample_rows_deferred`] may be used: plain-greedy rows sampled
+    /// where the logits are, read later, and fed to the next step without the host.
+    fn defers_sampling(&self) -> bool {
+        false
+    }
+
+    /// Takes the argmax of each of the first `rows` rows of `x` (rows of `dim`; plain
+    /// greedy rows only) where the logits are, without waiting for them: the next step
+    /// may take them as input ([`StepBatch::fed`]) and [`Backend::collect_sampled`] reads
+    /// them, oldest first. Only when [`Backend::defers_sampling`].
+    fn sample_rows_deferred(&mut self, x: &Self::Act, dim: usize, rows: usize) {
+        let _ = (x, dim, rows);
+        unreachable!("this backend does not defer sampling")
+    }
+
+    /// The token ids of the oldest deferred sample not read yet, waiting for them.
+    fn collect_sampled(&mut self, out: &mut Vec<u32>) {
+        let _ = out;
+        unreachable!("this backend does not defer sampling")
     }
 
     /// Diagnostics for benchmarks: time per op so far, `(op, seconds, calls)`, when the

@@ -65,6 +65,21 @@ pub const CUDA_PROFILE: &str = "DISAGG_CUDA_PROFILE";
 /// top-k / top-p down to ≤ 1024 candidates that the host finishes); for A/B runs.
 pub const DEVICE_SAMPLING: &str = "DISAGG_DEVICE_SAMPLING";
 
+/// Async scheduling: an engine launches its next step before it reads the last step's
+/// tokens, which stay on the device and feed the next step (plain greedy rows; see
+/// `EngineCore::step`). `0`: off (each step's tokens reach the host before the next step
+/// is scheduled); `1`: on. Default: on for CUDA, off for the CPU backend (whose steps run
+/// on the host, so there is nothing to overlap).
+pub const ASYNC_SCHEDULING: &str = "DISAGG_ASYNC_SCHEDULING";
+
+/// `0`: the CUDA greedy sample (argmax over the vocabulary) takes one block per row,
+/// instead of several blocks per row while the rows alone leave SMs idle; for A/B runs.
+pub const CUDA_ARGMAX_SPLIT: &str = "DISAGG_CUDA_ARGMAX_SPLIT";
+
+/// `0`: a CUDA step's metadata goes up in one copy per buffer, instead of one copy of it
+/// all, spread to its buffers by one kernel (`unpack_step`); for A/B runs.
+pub const CUDA_PACKED_UPLOAD: &str = "DISAGG_CUDA_PACKED_UPLOAD";
+
 /// The CUDA attention's split-K (flash-decoding) path: when splitting fills the GPU's
 /// waves of resident blocks better (few sequences, or a last wave left part-empty), each
 /// one's keys are split over several blocks of at least this many keys (default 64; 0:

@@ -168,7 +168,7 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
             }
             let spans = spans_of(seqs, &tables);
             let n_tokens = spans.last().map_or(0, |s| s.rows.end);
-            let batch = StepBatch { n_tokens, seqs: &spans, block_size: bs };
+            let batch = StepBatch { n_tokens, seqs: &spans, block_size: bs, fed: &[] };
             let qkv = data(n_tokens * attn.qkv_dim(), 12);
             let rope = Rope { interleaved: false, inv_freq: vec![1.0; hd / 2] };
             let tokens = vec![0u32; n_tokens];
@@ -378,7 +378,7 @@ fn rope_write_kv_matches_cpu() {
     let n_blocks = next as usize;
     let spans = spans_of(&seqs, &tables);
     let n_tokens = spans.last().map_or(0, |s| s.rows.end);
-    let batch = StepBatch { n_tokens, seqs: &spans, block_size: 16 };
+    let batch = StepBatch { n_tokens, seqs: &spans, block_size: 16, fed: &[] };
     let blocks: Vec<u32> = (0..n_blocks as u32).collect();
     let qkv = data(n_tokens * attn.qkv_dim(), 21);
     let tokens = vec![0u32; n_tokens];
@@ -448,7 +448,7 @@ fn qkv_gemv_with_rope_equals_the_separate_ops() {
                 // One sequence; its new token in block 3 of a 4-block cache (slot pos % 16).
                 let table: Vec<u32> = (0..=pos / 16).map(|b| if b == pos / 16 { 3 } else { 0 }).collect();
                 let spans = [kernels::SeqSpan { rows: 0..1, pos0: pos, block_table: &table }];
-                let batch = StepBatch { n_tokens: 1, seqs: &spans, block_size: 16 };
+                let batch = StepBatch { n_tokens: 1, seqs: &spans, block_size: 16, fed: &[] };
                 let mut runs: Vec<(Vec<f32>, Vec<u8>)> = Vec::new();
                 for (fused, dtype) in [(true, KvDtype::F16), (false, KvDtype::F16), (true, KvDtype::F32)] {
                     let mut be = kernels::cuda::CudaBackend::new(0, true).expect("cuda:0 opens");
@@ -525,7 +525,7 @@ fn prenormed_gemvs_match_the_gemvs_that_norm_themselves() {
         let rope = Rope { interleaved: false, inv_freq };
         let table = [2u32];
         let spans = [kernels::SeqSpan { rows: 0..1, pos0: 7, block_table: &table }];
-        let batch = StepBatch { n_tokens: 1, seqs: &spans, block_size: 16 };
+        let batch = StepBatch { n_tokens: 1, seqs: &spans, block_size: 16, fed: &[] };
         // (x after the first residual GEMV, x after the second, q|k|v, cache, x at the end, logits)
         type Run = (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>);
         let mut runs: Vec<Run> = Vec::new();

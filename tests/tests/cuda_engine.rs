@@ -286,11 +286,45 @@ fn device_sampling_matches_the_host_sampler() {
     drop(buf);
 }
 
+/// Async scheduling (on by default on CUDA): each decode step launched before the last
+/// one's tokens are read, those fed on the device. Greedy outputs are the very tokens of
+/// steps run one after the other, for requests ended by length and by their end token
+/// (one token computed past it and dropped), batched, with graphs.
+fn async_scheduling_gives_the_same_tokens() {
+    let mut gpu = cuda_engine(&gpu_options(false)).expect("the GPU engine loads");
+    let r = reference();
+    let chat = r.cases.iter().find(|c| c.name == "chat_default_system").unwrap().prompt_ids.clone();
+    let mut reqs: Vec<_> =
+        r.cases.iter().enumerate().map(|(i, c)| (c.prompt_ids.clone(), greedy(10 + 3 * i))).collect();
+    reqs.push((chat, SamplingParams { max_tokens: Some(64), ..SamplingParams::greedy() }));
+    assert!(gpu.backend().defers_sampling(), "async scheduling is on by default");
+    gpu.backend_mut().set_defer_sampling(false);
+    let sync = run_to_completion(&mut gpu, reqs.clone(), 1).unwrap();
+    let s0 = gpu.stats();
+    gpu.backend_mut().set_defer_sampling(true);
+    let asyn = run_to_completion(&mut gpu, reqs.clone(), 100).unwrap();
+    let s1 = gpu.stats();
+    println!(
+        "async scheduling: {} of {} steps overlapped; sync {} steps",
+        s1.async_steps - s0.async_steps,
+        s1.steps - s0.steps,
+        s0.steps
+    );
+    assert_eq!(s0.async_steps, 0);
+    assert!(s1.async_steps - s0.async_steps > 20, "{s1:?}");
+    assert_eq!(sync.last().unwrap().finish, Some(engine::scheduler::FinishReason::Stop));
+    for (i, (a, b)) in sync.iter().zip(&asyn).enumerate() {
+        assert_eq!((&a.output_ids, &a.text, &a.finish), (&b.output_ids, &b.text, &b.finish), "request {i}");
+    }
+    assert_eq!(s1.kv_blocks_used, 0, "KV blocks leaked");
+}
+
 fn main() {
     use libtest_mimic::{Arguments, Trial};
     let mut tests = Vec::new();
     if std::env::var_os(kernels::env::TEST_CUDA).is_some() {
-        let gpu_tests: [(&str, fn()); 5] = [
+        let gpu_tests: [(&str, fn()); 6] = [
+            ("async_scheduling_gives_the_same_tokens", async_scheduling_gives_the_same_tokens),
             ("device_sampling_matches_the_host_sampler", device_sampling_matches_the_host_sampler),
             (
                 "graphs_replay_exactly_and_flash_prefill_stays_close",

@@ -453,3 +453,88 @@ fn bad_requests_are_clear_errors() {
     let ok = run(&mut core, vec![(p, SamplingParams { max_tokens: Some(3), ..g() })]);
     assert_eq!(ok[0].output_ids.len(), 3);
 }
+
+#[test]
+fn async_scheduling_gives_the_same_outputs() {
+    // Deferred sampling on the CPU backend drives the engine's async path: plain-greedy
+    // steps leave their tokens for the next call, which launches decode-only steps before
+    // reading them. Every kind of request, ended by length, end token, stop string and
+    // stop token, must come out the same as without it, with and without preemption.
+    let r = reference();
+    let chat = r.cases.iter().find(|c| c.name == "chat_default_system").unwrap().prompt_ids.clone();
+    let ps: Vec<_> = prompts().into_iter().take(5).collect();
+    let mut reqs: Vec<(Vec<u32>, SamplingParams)> = Vec::new();
+    for (i, p) in ps.iter().enumerate() {
+        reqs.push((p.clone(), SamplingParams { logprobs: None, ..greedy(12 + 5 * i) }));
+    }
+    // Ends at its end token (the engine computes one token past it and drops it).
+    reqs.push((chat.clone(), SamplingParams { max_tokens: Some(64), ..SamplingParams::greedy() }));
+    // Its end token masked for a while (edits: sampled on the host), then plain.
+    reqs.push((chat.clone(), SamplingParams { max_tokens: Some(64), min_tokens: 3, ..SamplingParams::greedy() }));
+    reqs.push((ps[0].clone(), SamplingParams { stop: vec!["\n".into()], logprobs: None, ..greedy(40) }));
+    reqs.push((ps[1].clone(), greedy(10))); // logprobs: never deferred
+    let seeded = SamplingParams { temperature: 0.8, seed: Some(5), ..SamplingParams { logprobs: None, ..greedy(20) } };
+    reqs.push((ps[2].clone(), seeded));
+    reqs.push((ps[3].clone(), SamplingParams { presence_penalty: 0.5, logprobs: None, ..greedy(20) }));
+    let full = |c: &Completed| (fingerprint(c), c.text.clone(), c.finish.clone());
+    for kv_mib in [64, 4] {
+        let mut opts = test_options();
+        opts.kv_cache_mib = kv_mib;
+        opts.max_num_seqs = 8; // some wait, and join mid-run
+        let mut sync = engine(&opts);
+        let want = run(&mut sync, reqs.clone());
+        let mut asyn = engine(&opts);
+        asyn.backend_mut().set_defer_sampling(true);
+        let got = run(&mut asyn, reqs.clone());
+        for (i, (a, b)) in want.iter().zip(&got).enumerate() {
+            assert_eq!(full(a), full(b), "request {i} ({kv_mib} MiB of KV) differs with async scheduling");
+        }
+        assert_eq!(want[5].finish, Some(FinishReason::Stop), "the chat request ends at its end token");
+        let (s, a) = (sync.stats(), asyn.stats());
+        assert_eq!(s.async_steps, 0, "{s:?}");
+        // (A step overlaps only when all its rows are plain greedy: here, once the others
+        // are done.)
+        assert!(a.async_steps > 0, "no step overlapped: {a:?}");
+        if kv_mib == 4 {
+            assert!(s.preemptions > 0 && a.preemptions > 0, "the small cache caused no preemption: {s:?} {a:?}");
+        }
+    }
+}
+
+#[test]
+fn async_scheduling_survives_cancellation_mid_flight() {
+    // A request cancelled while its token is on its way loses nothing else: the others
+    // finish as they would have, and every block comes back.
+    let ps = prompts();
+    let sp = |n| SamplingParams { logprobs: None, ..greedy(n) };
+    let alone: Vec<_> = {
+        let mut core = engine(&test_options());
+        [0, 2].iter().map(|&i| run(&mut core, vec![(ps[i].clone(), sp(20))]).remove(0).output_ids).collect()
+    };
+    let mut core = engine(&test_options());
+    core.backend_mut().set_defer_sampling(true);
+    for (i, p) in ps.iter().take(3).enumerate() {
+        core.add_request(i as u64, p.clone(), sp(20)).unwrap();
+    }
+    let mut got: std::collections::HashMap<u64, Vec<u32>> = Default::default();
+    for _ in 0..5 {
+        for o in core.step() {
+            got.entry(o.id).or_default().extend(o.new_token_ids);
+        }
+    }
+    assert!(core.stats().async_steps > 0);
+    assert!(core.abort(1));
+    while core.has_work() {
+        for o in core.step() {
+            assert_ne!(o.id, 1, "an output after cancellation");
+            got.entry(o.id).or_default().extend(o.new_token_ids);
+        }
+    }
+    assert_eq!(got[&0], alone[0]);
+    assert_eq!(got[&2], alone[1]);
+    let s = core.stats();
+    assert_eq!(s.kv_blocks_used, 0, "KV blocks leaked");
+    // All greedy: every decode step but the first overlapped (19 of each sequence's 20
+    // tokens come from decode steps; the last step's token is read without one).
+    assert!(s.async_steps >= 17, "{s:?}");
+}

@@ -166,6 +166,13 @@ pub struct CpuBackend {
     /// cos/sin per token of the current step: `[token][head_dim/2]` each.
     rope_cos: Vec<f32>,
     rope_sin: Vec<f32>,
+    /// Deferred sampling ([`Backend::sample_rows_deferred`]): allowed
+    /// (`DISAGG_ASYNC_SCHEDULING=1`, or [`CpuBackend::set_defer_sampling`]), the samples not
+    /// read yet (oldest first), and this step's ids with the fed rows filled in (empty
+    /// when the step has none).
+    defer: bool,
+    deferred: std::collections::VecDeque<Vec<u32>>,
+    fed_ids: Vec<u32>,
 }
 
 /// Query rows handled together by one attention task (they share each K/V block load).
@@ -189,7 +196,17 @@ impl CpuBackend {
             attn_scratch: PerThread((0..n).map(|_| UnsafeCell::new(AttnScratch::default())).collect()),
             rope_cos: Vec::new(),
             rope_sin: Vec::new(),
+            defer: std::env::var(crate::env::ASYNC_SCHEDULING).is_ok_and(|v| v == "1"),
+            deferred: Default::default(),
+            fed_ids: Vec::new(),
         }
+    }
+
+    /// Allows deferred sampling, so that an engine on this backend schedules
+    /// asynchronously (off by default: a CPU step runs on the host, so there is nothing
+    /// to overlap; tests turn it on to check the engine's async path).
+    pub fn set_defer_sampling(&mut self, on: bool) {
+        self.defer = on;
     }
 
     pub fn n_threads(&self) -> usize {
@@ -321,8 +338,20 @@ impl Backend for CpuBackend {
         Ok(CpuKv { shape, layers })
     }
 
+    fn begin_step(&mut self, tokens: &[u32], batch: &StepBatch, _: &Rope, _: &AttnShape, _: &[u32]) {
+        self.fed_ids.clear();
+        if !batch.fed.is_empty() {
+            let last = self.deferred.back().expect("fed tokens without a deferred sample");
+            self.fed_ids.extend_from_slice(tokens);
+            for f in batch.fed {
+                self.fed_ids[f.row as usize] = last[f.from as usize];
+            }
+        }
+    }
+
     fn embed(&mut self, table: &CpuLinear, ids: &[u32], out: &mut Vec<f32>) {
         let dim = table.cols;
+        let ids = if self.fed_ids.is_empty() { ids } else { &self.fed_ids[..] };
         for (t, &id) in ids.iter().enumerate() {
             table.dequantize_row(id as usize, &mut out[t * dim..(t + 1) * dim]);
         }
@@ -477,6 +506,19 @@ impl Backend for CpuBackend {
 
     fn to_host(&mut self, x: &Vec<f32>, out: &mut [f32]) {
         out.copy_from_slice(&x[..out.len()]);
+    }
+
+    fn defers_sampling(&self) -> bool {
+        self.defer
+    }
+
+    fn sample_rows_deferred(&mut self, x: &Vec<f32>, dim: usize, rows: usize) {
+        assert!(self.defer, "deferred sampling is off");
+        self.deferred.push_back((0..rows).map(|r| crate::backend::argmax(&x[r * dim..(r + 1) * dim])).collect());
+    }
+
+    fn collect_sampled(&mut self, out: &mut Vec<u32>) {
+        *out = self.deferred.pop_front().expect("no deferred sample to collect");
     }
 }
 

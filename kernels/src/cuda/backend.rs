@@ -181,20 +181,136 @@ struct Profile {
     pending: Vec<(&'static str, CudaEvent, CudaEvent)>,
 }
 
+/// Most blocks `argmax_rows_split` gives one row.
+const ARGMAX_MAX_CHUNKS: usize = 64;
+
+/// Alignment of each upload in the staging memory.
+const STAGING_ALIGN: usize = 16;
+
+/// Pinned host memory that each step's metadata is uploaded from, so that the copies
+/// never wait for the step in flight (async scheduling): two halves used in turn, each
+/// written again only once the copies from it are done.
+#[derive(Default)]
+struct Staging {
+    bufs: [Option<cudarc::driver::PinnedHostSlice<u8>>; 2],
+    done: [Option<CudaEvent>; 2],
+    cur: usize,
+    off: usize,
+    /// One copy for the whole step, spread by `unpack_step` (`DISAGG_CUDA_PACKED_UPLOAD`,
+    /// on by default); its segments so far: (destination, offset, bytes).
+    packed: bool,
+    segs: Vec<(u64, usize, usize)>,
+}
+
+/// `unpack_step`'s segment table (ops.cu `UploadSegs`), passed by value.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct UploadSegs {
+    dst: [u64; MAX_UPLOAD_SEGS],
+    off: [u32; MAX_UPLOAD_SEGS],
+    words: [u32; MAX_UPLOAD_SEGS],
+    n: u32,
+    ids_seg: i32,
+}
+
+// SAFETY: plain old data laid out as the kernel's struct.
+unsafe impl cudarc::driver::DeviceRepr for UploadSegs {}
+
+/// ops.cu `MAX_UPLOAD_SEGS`.
+const MAX_UPLOAD_SEGS: usize = 12;
+
+impl Staging {
+    /// Starts a step's uploads of at most `bytes` (each rounded up to [`STAGING_ALIGN`]).
+    fn begin(&mut self, ctx: &std::sync::Arc<cudarc::driver::CudaContext>, bytes: usize) {
+        self.cur ^= 1;
+        self.off = 0;
+        if let Some(e) = &self.done[self.cur] {
+            e.synchronize().expect("CUDA: waiting for a metadata upload");
+        }
+        if self.bufs[self.cur].as_ref().is_none_or(|b| b.len() < bytes) {
+            // SAFETY: written before each copy from it.
+            let b = unsafe { ctx.alloc_pinned::<u8>(bytes.next_power_of_two().max(1 << 16)) };
+            self.bufs[self.cur] = Some(b.expect("CUDA: pinned memory for step metadata"));
+        }
+    }
+
+    /// Uploads `host` into `dst` through the staging memory, growing `dst` when too small
+    /// (true: it moved).
+    fn put<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+        &mut self,
+        st: &std::sync::Arc<cudarc::driver::CudaStream>,
+        dst: &mut CudaSlice<T>,
+        host: &[T],
+    ) -> bool {
+        let grow = dst.len() < host.len();
+        if grow {
+            *dst = st.alloc_zeros::<T>(host.len().next_power_of_two()).expect("CUDA: allocating step metadata");
+        }
+        if host.is_empty() {
+            return grow;
+        }
+        let bytes = std::mem::size_of_val(host);
+        let buf = self.bufs[self.cur].as_mut().expect("begin() allocated it");
+        assert!(self.off + bytes <= buf.len(), "CUDA: step metadata beyond its staging memory");
+        let base = buf.as_mut_ptr().expect("CUDA: pinned memory");
+        let (dptr, _g) = dst.device_ptr_mut(st);
+        // SAFETY: the range lies in the buffer, which no copy reads until this one (the
+        // half's last copies were waited for in begin()); dst holds host.len() elements.
+        unsafe {
+            let at = base.add(self.off);
+            std::ptr::copy_nonoverlapping(host.as_ptr() as *const u8, at, bytes);
+            if self.packed {
+                assert!(bytes.is_multiple_of(4) && self.segs.len() < MAX_UPLOAD_SEGS, "CUDA: packed metadata segments");
+                self.segs.push((dptr, self.off, bytes));
+            } else {
+                let src = std::slice::from_raw_parts(at as *const u8, bytes);
+                cudarc::driver::result::memcpy_htod_async(dptr, src, st.cu_stream())
+                    .expect("CUDA: uploading step metadata");
+            }
+        }
+        self.off += bytes.next_multiple_of(STAGING_ALIGN);
+        grow
+    }
+
+    /// Ends a step's uploads: the half is free again once the stream has passed here.
+    fn end(&mut self, st: &std::sync::Arc<cudarc::driver::CudaStream>) {
+        match &self.done[self.cur] {
+            Some(e) => e.record(st).expect("CUDA: recording an event"),
+            None => {
+                let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING);
+                self.done[self.cur] = Some(st.record_event(flags).expect("CUDA: recording an event"));
+            }
+        }
+    }
+}
+
 /// At most this many decode shapes are captured; others run op by op.
 const MAX_GRAPHS: usize = 512;
 
 pub struct CudaBackend {
     /// `DISAGG_CUDA_PROFILE`: GPU time and calls per op, from CUDA events.
     profile: Option<Profile>,
-    /// When the replayed decode graph in flight was launched, and when the last one's
-    /// results reached the host; the wall time from launches to results, and from a
-    /// replay's results to the next replay's launch (the host's work while the GPU
-    /// waits), each summed with its count.
-    replay_launched: Option<std::time::Instant>,
-    replay_settled: Option<std::time::Instant>,
-    replay_wall: (f64, u64),
-    replay_gap: (f64, u64),
+    /// The GPU's time between steps ([`super::STEP_GAP_OP`]): events at each step's
+    /// forward pass's start and end (read once the end is done), the last end read, the
+    /// summed gaps and their count, and events to record again.
+    step_events: std::collections::VecDeque<(CudaEvent, CudaEvent)>,
+    last_step_end: Option<CudaEvent>,
+    step_gap: (f64, u64),
+    event_pool: Vec<CudaEvent>,
+    /// Async scheduling (`DISAGG_ASYNC_SCHEDULING`; on by default with device sampling,
+    /// off while profiling): deferred samples' ids are copied into pinned host memory,
+    /// into one of two slots in turn; the samples not read yet (slot, rows, the event
+    /// after the copy), oldest first.
+    defer: bool,
+    deferred_host: [Option<cudarc::driver::PinnedHostSlice<u32>>; 2],
+    deferred: std::collections::VecDeque<(usize, usize, CudaEvent)>,
+    deferred_next: usize,
+    /// This step's fed rows ([`crate::FedToken`]: row, sampled row), on the device.
+    fed_dev: CudaSlice<i32>,
+    /// Pinned host memory the step metadata is uploaded from, and the device copy of it
+    /// that `unpack_step` spreads (packed uploads).
+    staging: Staging,
+    packed_dev: CudaSlice<u32>,
     dev: CudaDevice,
     blas: CudaBlas,
     bf16_weights: bool,
@@ -217,6 +333,12 @@ pub struct CudaBackend {
     /// Rows sampled on the device (`DISAGG_DEVICE_SAMPLING=0`: logits to the host).
     device_sampling: bool,
     argmax_out: CudaSlice<u32>,
+    /// `argmax_rows_split` (`DISAGG_CUDA_ARGMAX_SPLIT`, on by default): its partials and
+    /// per-row counters.
+    argmax_split: bool,
+    argmax_pv: CudaSlice<f32>,
+    argmax_pi: CudaSlice<i32>,
+    argmax_count: CudaSlice<u32>,
     sample: SampleBufs,
     /// This step's token ids and logit rows (from `begin_step`).
     ids: CudaSlice<u32>,
@@ -463,10 +585,20 @@ impl CudaBackend {
             }
             .min(super::GEMV_MAX_TOKENS),
             profile,
-            replay_launched: None,
-            replay_settled: None,
-            replay_wall: (0.0, 0),
-            replay_gap: (0.0, 0),
+            step_events: Default::default(),
+            last_step_end: None,
+            step_gap: (0.0, 0),
+            event_pool: Vec::new(),
+            defer: std::env::var(crate::env::ASYNC_SCHEDULING).map_or(true, |v| v != "0")
+                && std::env::var(crate::env::DEVICE_SAMPLING).map_or(true, |v| v != "0")
+                && dev.arch.0 >= 7
+                && std::env::var_os(crate::env::CUDA_PROFILE).is_none(),
+            deferred_host: [None, None],
+            deferred: Default::default(),
+            deferred_next: 0,
+            fed_dev: stream.alloc_zeros::<i32>(2).map_err(dev_err)?,
+            staging: Staging { packed: !off(crate::env::CUDA_PACKED_UPLOAD), ..Default::default() },
+            packed_dev: stream.alloc_zeros::<u32>(1).map_err(dev_err)?,
             blas,
             bf16_weights,
             x_bf16: stream.alloc_zeros::<u16>(1).map_err(dev_err)?,
@@ -487,6 +619,10 @@ impl CudaBackend {
             // __match_any_sync: sm_70 or newer.
             device_sampling: std::env::var(crate::env::DEVICE_SAMPLING).map_or(true, |v| v != "0") && dev.arch.0 >= 7,
             argmax_out: stream.alloc_zeros::<u32>(1).map_err(dev_err)?,
+            argmax_split: !off(crate::env::CUDA_ARGMAX_SPLIT),
+            argmax_pv: stream.alloc_zeros::<f32>(1).map_err(dev_err)?,
+            argmax_pi: stream.alloc_zeros::<i32>(1).map_err(dev_err)?,
+            argmax_count: stream.alloc_zeros::<u32>(0).map_err(dev_err)?,
             sample: SampleBufs::new(&stream, 1).map_err(dev_err)?,
             n_sms,
             dev,
@@ -715,6 +851,13 @@ impl CudaBackend {
     }
 
     /// How many decode shapes are captured as graphs now.
+    /// Async scheduling's deferred sampling on or off (A/B checks; see
+    /// `DISAGG_ASYNC_SCHEDULING`). Switch it only between steps with nothing deferred.
+    pub fn set_defer_sampling(&mut self, on: bool) {
+        assert!(self.deferred.is_empty(), "CUDA: deferred samples not read yet");
+        self.defer = on && self.device_sampling && self.profile.is_none();
+    }
+
     pub fn n_graphs(&self) -> usize {
         self.graphs.0.len()
     }
@@ -747,11 +890,7 @@ impl CudaBackend {
 
     /// Adds the time of every op timed so far (the stream is idle: after a copy to the host).
     fn settle(&mut self) {
-        if let Some(t) = self.replay_launched.take() {
-            self.replay_wall.0 += t.elapsed().as_secs_f64();
-            self.replay_wall.1 += 1;
-            self.replay_settled = Some(std::time::Instant::now());
-        }
+        self.read_step_gaps();
         if let Some(p) = self.profile.as_mut() {
             for (name, start, end) in p.pending.drain(..) {
                 let ms = start.elapsed_ms(&end).expect("CUDA: reading a profiling event");
@@ -759,6 +898,33 @@ impl CudaBackend {
                 e.0 += ms as f64 * 1e-3;
                 e.1 += 1;
             }
+        }
+    }
+
+    /// An event recorded on the stream now (timed), from the pool when it has one.
+    fn mark(&mut self) -> CudaEvent {
+        let st = self.dev.stream();
+        match self.event_pool.pop() {
+            Some(e) => {
+                e.record(st).expect("CUDA: recording an event");
+                e
+            }
+            None => self.event(),
+        }
+    }
+
+    /// Adds the gaps between steps whose events are done ([`super::STEP_GAP_OP`]).
+    fn read_step_gaps(&mut self) {
+        while self.step_events.front().is_some_and(|(_, end)| end.is_complete()) {
+            let (start, end) = self.step_events.pop_front().expect("an entry");
+            if let Some(last) = self.last_step_end.take() {
+                let ms = last.elapsed_ms(&start).expect("CUDA: reading a step event");
+                self.step_gap.0 += ms as f64 * 1e-3;
+                self.step_gap.1 += 1;
+                self.event_pool.push(last);
+            }
+            self.event_pool.push(start);
+            self.last_step_end = Some(end);
         }
     }
 
@@ -1393,19 +1559,64 @@ impl CudaBackend {
         self.n_fa_tiles = tiles.len();
         let flat: Vec<i32> = tiles.concat();
         self.n_step = tokens.len();
+        let fed: Vec<i32> = batch.fed.iter().flat_map(|f| [f.row as i32, f.from as i32]).collect();
+        let new_freq = self.host_inv_freq != rope.inv_freq;
         let st = self.dev.stream().clone();
-        let mut moved = Self::put(&st, &mut self.ids, tokens);
-        moved |= Self::put(&st, &mut self.rows, logit_rows);
-        if self.host_inv_freq != rope.inv_freq {
+        // Uploaded from pinned memory, so that no copy waits for the step in flight.
+        let sz = |b: usize| b.next_multiple_of(STAGING_ALIGN);
+        let bytes = sz(4 * tokens.len())
+            + sz(4 * logit_rows.len())
+            + if new_freq { sz(4 * rope.inv_freq.len()) } else { 0 }
+            + sz(8 * slots.len())
+            + sz(4 * (pos.len() + table_off.len()))
+            + sz(4 * tables.len())
+            + sz(4)
+            + sz(4 * flat.len())
+            + sz(4 * fed.len());
+        let sg = &mut self.staging;
+        sg.begin(&self.dev.ctx, bytes + 16 * STAGING_ALIGN);
+        // Packed: fed rows go up as their sampled row with the top bit set, which
+        // unpack_step replaces by the token.
+        let packed_ids: Vec<u32>;
+        let ids = if sg.packed && !batch.fed.is_empty() {
+            let mut v = tokens.to_vec();
+            for f in batch.fed {
+                v[f.row as usize] = 0x8000_0000 | f.from;
+            }
+            packed_ids = v;
+            &packed_ids[..]
+        } else {
+            tokens
+        };
+        let ids_seg = sg.segs.len();
+        let mut moved = sg.put(&st, &mut self.ids, ids);
+        moved |= sg.put(&st, &mut self.rows, logit_rows);
+        if new_freq {
             self.host_inv_freq.clone_from(&rope.inv_freq);
-            moved |= Self::put(&st, &mut self.inv_freq, &rope.inv_freq);
+            moved |= sg.put(&st, &mut self.inv_freq, &rope.inv_freq);
         }
-        moved |= Self::put(&st, &mut self.slots, &slots);
-        moved |= Self::put(&st, &mut self.pos, &pos);
-        moved |= Self::put(&st, &mut self.table_off, &table_off);
-        moved |= Self::put(&st, &mut self.tables, &tables);
-        moved |= Self::put(&st, &mut self.max_ctx_dev, &[self.max_ctx as i32]);
-        moved |= Self::put(&st, &mut self.fa_tiles, &flat);
+        moved |= sg.put(&st, &mut self.slots, &slots);
+        moved |= sg.put(&st, &mut self.pos, &pos);
+        moved |= sg.put(&st, &mut self.table_off, &table_off);
+        moved |= sg.put(&st, &mut self.tables, &tables);
+        moved |= sg.put(&st, &mut self.max_ctx_dev, &[self.max_ctx as i32]);
+        moved |= sg.put(&st, &mut self.fa_tiles, &flat);
+        let packed = sg.packed;
+        if packed {
+            self.unpack_step(if batch.fed.is_empty() { -1 } else { ids_seg as i32 });
+        } else {
+            // (Read by the feed kernel, outside any graph: it may move.)
+            sg.put(&st, &mut self.fed_dev, &fed);
+        }
+        self.staging.end(&st);
+        if !packed && !fed.is_empty() {
+            let n = batch.fed.len() as i32;
+            let mut b = st.launch_builder(self.dev.func("feed_ids"));
+            b.arg(&mut self.ids).arg(&self.fed_dev).arg(&n).arg(&self.argmax_out);
+            // SAFETY: argument types match the kernel; the fed rows lie in this step's ids
+            // and their sampled rows in the last deferred sample's.
+            unsafe { b.launch(launch_cfg(batch.fed.len())) }.expect("CUDA: feeding sampled ids");
+        }
         if moved {
             self.buffers_moving();
         }
@@ -1430,6 +1641,149 @@ impl CudaBackend {
         let kernel =
             u8::from(self.step_flash) | (u8::from(self.step_decode && self.step_flash) << 1) | (u8::from(km) << 2);
         self.step_key = (batch.n_tokens, logit_rows.len(), self.step_splits, kernel);
+    }
+
+    /// Copies the step's packed metadata up in one copy and spreads it to its buffers
+    /// (`unpack_step`; fed ids in segment `ids_seg`, -1: none).
+    fn unpack_step(&mut self, ids_seg: i32) {
+        let st = self.dev.stream().clone();
+        let sg = &mut self.staging;
+        let words = sg.off / 4;
+        if sg.segs.is_empty() {
+            return;
+        }
+        if self.packed_dev.len() < words {
+            self.packed_dev = st.alloc_zeros(words.next_power_of_two()).expect("CUDA: allocating step metadata");
+        }
+        let mut t = UploadSegs { n: sg.segs.len() as u32, ids_seg, ..Default::default() };
+        for (i, &(dst, off, bytes)) in sg.segs.iter().enumerate() {
+            t.dst[i] = dst;
+            t.off[i] = (off / 4) as u32;
+            t.words[i] = (bytes / 4) as u32;
+        }
+        sg.segs.clear();
+        let buf = sg.bufs[sg.cur].as_mut().expect("begin() allocated it");
+        let base = buf.as_mut_ptr().expect("CUDA: pinned memory");
+        let (dptr, g) = self.packed_dev.device_ptr_mut(&st);
+        // SAFETY: the staging half holds `off` bytes written for this step, read by this
+        // copy before begin() reuses it (end()'s event); packed_dev holds `words` words.
+        unsafe {
+            let src = std::slice::from_raw_parts(base as *const u8, words * 4);
+            cudarc::driver::result::memcpy_htod_async(dptr, src, st.cu_stream())
+                .expect("CUDA: uploading step metadata");
+        }
+        drop(g);
+        let mut b = st.launch_builder(self.dev.func("unpack_step"));
+        b.arg(&self.packed_dev).arg(&t).arg(&self.argmax_out);
+        // SAFETY: each segment's destination holds its words (the buffers put() sized), the
+        // fed rows' sampled rows lie in the last deferred sample (begin_step checks).
+        unsafe { b.launch(launch_cfg(words)) }.expect("CUDA: spreading step metadata");
+    }
+
+    /// `argmax_out[r]` = the argmax of row r of `x` (rows of `dim`), r < `rows`: over
+    /// several blocks per row when the rows alone leave SMs idle (`argmax_rows_split`,
+    /// `DISAGG_CUDA_ARGMAX_SPLIT=0`: one block per row).
+    fn argmax(&mut self, x: &CudaSlice<f32>, dim: usize, rows: usize) {
+        let st = self.dev.stream().clone();
+        if self.argmax_out.len() < rows {
+            self.argmax_out = st.alloc_zeros::<u32>(rows.next_power_of_two()).expect("CUDA: argmax buffer");
+        }
+        let d = dim as i32;
+        let chunks = if self.argmax_split {
+            (2 * self.n_sms).div_ceil(rows).min(ARGMAX_MAX_CHUNKS).min(dim.div_ceil(1024))
+        } else {
+            1
+        };
+        if chunks <= 1 {
+            let cfg = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
+            let mut b = st.launch_builder(self.dev.func("argmax_rows"));
+            b.arg(x).arg(&d).arg(&mut self.argmax_out);
+            // SAFETY: x holds `rows` rows of dim (the engine's logits buffer).
+            unsafe { b.launch(cfg) }.expect("CUDA: argmax");
+            return;
+        }
+        if self.argmax_count.len() < rows {
+            let n = rows.next_power_of_two();
+            self.argmax_pv = st.alloc_zeros(n * ARGMAX_MAX_CHUNKS).expect("CUDA: argmax buffer");
+            self.argmax_pi = st.alloc_zeros(n * ARGMAX_MAX_CHUNKS).expect("CUDA: argmax buffer");
+            self.argmax_count = st.alloc_zeros(n).expect("CUDA: argmax buffer");
+        }
+        let chunk = dim.div_ceil(chunks) as i32;
+        let cfg =
+            LaunchConfig { grid_dim: (chunks as u32, rows as u32, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        let mut b = st.launch_builder(self.dev.func("argmax_rows_split"));
+        b.arg(x).arg(&d).arg(&chunk).arg(&mut self.argmax_pv).arg(&mut self.argmax_pi);
+        b.arg(&mut self.argmax_count).arg(&mut self.argmax_out);
+        // SAFETY: x holds `rows` rows of dim; the partials hold rows × chunks entries, the
+        // counters `rows` (zero between launches: each row's last block resets its own).
+        unsafe { b.launch(cfg) }.expect("CUDA: argmax");
+    }
+
+    /// Takes the argmax of `rows` rows where the logits are and starts their copy into
+    /// pinned memory, without waiting: argmax_out keeps them for the next step's feed.
+    fn defer_argmax(&mut self, x: &CudaSlice<f32>, dim: usize, rows: usize) {
+        assert!(self.defer, "CUDA: deferred sampling is off");
+        let t = self.tic();
+        let st = self.dev.stream().clone();
+        self.argmax(x, dim, rows);
+        // Two slots: the one the copy goes to was read before (at most one sample is read
+        // after the next step's launch).
+        let slot = self.deferred_next;
+        self.deferred_next ^= 1;
+        assert!(self.deferred.iter().all(|d| d.0 != slot), "CUDA: more than two deferred samples");
+        if self.deferred_host[slot].as_ref().is_none_or(|h| h.len() < rows) {
+            // SAFETY: read only after the copy into it is done.
+            let h = unsafe { self.dev.ctx.alloc_pinned_with_flags::<u32>(rows.next_power_of_two().max(64), 0) };
+            self.deferred_host[slot] = Some(h.expect("CUDA: pinned memory for sampled ids"));
+        }
+        let ptr = self.deferred_host[slot].as_mut().expect("allocated").as_mut_ptr().expect("CUDA: pinned memory");
+        let (src, g) = self.argmax_out.device_ptr(&st);
+        // SAFETY: the slot holds at least `rows` ids and is not read until the event after
+        // this copy is done; argmax_out holds `rows` ids.
+        unsafe {
+            let dst = std::slice::from_raw_parts_mut(ptr, rows);
+            cudarc::driver::result::memcpy_dtoh_async(dst, src, st.cu_stream()).expect("CUDA: sampled ids to the host");
+        }
+        drop(g);
+        let done = self.mark();
+        self.deferred.push_back((slot, rows, done));
+        self.toc("argmax_deferred", t);
+    }
+
+    /// [`Backend::run_step`] between its step events: the graph of this step's shape when
+    /// there is one, else the body (captured on a shape's second step).
+    fn run_step_body(&mut self, replayable: bool, body: &mut dyn FnMut(&mut Self)) {
+        if !(replayable && self.graphs_on) {
+            return body(self);
+        }
+        let key = self.step_key;
+        if let Some(g) = self.graphs.0.get(&key) {
+            g.launch().expect("CUDA: launching a decode graph");
+            return;
+        }
+        // The first step of a shape runs op by op (sizing every scratch buffer); the
+        // second is captured.
+        if self.seen.insert(key) || self.graphs.0.len() >= MAX_GRAPHS {
+            return body(self);
+        }
+        let st = self.dev.stream().clone();
+        st.begin_capture(cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .expect("CUDA: beginning a graph capture");
+        self.capturing = true;
+        body(self);
+        self.capturing = false;
+        match st.end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0)) {
+            Ok(Some(g)) => {
+                g.launch().expect("CUDA: launching a decode graph");
+                self.graphs.0.insert(key, g);
+            }
+            other => {
+                // Nothing ran during the capture: run the step op by op, and stop capturing.
+                tracing::warn!("CUDA graph capture failed ({:?}); decode steps run op by op", other.err());
+                self.graphs_on = false;
+                body(self);
+            }
+        }
     }
 }
 
@@ -1530,6 +1884,10 @@ impl Backend for CudaBackend {
         self.tables = self.zeros(lim.max_table_entries.max(1), "step metadata (block tables)")?;
         self.rows = self.zeros(lim.max_seqs.max(1), "step metadata (logit rows)")?;
         self.argmax_out = self.zeros(lim.max_seqs.max(1), "the sampled ids")?;
+        let rows = lim.max_seqs.max(1).next_power_of_two();
+        self.argmax_pv = self.zeros(rows * ARGMAX_MAX_CHUNKS, "the argmax partials")?;
+        self.argmax_pi = self.zeros(rows * ARGMAX_MAX_CHUNKS, "the argmax partials")?;
+        self.argmax_count = self.zeros(rows, "the argmax counters")?;
         let st = self.dev.stream().clone();
         let rows = lim.max_seqs.max(1);
         let bytes = rows * (crate::backend::SAMPLE_CANDIDATES * 8 + 300);
@@ -1564,6 +1922,11 @@ impl Backend for CudaBackend {
     }
 
     fn begin_step(&mut self, tokens: &[u32], batch: &StepBatch, rope: &Rope, attn: &AttnShape, logit_rows: &[u32]) {
+        assert!(
+            batch.fed.is_empty()
+                || self.deferred.back().is_some_and(|d| batch.fed.iter().all(|f| (f.from as usize) < d.1)),
+            "CUDA: fed tokens without a deferred sample of their rows"
+        );
         let t = self.tic();
         self.prenormed = None;
         self.prepare_step(tokens, batch, rope, attn, logit_rows);
@@ -1571,45 +1934,10 @@ impl Backend for CudaBackend {
     }
 
     fn run_step(&mut self, replayable: bool, body: &mut dyn FnMut(&mut Self)) {
-        // (The host's time between replays counts only from one replay to the next.)
-        let settled = self.replay_settled.take();
-        if !(replayable && self.graphs_on) {
-            return body(self);
-        }
-        let key = self.step_key;
-        if let Some(g) = self.graphs.0.get(&key) {
-            let now = std::time::Instant::now();
-            if let Some(t) = settled {
-                self.replay_gap.0 += (now - t).as_secs_f64();
-                self.replay_gap.1 += 1;
-            }
-            self.replay_launched = Some(now);
-            g.launch().expect("CUDA: launching a decode graph");
-            return;
-        }
-        // The first step of a shape runs op by op (sizing every scratch buffer); the
-        // second is captured.
-        if self.seen.insert(key) || self.graphs.0.len() >= MAX_GRAPHS {
-            return body(self);
-        }
-        let st = self.dev.stream().clone();
-        st.begin_capture(cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-            .expect("CUDA: beginning a graph capture");
-        self.capturing = true;
-        body(self);
-        self.capturing = false;
-        match st.end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0)) {
-            Ok(Some(g)) => {
-                g.launch().expect("CUDA: launching a decode graph");
-                self.graphs.0.insert(key, g);
-            }
-            other => {
-                // Nothing ran during the capture: run the step op by op, and stop capturing.
-                tracing::warn!("CUDA graph capture failed ({:?}); decode steps run op by op", other.err());
-                self.graphs_on = false;
-                body(self);
-            }
-        }
+        let start = self.mark();
+        self.run_step_body(replayable, body);
+        let end = self.mark();
+        self.step_events.push_back((start, end));
     }
 
     fn embed(&mut self, table: &CudaLinear, ids: &[u32], out: &mut CudaSlice<f32>) {
@@ -1989,15 +2317,7 @@ impl Backend for CudaBackend {
         out.clear();
         if specs.iter().all(|s| s.plain_greedy()) {
             // Only token ids: the argmax kernel.
-            if self.argmax_out.len() < rows {
-                self.argmax_out = st.alloc_zeros::<u32>(rows.next_power_of_two()).expect("CUDA: argmax buffer");
-            }
-            let d = dim as i32;
-            let cfg = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
-            let mut b = st.launch_builder(self.dev.func("argmax_rows"));
-            b.arg(&*x).arg(&d).arg(&mut self.argmax_out);
-            // SAFETY: x holds `rows` rows of dim (the engine's logits buffer).
-            unsafe { b.launch(cfg) }.expect("CUDA: argmax");
+            self.argmax(x, dim, rows);
             let mut ids = vec![0u32; rows];
             st.memcpy_dtoh(&self.argmax_out.slice(..rows), &mut ids).expect("CUDA: token ids to the host");
             out.extend(ids.into_iter().map(|t| SampledRow { token: Some(t), ..Default::default() }));
@@ -2012,9 +2332,26 @@ impl Backend for CudaBackend {
     }
 
     fn op_profile(&self) -> Vec<(&'static str, f64, u64)> {
-        let replays = [(super::REPLAY_WALL_OP, self.replay_wall), (super::REPLAY_GAP_OP, self.replay_gap)];
-        let replays = replays.into_iter().filter(|(_, (_, n))| *n > 0).map(|(op, (s, n))| (op, s, n));
-        self.profile.iter().flat_map(|p| &p.totals).map(|(k, (s, n))| (*k, *s, *n)).chain(replays).collect()
+        let gaps = (self.step_gap.1 > 0).then_some((super::STEP_GAP_OP, self.step_gap.0, self.step_gap.1));
+        self.profile.iter().flat_map(|p| &p.totals).map(|(k, (s, n))| (*k, *s, *n)).chain(gaps).collect()
+    }
+
+    fn defers_sampling(&self) -> bool {
+        self.defer
+    }
+
+    fn sample_rows_deferred(&mut self, x: &CudaSlice<f32>, dim: usize, rows: usize) {
+        self.defer_argmax(x, dim, rows)
+    }
+
+    fn collect_sampled(&mut self, out: &mut Vec<u32>) {
+        let (slot, rows, done) = self.deferred.pop_front().expect("CUDA: no deferred sample to collect");
+        done.synchronize().expect("CUDA: waiting for sampled ids");
+        self.event_pool.push(done);
+        let host = self.deferred_host[slot].as_ref().expect("allocated");
+        out.clear();
+        out.extend_from_slice(&host.as_slice().expect("CUDA: pinned memory")[..rows]);
+        self.read_step_gaps();
     }
 
     fn copy_bandwidth_gbps(&self) -> Option<f64> {

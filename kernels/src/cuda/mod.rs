@@ -68,18 +68,18 @@ const KERNELS: &[&str] = &[
     "attention_split_f32",
     "attention_merge",
     "argmax_rows",
+    "feed_ids",
+    "argmax_rows_split",
+    "unpack_step",
     "stream_read",
     "sample_rows",
 ];
 
-/// `op_profile`'s entry (always kept, profiling or not) for the wall time from a
-/// replayed decode graph's launch to its results on the host: a step's time past it is
-/// host work while the GPU waits.
-pub const REPLAY_WALL_OP: &str = "graph_launch_to_host";
-/// `op_profile`'s entry (always kept) for the wall time from a replayed decode graph's
-/// results on the host to the next replay's launch: the host's work between two steps
-/// (outputs, scheduling, the next step's metadata) while the GPU waits.
-pub const REPLAY_GAP_OP: &str = "host_between_replays";
+/// `op_profile`'s entry (always kept, profiling or not) for the GPU's time from the end of
+/// one step's forward pass to the start of the next one's (CUDA events): the sampling
+/// and copies between them, and the time the GPU waits for the host (outputs,
+/// scheduling, the next step's metadata) unless async scheduling hides it.
+pub const STEP_GAP_OP: &str = "gpu_between_steps";
 
 /// Most tokens the GEMV kernels take (`…_m1` to `…_m8`: one kernel per token count;
 /// by default only 1 uses them, see `DISAGG_CUDA_GEMV_MAX_TOKENS`), and the warps of

@@ -391,19 +391,8 @@ __device__ __forceinline__ void warp_argmax(float& bv, int& bi) {
     }
 }
 
-// Greedy sampling on the device: out[r] = the first index of the largest value of row r
-// (NaN never wins; a row of -inf gives 0), as engine::sampling::argmax. One block per row.
-extern "C" __global__ void argmax_rows(const float* x, int dim, unsigned int* out) {
-    const float* row = x + (size_t)blockIdx.x * dim;
-    float bv = NEG_INF;
-    int bi = 0x7fffffff;
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
-        const float v = row[i];
-        if (v > bv) {  // strided ascending: the first maximum of this thread's elements
-            bv = v;
-            bi = i;
-        }
-    }
+// The block's largest (value, index), the lowest index among equal values, in thread 0.
+__device__ __forceinline__ void block_argmax(float& bv, int& bi) {
     warp_argmax(bv, bi);
     __shared__ float sv[32];
     __shared__ int si[32];
@@ -418,8 +407,105 @@ extern "C" __global__ void argmax_rows(const float* x, int dim, unsigned int* ou
         bv = lane < nw ? sv[lane] : NEG_INF;
         bi = lane < nw ? si[lane] : 0x7fffffff;
         warp_argmax(bv, bi);
-        if (lane == 0) out[blockIdx.x] = bi == 0x7fffffff ? 0u : (unsigned int)bi;
     }
+}
+
+// The best (value, index) of this thread's elements lo + threadIdx.x, + blockDim.x, ...
+// below hi: strided ascending, so the first maximum of them.
+__device__ __forceinline__ void thread_argmax(const float* row, int lo, int hi, float& bv, int& bi) {
+    bv = NEG_INF;
+    bi = 0x7fffffff;
+    for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+        const float v = row[i];
+        if (v > bv) {
+            bv = v;
+            bi = i;
+        }
+    }
+}
+
+// Greedy sampling on the device: out[r] = the first index of the largest value of row r
+// (NaN never wins; a row of -inf gives 0), as engine::sampling::argmax. One block per row.
+extern "C" __global__ void argmax_rows(const float* x, int dim, unsigned int* out) {
+    float bv;
+    int bi;
+    thread_argmax(x + (size_t)blockIdx.x * dim, 0, dim, bv, bi);
+    block_argmax(bv, bi);
+    if (threadIdx.x == 0) out[blockIdx.x] = bi == 0x7fffffff ? 0u : (unsigned int)bi;
+}
+
+// argmax_rows over many blocks per row (one block scanning a row of 128k logits alone
+// takes tens of microseconds): block (c, r) takes values [c * chunk, (c + 1) * chunk) of
+// row r and leaves its best in pv/pi; the row's last block to finish (counted in count[r],
+// which it sets back to 0) takes the best of the row's partials, the lowest index among
+// equal values, so the result is argmax_rows's.
+extern "C" __global__ void argmax_rows_split(const float* x, int dim, int chunk, float* pv, int* pi,
+                                              unsigned int* count, unsigned int* out) {
+    const int c = blockIdx.x, r = blockIdx.y, nc = gridDim.x;
+    const int lo = c * chunk, hi = min(dim, lo + chunk);
+    float bv;
+    int bi;
+    thread_argmax(x + (size_t)r * dim, lo, hi, bv, bi);
+    block_argmax(bv, bi);
+    __shared__ bool last;
+    if (threadIdx.x == 0) {
+        pv[r * nc + c] = bv;
+        pi[r * nc + c] = bi;
+        __threadfence();
+        last = atomicAdd(&count[r], 1u) == (unsigned int)(nc - 1);
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    bv = NEG_INF;
+    bi = 0x7fffffff;
+    for (int j = threadIdx.x; j < nc; j += blockDim.x) {
+        const float v = __ldcg(pv + r * nc + j);
+        const int i = __ldcg(pi + r * nc + j);
+        if (v > bv || (v == bv && i < bi)) {
+            bv = v;
+            bi = i;
+        }
+    }
+    __syncthreads();  // (block_argmax's shared memory is reused)
+    block_argmax(bv, bi);
+    if (threadIdx.x == 0) {
+        out[r] = bi == 0x7fffffff ? 0u : (unsigned int)bi;
+        count[r] = 0;
+    }
+}
+
+// A step's metadata, uploaded in one copy from pinned memory (`packed`, 32-bit words) and
+// spread here to the buffers the step's kernels read: segment s is words
+// [off[s], off[s] + words[s]) of `packed`, for dst[s]. A word of segment ids_seg (the
+// token ids) with its top bit set is a token the last deferred sample drew: its row
+// (the low bits) in `sampled`.
+#define MAX_UPLOAD_SEGS 12
+struct UploadSegs {
+    unsigned long long dst[MAX_UPLOAD_SEGS];
+    unsigned int off[MAX_UPLOAD_SEGS];
+    unsigned int words[MAX_UPLOAD_SEGS];
+    unsigned int n;
+    int ids_seg;
+};
+
+extern "C" __global__ void unpack_step(const unsigned int* packed, UploadSegs segs, const unsigned int* sampled) {
+    const unsigned int w = blockIdx.x * blockDim.x + threadIdx.x;
+    for (unsigned int s = 0; s < segs.n; s++) {
+        if (w >= segs.off[s] && w < segs.off[s] + segs.words[s]) {
+            unsigned int v = packed[w];
+            if ((int)s == segs.ids_seg && (v >> 31)) v = sampled[v & 0x7fffffffu];
+            ((unsigned int*)segs.dst[s])[w - segs.off[s]] = v;
+            return;
+        }
+    }
+}
+
+// Async scheduling: row fed[2i] of this step takes the id that the last deferred sample
+// drew in its row fed[2i + 1] (left by argmax_rows in `sampled`), before the embedding.
+extern "C" __global__ void feed_ids(unsigned int* ids, const int* fed, int n, const unsigned int* sampled) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) ids[fed[2 * i]] = sampled[fed[2 * i + 1]];
 }
 
 // ---- Attention on tensor cores (flash-attention 2 style), prefill and decode ----
