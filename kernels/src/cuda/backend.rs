@@ -181,6 +181,20 @@ struct Profile {
     pending: Vec<(&'static str, CudaEvent, CudaEvent)>,
 }
 
+/// Makes `dst` hold at least `len` elements, allocating anew (zeroed, a power of two)
+/// when it is smaller: true when it moved.
+fn fit<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+    st: &std::sync::Arc<cudarc::driver::CudaStream>,
+    dst: &mut CudaSlice<T>,
+    len: usize,
+) -> bool {
+    let grow = dst.len() < len;
+    if grow {
+        *dst = st.alloc_zeros::<T>(len.next_power_of_two()).expect("CUDA: allocating step metadata");
+    }
+    grow
+}
+
 /// Most blocks `argmax_rows_split` gives one row.
 const ARGMAX_MAX_CHUNKS: usize = 64;
 
@@ -242,10 +256,7 @@ impl Staging {
         dst: &mut CudaSlice<T>,
         host: &[T],
     ) -> bool {
-        let grow = dst.len() < host.len();
-        if grow {
-            *dst = st.alloc_zeros::<T>(host.len().next_power_of_two()).expect("CUDA: allocating step metadata");
-        }
+        let grow = fit(st, dst, host.len());
         if host.is_empty() {
             return grow;
         }
@@ -1005,10 +1016,7 @@ impl CudaBackend {
         dst: &mut CudaSlice<T>,
         host: &[T],
     ) -> bool {
-        let grow = dst.len() < host.len();
-        if grow {
-            *dst = stream.alloc_zeros::<T>(host.len().next_power_of_two()).expect("CUDA: allocating step metadata");
-        }
+        let grow = fit(stream, dst, host.len());
         if !host.is_empty() {
             stream.memcpy_htod(host, &mut dst.slice_mut(..host.len())).expect("CUDA: uploading step metadata");
         }
