@@ -869,9 +869,11 @@ impl<B: Backend> EngineCore<B> {
                 n == 1 && s.n_computed + 1 == s.len_all() && self.defers(s)
             });
         let mut outputs: Vec<(u8, RequestOutput)> = Vec::new();
+        let mut read_first = 0;
         if !overlap {
             if let Some(rows) = prev.take() {
                 self.collect(&rows, &mut outputs);
+                read_first = outputs.len();
                 // Those whose tokens just read ended them.
                 plan.retain(|(id, _)| self.seqs.contains_key(id));
             }
@@ -886,11 +888,8 @@ impl<B: Backend> EngineCore<B> {
         // Delivery priority: whoever sends the outputs on sends them in this order, and a
         // step's last sends wait for all the others (a cross-thread wake each), so the
         // outputs that end a client's wait for its first text or its answer go first.
-        // Stable, and a request has at most one output per call (a call reads one step's
-        // tokens: a deferred one, or the one it ran), so each request's outputs keep
-        // their order.
         if self.priority_order {
-            outputs.sort_by_key(|o| o.0);
+            by_priority(&mut outputs, read_first);
         }
         self.sync_cache();
         self.stats.step_s += t0.elapsed().as_secs_f64();
@@ -1179,6 +1178,23 @@ impl<B: Backend> EngineCore<B> {
     }
 }
 
+/// Sorts a call's outputs by delivery priority, stably, keeping each request's outputs in
+/// the order they were made. A request has one output per step, and a call reads at most
+/// two steps' tokens: a deferred step's (the first `read_first` outputs, when it read
+/// them before running its own step) and the step it ran; a request with an output in
+/// both keeps its second behind its first (its priority raised to the first's).
+fn by_priority(outputs: &mut [(u8, RequestOutput)], read_first: usize) {
+    if read_first > 0 && read_first < outputs.len() {
+        let first: HashMap<RequestId, u8> = outputs[..read_first].iter().map(|o| (o.1.id, o.0)).collect();
+        for o in &mut outputs[read_first..] {
+            if let Some(&p) = first.get(&o.1.id) {
+                o.0 = o.0.max(p);
+            }
+        }
+    }
+    outputs.sort_by_key(|o| o.0);
+}
+
 /// What a request is checked against: fixed when the engine is built, so clients of an
 /// engine running on another thread can validate without a round trip.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -1295,4 +1311,38 @@ pub struct Completed {
     pub prompt_tokens: usize,
     pub first_token_s: Option<f64>,
     pub done_s: f64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn out(id: RequestId, token: u32) -> RequestOutput {
+        RequestOutput {
+            id,
+            new_token_ids: vec![token],
+            new_text: String::new(),
+            logprobs: Vec::new(),
+            finish: None,
+            prompt_tokens: 1,
+            completion_tokens: 1,
+            cached_tokens: 0,
+            scheduled_at: None,
+        }
+    }
+
+    #[test]
+    fn priority_never_puts_a_requests_later_output_first() {
+        // Read first: request 1's token 10 (priority 2) and request 2's (0); then the step
+        // run in the same call: request 1's token 11 finishing it (1), request 3's (0).
+        let mut o = vec![(2, out(1, 10)), (0, out(2, 20)), (1, out(1, 11)), (0, out(3, 30))];
+        by_priority(&mut o, 2);
+        let order: Vec<(RequestId, u32)> = o.iter().map(|o| (o.1.id, o.1.new_token_ids[0])).collect();
+        assert_eq!(order, [(2, 20), (3, 30), (1, 10), (1, 11)]);
+        // One step's outputs alone: by priority, stable.
+        let mut o = vec![(2, out(1, 10)), (1, out(2, 20)), (0, out(3, 30)), (2, out(4, 40))];
+        by_priority(&mut o, 0);
+        let ids: Vec<RequestId> = o.iter().map(|o| o.1.id).collect();
+        assert_eq!(ids, [3, 2, 1, 4]);
+    }
 }
