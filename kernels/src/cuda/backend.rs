@@ -525,6 +525,9 @@ impl CudaBackend {
         let z = |n| stream.alloc_zeros::<f32>(n).map_err(dev_err);
         let profile = std::env::var_os(crate::env::CUDA_PROFILE).map(|_| Default::default());
         let off = |name| std::env::var(name).is_ok_and(|v| v == "0");
+        // __match_any_sync: sm_70 or newer.
+        let device_sampling = !off(crate::env::DEVICE_SAMPLING) && dev.arch.0 >= 7;
+        let defer = !off(crate::env::ASYNC_SCHEDULING) && device_sampling && profile.is_none();
         let flash_occ = |name: &str, hd: usize| -> usize {
             let smem = super::flash_smem_bytes(name, hd);
             match dev.func(name).occupancy_max_active_blocks_per_multiprocessor(128, smem, None) {
@@ -600,10 +603,7 @@ impl CudaBackend {
             last_step_end: None,
             step_gap: (0.0, 0),
             event_pool: Vec::new(),
-            defer: std::env::var(crate::env::ASYNC_SCHEDULING).map_or(true, |v| v != "0")
-                && std::env::var(crate::env::DEVICE_SAMPLING).map_or(true, |v| v != "0")
-                && dev.arch.0 >= 7
-                && std::env::var_os(crate::env::CUDA_PROFILE).is_none(),
+            defer,
             deferred_host: [None, None],
             deferred: Default::default(),
             deferred_next: 0,
@@ -627,8 +627,7 @@ impl CudaBackend {
                 Err(_) => 64,
             },
             attn_part: z(1)?,
-            // __match_any_sync: sm_70 or newer.
-            device_sampling: std::env::var(crate::env::DEVICE_SAMPLING).map_or(true, |v| v != "0") && dev.arch.0 >= 7,
+            device_sampling,
             argmax_out: stream.alloc_zeros::<u32>(1).map_err(dev_err)?,
             argmax_split: !off(crate::env::CUDA_ARGMAX_SPLIT),
             argmax_pv: stream.alloc_zeros::<f32>(1).map_err(dev_err)?,
@@ -861,7 +860,6 @@ impl CudaBackend {
         self.set_switch(on, |b| &mut b.norm_cast);
     }
 
-    /// How many decode shapes are captured as graphs now.
     /// Async scheduling's deferred sampling on or off (A/B checks; see
     /// `DISAGG_ASYNC_SCHEDULING`). Switch it only between steps with nothing deferred.
     pub fn set_defer_sampling(&mut self, on: bool) {
@@ -869,6 +867,7 @@ impl CudaBackend {
         self.defer = on && self.device_sampling && self.profile.is_none();
     }
 
+    /// How many decode shapes are captured as graphs now.
     pub fn n_graphs(&self) -> usize {
         self.graphs.0.len()
     }
@@ -1567,7 +1566,10 @@ impl CudaBackend {
         self.n_fa_tiles = tiles.len();
         let flat: Vec<i32> = tiles.concat();
         self.n_step = tokens.len();
-        let fed: Vec<i32> = batch.fed.iter().flat_map(|f| [f.row as i32, f.from as i32]).collect();
+        let packed = self.staging.packed;
+        // Per-buffer uploads: the fed rows' pairs for feed_ids (packed: the ids carry them).
+        let fed: Vec<i32> =
+            if packed { Vec::new() } else { batch.fed.iter().flat_map(|f| [f.row as i32, f.from as i32]).collect() };
         let new_freq = self.host_inv_freq != rope.inv_freq;
         let st = self.dev.stream().clone();
         // Uploaded from pinned memory, so that no copy waits for the step in flight.
@@ -1586,7 +1588,7 @@ impl CudaBackend {
         // Packed: fed rows go up as their sampled row with the top bit set, which
         // unpack_step replaces by the token.
         let packed_ids: Vec<u32>;
-        let ids = if sg.packed && !batch.fed.is_empty() {
+        let ids = if packed && !batch.fed.is_empty() {
             let mut v = tokens.to_vec();
             for f in batch.fed {
                 v[f.row as usize] = 0x8000_0000 | f.from;
@@ -1609,7 +1611,6 @@ impl CudaBackend {
         moved |= sg.put(&st, &mut self.tables, &tables);
         moved |= sg.put(&st, &mut self.max_ctx_dev, &[self.max_ctx as i32]);
         moved |= sg.put(&st, &mut self.fa_tiles, &flat);
-        let packed = sg.packed;
         if packed {
             self.unpack_step(if batch.fed.is_empty() { -1 } else { ids_seg as i32 });
         } else {
@@ -1660,9 +1661,7 @@ impl CudaBackend {
         if sg.segs.is_empty() {
             return;
         }
-        if self.packed_dev.len() < words {
-            self.packed_dev = st.alloc_zeros(words.next_power_of_two()).expect("CUDA: allocating step metadata");
-        }
+        fit(&st, &mut self.packed_dev, words);
         let mut t = UploadSegs { n: sg.segs.len() as u32, ids_seg, ..Default::default() };
         for (i, &(dst, off, bytes)) in sg.segs.iter().enumerate() {
             t.dst[i] = dst;
@@ -1725,37 +1724,6 @@ impl CudaBackend {
         // SAFETY: x holds `rows` rows of dim; the partials hold rows × chunks entries, the
         // counters `rows` (zero between launches: each row's last block resets its own).
         unsafe { b.launch(cfg) }.expect("CUDA: argmax");
-    }
-
-    /// Takes the argmax of `rows` rows where the logits are and starts their copy into
-    /// pinned memory, without waiting: argmax_out keeps them for the next step's feed.
-    fn defer_argmax(&mut self, x: &CudaSlice<f32>, dim: usize, rows: usize) {
-        assert!(self.defer, "CUDA: deferred sampling is off");
-        let t = self.tic();
-        let st = self.dev.stream().clone();
-        self.argmax(x, dim, rows);
-        // Two slots: the one the copy goes to was read before (at most one sample is read
-        // after the next step's launch).
-        let slot = self.deferred_next;
-        self.deferred_next ^= 1;
-        assert!(self.deferred.iter().all(|d| d.0 != slot), "CUDA: more than two deferred samples");
-        if self.deferred_host[slot].as_ref().is_none_or(|h| h.len() < rows) {
-            // SAFETY: read only after the copy into it is done.
-            let h = unsafe { self.dev.ctx.alloc_pinned_with_flags::<u32>(rows.next_power_of_two().max(64), 0) };
-            self.deferred_host[slot] = Some(h.expect("CUDA: pinned memory for sampled ids"));
-        }
-        let ptr = self.deferred_host[slot].as_mut().expect("allocated").as_mut_ptr().expect("CUDA: pinned memory");
-        let (src, g) = self.argmax_out.device_ptr(&st);
-        // SAFETY: the slot holds at least `rows` ids and is not read until the event after
-        // this copy is done; argmax_out holds `rows` ids.
-        unsafe {
-            let dst = std::slice::from_raw_parts_mut(ptr, rows);
-            cudarc::driver::result::memcpy_dtoh_async(dst, src, st.cu_stream()).expect("CUDA: sampled ids to the host");
-        }
-        drop(g);
-        let done = self.mark();
-        self.deferred.push_back((slot, rows, done));
-        self.toc("argmax_deferred", t);
     }
 
     /// [`Backend::run_step`] between its step events: the graph of this step's shape when
@@ -2348,8 +2316,35 @@ impl Backend for CudaBackend {
         self.defer
     }
 
+    /// The argmax of `rows` rows where the logits are, and its copy into pinned memory
+    /// started without waiting: argmax_out keeps it for the next step's feed.
     fn sample_rows_deferred(&mut self, x: &CudaSlice<f32>, dim: usize, rows: usize) {
-        self.defer_argmax(x, dim, rows)
+        assert!(self.defer, "CUDA: deferred sampling is off");
+        let t = self.tic();
+        let st = self.dev.stream().clone();
+        self.argmax(x, dim, rows);
+        // Two slots: the one the copy goes to was read before (at most one sample is read
+        // after the next step's launch).
+        let slot = self.deferred_next;
+        self.deferred_next ^= 1;
+        assert!(self.deferred.iter().all(|d| d.0 != slot), "CUDA: more than two deferred samples");
+        if self.deferred_host[slot].as_ref().is_none_or(|h| h.len() < rows) {
+            // SAFETY: read only after the copy into it is done.
+            let h = unsafe { self.dev.ctx.alloc_pinned_with_flags::<u32>(rows.next_power_of_two().max(64), 0) };
+            self.deferred_host[slot] = Some(h.expect("CUDA: pinned memory for sampled ids"));
+        }
+        let ptr = self.deferred_host[slot].as_mut().expect("allocated").as_mut_ptr().expect("CUDA: pinned memory");
+        let (src, g) = self.argmax_out.device_ptr(&st);
+        // SAFETY: the slot holds at least `rows` ids and is not read until the event after
+        // this copy is done; argmax_out holds `rows` ids.
+        unsafe {
+            let dst = std::slice::from_raw_parts_mut(ptr, rows);
+            cudarc::driver::result::memcpy_dtoh_async(dst, src, st.cu_stream()).expect("CUDA: sampled ids to the host");
+        }
+        drop(g);
+        let done = self.mark();
+        self.deferred.push_back((slot, rows, done));
+        self.toc("argmax_deferred", t);
     }
 
     fn collect_sampled(&mut self, out: &mut Vec<u32>) {
