@@ -627,10 +627,11 @@ fn engine_loop<B: Backend>(mut core: EngineCore<B>, rx: Receiver<Command>, share
         if core.has_work() {
             let steps = core.stats().steps;
             let outs = core.step();
-            if core.stats().steps == steps {
+            if outs.is_empty() && core.stats().steps == steps {
                 // Work exists but none could be scheduled (waiting for blocks held by
                 // requests whose KV is still arriving): wait for a command instead of
-                // spinning.
+                // spinning. (A call that only read a deferred step's tokens ran no step
+                // but has outputs, often the requests' last: they go out below.)
                 if let Ok(c) = rx.recv_timeout(Duration::from_millis(2)) {
                     pending = Some(c);
                 }

@@ -82,6 +82,60 @@ fn handle_stats_include_the_step_of_each_delivered_output() {
 }
 
 #[test]
+fn async_scheduling_through_the_engine_thread_delivers_every_output() {
+    // The engine thread (EngineHandle, as `serve` runs it) with deferred sampling. Once
+    // every token a request asked for has been sampled, the next call of step() only
+    // reads the last step's tokens: it runs no step but returns outputs, often the
+    // requests' last ones, which must still reach their streams (they were once dropped
+    // as "nothing scheduled", and the requests never finished). The same items as
+    // without async scheduling, sent by the engine thread and by a delivery task.
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let run = |defer: bool, task: bool| {
+        let mut core = engine(&test_options());
+        core.backend_mut().set_defer_sampling(defer);
+        let h = engine::handle::EngineHandle::spawn(core, 64);
+        if task {
+            h.deliver_on(rt.handle());
+        }
+        let outs = rt.block_on(async {
+            let jobs: Vec<_> = prompts()
+                .into_iter()
+                .enumerate()
+                .map(|(i, p)| {
+                    let h = h.clone();
+                    tokio::spawn(async move {
+                        let params = SamplingParams { logprobs: None, ..greedy(3 + 4 * i) };
+                        let mut st = h.submit(p, params).unwrap();
+                        let mut items = Vec::new();
+                        while let Some(i) = st.next().await {
+                            items.push((i.out.new_token_ids.clone(), i.out.new_text.clone(), i.out.finish.clone()));
+                        }
+                        assert!(st.error().is_none(), "{:?}", st.error());
+                        items
+                    })
+                })
+                .collect();
+            let mut all = Vec::new();
+            for j in jobs {
+                let within = tokio::time::timeout(std::time::Duration::from_secs(60), j).await;
+                all.push(within.expect("outputs stopped arriving").unwrap());
+            }
+            all
+        });
+        let s = h.stats();
+        assert_eq!(s.async_steps > 0, defer, "{s:?}");
+        assert_eq!(s.kv_blocks_used, 0, "KV blocks leaked: {s:?}");
+        h.shutdown();
+        outs
+    };
+    let want = run(false, false);
+    assert!(want.iter().all(|items| items.last().is_some_and(|i| i.2.is_some())), "every request finished");
+    for task in [false, true] {
+        assert_eq!(run(true, task), want, "async scheduling, delivery task {task}");
+    }
+}
+
+#[test]
 fn outputs_through_a_delivery_task_arrive_whole_and_in_order() {
     // The same concurrent requests with outputs sent by the engine thread and by a task
     // on a runtime (`deliver_on`, called twice: one task): the same tokens and text,
