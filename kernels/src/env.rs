@@ -80,6 +80,11 @@ pub const CUDA_ARGMAX_SPLIT: &str = "DISAGG_CUDA_ARGMAX_SPLIT";
 /// all, spread to its buffers by one kernel (`unpack_step`); for A/B runs.
 pub const CUDA_PACKED_UPLOAD: &str = "DISAGG_CUDA_PACKED_UPLOAD";
 
+/// `0`: the CUDA backend launches its kernels plainly, each starting once the one before
+/// has finished, instead of with programmatic dependent launch (sm_90+: a kernel's
+/// launch and its first weight loads overlap the end of the kernel before); for A/B runs.
+pub const CUDA_PDL: &str = "DISAGG_CUDA_PDL";
+
 /// The CUDA attention's split-K (flash-decoding) path: when splitting fills the GPU's
 /// waves of resident blocks better (few sequences, or a last wave left part-empty), each
 /// one's keys are split over several blocks of at least this many keys (default 64; 0:

@@ -319,11 +319,44 @@ fn async_scheduling_gives_the_same_tokens() {
     assert_eq!(s1.kv_blocks_used, 0, "KV blocks leaked");
 }
 
+/// Programmatic dependent launch (on by default on sm_90+): each kernel's launch and its
+/// first weight loads overlap the end of the kernel before, and it waits in its own code
+/// for that kernel's writes. A kernel that read or wrote too early would change numbers,
+/// so the outputs with it must be the very bits of those without it: every fixture's
+/// prefill logits, and the greedy tokens of batched and batch-1 decode steps with graphs
+/// (a 300-token context takes the split attention and its merge).
+fn programmatic_launch_changes_no_bits() {
+    let opts = EngineOptions { prefix_caching: false, ..gpu_options(false) };
+    let mut gpu = cuda_engine(&opts).expect("the GPU engine loads");
+    assert!(gpu.backend().pdl(), "programmatic dependent launch is on by default on an H200");
+    let r = reference();
+    let reqs: Vec<_> = r.cases.iter().map(|c| (c.prompt_ids.clone(), greedy(24))).collect();
+    let long: Vec<u32> = (0..300).map(|i| 100 + (i * 37) % 5000).collect();
+    let mut outputs = Vec::new();
+    for on in [false, true, false, true] {
+        gpu.backend_mut().set_pdl(on);
+        let bits: Vec<Vec<u32>> =
+            r.cases.iter().map(|c| gpu.score(&c.prompt_ids).unwrap().iter().map(|v| v.to_bits()).collect()).collect();
+        let batched: Vec<Vec<u32>> =
+            run_to_completion(&mut gpu, reqs.clone(), 1).unwrap().into_iter().map(|o| o.output_ids).collect();
+        let one = run_to_completion(&mut gpu, vec![(long.clone(), greedy(40))], 2).unwrap().remove(0).output_ids;
+        outputs.push((on, bits, batched, one));
+    }
+    assert!(gpu.backend().n_graphs() >= 2, "decode steps ran as graphs");
+    let (_, bits, batched, one) = &outputs[0];
+    for (on, b, t, o) in &outputs[1..] {
+        assert!(b == bits, "pdl {on}: prefill logits changed");
+        assert_eq!(t, batched, "pdl {on}: batched greedy tokens changed");
+        assert_eq!(o, one, "pdl {on}: batch-1 tokens over a 300-token context changed");
+    }
+    println!("programmatic dependent launch: logits and tokens identical in 4 alternated runs");
+}
+
 fn main() {
     use libtest_mimic::{Arguments, Trial};
     let mut tests = Vec::new();
     if std::env::var_os(kernels::env::TEST_CUDA).is_some() {
-        let gpu_tests: [(&str, fn()); 6] = [
+        let gpu_tests: [(&str, fn()); 7] = [
             ("async_scheduling_gives_the_same_tokens", async_scheduling_gives_the_same_tokens),
             ("device_sampling_matches_the_host_sampler", device_sampling_matches_the_host_sampler),
             (
@@ -333,6 +366,7 @@ fn main() {
             ("greedy_matches_cpu_with_f32_weights", greedy_matches_cpu_with_f32_weights),
             ("bf16_weights_stay_close_to_cpu", bf16_weights_stay_close_to_cpu),
             ("kv_moves_between_gpu_and_cpu_unchanged", kv_moves_between_gpu_and_cpu_unchanged),
+            ("programmatic_launch_changes_no_bits", programmatic_launch_changes_no_bits),
         ];
         tests.extend(gpu_tests.into_iter().map(|(name, f)| {
             Trial::test(name, move || {

@@ -39,7 +39,7 @@ use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation
 use cudarc::cublas::{result as blas, CudaBlas};
 use cudarc::driver::{CudaEvent, CudaGraph, CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 
-use super::{dev_err, CudaDevice};
+use super::{dev_err, CudaDevice, Launch};
 use crate::backend::{AttnShape, Backend, KvShape, Rope, SampleSpec, SampledRow, StepBatch, StepLimits, WeightPart};
 use crate::cpu::ops::KvDtype;
 use crate::KernelError;
@@ -313,6 +313,9 @@ pub struct CudaBackend {
     /// into one of two slots in turn; the samples not read yet (slot, rows, the event
     /// after the copy), oldest first.
     defer: bool,
+    /// Programmatic dependent launch for the step's kernels (`DISAGG_CUDA_PDL`; sm_90+,
+    /// on by default): see [`super::Launch`].
+    pdl: bool,
     deferred_host: [Option<cudarc::driver::PinnedHostSlice<u32>>; 2],
     deferred: std::collections::VecDeque<(usize, usize, CudaEvent)>,
     deferred_next: usize,
@@ -604,6 +607,7 @@ impl CudaBackend {
             step_gap: (0.0, 0),
             event_pool: Vec::new(),
             defer,
+            pdl: !off(crate::env::CUDA_PDL) && dev.arch.0 >= 9,
             deferred_host: [None, None],
             deferred: Default::default(),
             deferred_next: 0,
@@ -840,6 +844,18 @@ impl CudaBackend {
     pub fn set_skinny(&mut self, on: bool) {
         let on = on && self.dev.arch.0 >= 9;
         self.set_switch(on, |b| &mut b.skinny);
+    }
+
+    /// Programmatic dependent launch of the step's kernels (default: on, on sm_90+, unless
+    /// `DISAGG_CUDA_PDL=0`; elsewhere it stays off).
+    pub fn set_pdl(&mut self, on: bool) {
+        let on = on && self.dev.arch.0 >= 9;
+        self.set_switch(on, |b| &mut b.pdl);
+    }
+
+    /// Whether the step's kernels go out as programmatic dependent launches.
+    pub fn pdl(&self) -> bool {
+        self.pdl
     }
 
     /// SiLU·gate past the GEMV writes the down projection's bf16 input itself (default:
@@ -1218,7 +1234,7 @@ impl CudaBackend {
         let prepared = (pre || matches!(kind, Gemv::PlainStats(_)))
             .then(|| (self.prenorm_xg.device_ptr(&st).0, self.prenorm_parts.device_ptr(&st).0));
         let (xg, parts) = prepared.unwrap_or_default();
-        let mut b = st.launch_builder(self.dev.func(name));
+        let mut b = Launch::new(&st, self.dev.func(name));
         b.arg(w);
         if pre {
             b.arg(&xg).arg(&parts);
@@ -1245,7 +1261,7 @@ impl CudaBackend {
         // barrier), g, xg n_out wide and n_out / NORM_SPAN partial sums (checked by
         // prenorm); with `pre`, those describe x (its address, width and norm weight,
         // checked above).
-        unsafe { b.launch(cfg) }.expect("CUDA: GEMV");
+        unsafe { b.launch(cfg, self.pdl) }.expect("CUDA: GEMV");
         if pre {
             self.prenorm_taken += 1;
         }
@@ -1321,12 +1337,12 @@ impl CudaBackend {
                 shared_mem_bytes: super::skinny_smem_bytes() as u32,
             };
             let (m, n, k, acc) = (n_tokens as i32, *rows as i32, *cols as i32, i32::from(accumulate));
-            let mut b = st.launch_builder(self.dev.func(super::SKINNY_KERNELS[si]));
+            let mut b = Launch::new(&st, self.dev.func(super::SKINNY_KERNELS[si]));
             b.arg(w).arg(&self.x_bf16).arg(&m).arg(&n).arg(&k).arg(&mut *out).arg(&acc);
             // SAFETY: argument types match the kernel; x holds n_tokens rows of `cols` (a
             // multiple of 64), out as many of `rows`, W `rows` × `cols`; the splits are a
             // cluster dimension the kernel was compiled with (sm_90, checked by the switch).
-            unsafe { b.launch(cfg) }.expect("CUDA: skinny GEMM");
+            unsafe { b.launch(cfg, self.pdl) }.expect("CUDA: skinny GEMM");
             return;
         }
         let (alpha, beta) = (1f32, if accumulate { 1f32 } else { 0f32 });
@@ -1374,10 +1390,10 @@ impl CudaBackend {
         let st = self.dev.stream().clone();
         let cfg = LaunchConfig { grid_dim: (n_tokens as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
         let d = dim as i32;
-        let mut b = st.launch_builder(self.dev.func("rms_norm_bf16_rows"));
+        let mut b = Launch::new(&st, self.dev.func("rms_norm_bf16_rows"));
         b.arg(x).arg(norm).arg(&eps).arg(&d).arg(&mut self.x_bf16);
         // SAFETY: x holds n_tokens rows of `dim`, the scratch as many (grown above).
-        unsafe { b.launch(cfg) }.expect("CUDA: RMSNorm to bf16");
+        unsafe { b.launch(cfg, self.pdl) }.expect("CUDA: RMSNorm to bf16");
         self.toc("rms_norm_bf16", t);
         true
     }
@@ -1453,7 +1469,7 @@ impl CudaBackend {
                     block_dim: (128, 1, 1),
                     shared_mem_bytes: super::flash_smem_bytes(name, attn.head_dim) as u32,
                 };
-                let mut b = st.launch_builder(self.dev.func(name));
+                let mut b = Launch::new(&st, self.dev.func(name));
                 b.arg(qkv).arg(c).arg(&half).arg(&self.fa_tiles).arg(&self.tables);
                 b.arg(&nh).arg(&nkv).arg(&bs).arg(&scale).arg(&self.max_ctx_dev);
                 // Split: each block writes its partials to the scratch, merged below.
@@ -1474,7 +1490,7 @@ impl CudaBackend {
                 b.arg(&mut self.attn_part).arg(&flags);
                 // SAFETY: argument types match the kernel; the tiles cover this step's
                 // rows and their tables index the cache; the scratch holds every partial.
-                unsafe { b.launch(cfg) }.expect("CUDA: flash attention");
+                unsafe { b.launch(cfg, self.pdl) }.expect("CUDA: flash attention");
             }
             layer_kv => {
                 // (The flag follows the last cache made; a layer's own cache is checked.)
@@ -1490,7 +1506,7 @@ impl CudaBackend {
                     block_dim: (256, 1, 1),
                     shared_mem_bytes: 0,
                 };
-                let mut b = st.launch_builder(self.dev.func(name));
+                let mut b = Launch::new(&st, self.dev.func(name));
                 b.arg(qkv);
                 match layer_kv {
                     KvBuf::F16(c) => b.arg(c),
@@ -1506,7 +1522,7 @@ impl CudaBackend {
                 }
                 // SAFETY: argument types match the kernel; tables index the cache; the
                 // scratch holds every partial.
-                unsafe { b.launch(cfg) }.expect("CUDA: attention");
+                unsafe { b.launch(cfg, self.pdl) }.expect("CUDA: attention");
             }
         }
         if split {
@@ -1516,10 +1532,10 @@ impl CudaBackend {
                 block_dim: (attn.head_dim.min(256) as u32, 1, 1),
                 shared_mem_bytes: 0,
             };
-            let mut b = st.launch_builder(self.dev.func("attention_merge"));
+            let mut b = Launch::new(&st, self.dev.func("attention_merge"));
             b.arg(&self.attn_part).arg(&sp).arg(&nh).arg(&hd).arg(out);
             // SAFETY: the partials were written just above for these tokens and heads.
-            unsafe { b.launch(mcfg) }.expect("CUDA: attention merge");
+            unsafe { b.launch(mcfg, self.pdl) }.expect("CUDA: attention merge");
         }
         self.toc(if self.step_flash { "attention_flash" } else { "attention" }, t);
     }
@@ -1703,10 +1719,10 @@ impl CudaBackend {
         };
         if chunks <= 1 {
             let cfg = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
-            let mut b = st.launch_builder(self.dev.func("argmax_rows"));
+            let mut b = Launch::new(&st, self.dev.func("argmax_rows"));
             b.arg(x).arg(&d).arg(&mut self.argmax_out);
             // SAFETY: x holds `rows` rows of dim (the engine's logits buffer).
-            unsafe { b.launch(cfg) }.expect("CUDA: argmax");
+            unsafe { b.launch(cfg, self.pdl) }.expect("CUDA: argmax");
             return;
         }
         if self.argmax_count.len() < rows {
@@ -1718,12 +1734,12 @@ impl CudaBackend {
         let chunk = dim.div_ceil(chunks) as i32;
         let cfg =
             LaunchConfig { grid_dim: (chunks as u32, rows as u32, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
-        let mut b = st.launch_builder(self.dev.func("argmax_rows_split"));
+        let mut b = Launch::new(&st, self.dev.func("argmax_rows_split"));
         b.arg(x).arg(&d).arg(&chunk).arg(&mut self.argmax_pv).arg(&mut self.argmax_pi);
         b.arg(&mut self.argmax_count).arg(&mut self.argmax_out);
         // SAFETY: x holds `rows` rows of dim; the partials hold rows × chunks entries, the
         // counters `rows` (zero between launches: each row's last block resets its own).
-        unsafe { b.launch(cfg) }.expect("CUDA: argmax");
+        unsafe { b.launch(cfg, self.pdl) }.expect("CUDA: argmax");
     }
 
     /// [`Backend::run_step`] between its step events: the graph of this step's shape when
@@ -1927,16 +1943,16 @@ impl Backend for CudaBackend {
         let cfg = launch_cfg(ids.len() * dim);
         let r = match table {
             CudaLinear::F32 { w, .. } => {
-                let mut b = st.launch_builder(self.dev.func("embed_rows"));
+                let mut b = Launch::new(&st, self.dev.func("embed_rows"));
                 b.arg(w).arg(d_ids).arg(&d).arg(&n).arg(out);
                 // SAFETY: argument types match the kernel; ids index rows of the table.
-                unsafe { b.launch(cfg) }
+                unsafe { b.launch(cfg, self.pdl) }
             }
             CudaLinear::Bf16 { w, .. } => {
-                let mut b = st.launch_builder(self.dev.func("embed_rows_bf16"));
+                let mut b = Launch::new(&st, self.dev.func("embed_rows_bf16"));
                 b.arg(w).arg(d_ids).arg(&d).arg(&n).arg(out);
                 // SAFETY: as above.
-                unsafe { b.launch(cfg) }
+                unsafe { b.launch(cfg, self.pdl) }
             }
         };
         r.expect("CUDA: embedding");
@@ -2010,11 +2026,11 @@ impl Backend for CudaBackend {
                 let len = n_tokens * cols;
                 self.grow_x_bf16(len);
                 {
-                    let mut bld = st.launch_builder(self.dev.func("cast_f32_bf16"));
+                    let mut bld = Launch::new(&st, self.dev.func("cast_f32_bf16"));
                     let n64 = len as i64;
                     bld.arg(x).arg(&mut self.x_bf16).arg(&n64);
                     // SAFETY: x holds `len` values, the scratch at least as many.
-                    unsafe { bld.launch(launch_cfg(len)) }.expect("CUDA: cast to bf16");
+                    unsafe { bld.launch(launch_cfg(len), self.pdl) }.expect("CUDA: cast to bf16");
                 }
                 self.gemm_bf16_scratch(w, n_tokens, out, accumulate);
             }
@@ -2054,7 +2070,7 @@ impl Backend for CudaBackend {
             (KvBuf::F32(_), true) => "rope_write_kv_pairs_f32",
             (KvBuf::F32(_), false) => "rope_write_kv_f32",
         };
-        let mut b = st.launch_builder(self.dev.func(name));
+        let mut b = Launch::new(&st, self.dev.func(name));
         b.arg(qkv).arg(&self.pos).arg(&self.inv_freq).arg(&self.slots).arg(&nt);
         b.arg(&nh).arg(&nkv).arg(&hd).arg(&il).arg(&bs);
         match &mut kv.layers[layer] {
@@ -2064,7 +2080,7 @@ impl Backend for CudaBackend {
         b.arg(&half);
         // SAFETY: argument types match the kernel; qkv holds n_tokens rows of q|k|v, the
         // slots lie in the cache.
-        let r = unsafe { b.launch(cfg) };
+        let r = unsafe { b.launch(cfg, self.pdl) };
         r.expect("CUDA: RoPE + KV write");
         self.toc("rope_write_kv", t);
     }
@@ -2236,7 +2252,7 @@ impl Backend for CudaBackend {
         self.norm_then_gemm(x, norm, eps, n_tokens, h, gate_up, gu);
         let t = self.tic();
         self.grow_x_bf16(n_tokens * ff);
-        self.dev.silu_mul_to_bf16(gu, n_tokens, ff, &mut self.x_bf16).expect("CUDA: SiLU·gate to bf16");
+        self.dev.silu_mul_to_bf16(gu, n_tokens, ff, &mut self.x_bf16, self.pdl).expect("CUDA: SiLU·gate to bf16");
         self.toc("silu_mul_bf16", t);
         let t = self.tic();
         self.gemm_bf16_scratch(down, n_tokens, x, true);
@@ -2256,10 +2272,10 @@ impl Backend for CudaBackend {
             Some((px, g, width)) if rows == [0] && width == dim && px == x.device_ptr(&st).0 => Some((g, width)),
             _ => None,
         };
-        let mut b = st.launch_builder(self.dev.func("gather_rows"));
+        let mut b = Launch::new(&st, self.dev.func("gather_rows"));
         b.arg(x).arg(&self.rows).arg(&d).arg(&n).arg(&mut *out);
         // SAFETY: rows index rows of x (the engine's own batch rows).
-        unsafe { b.launch(launch_cfg(rows.len() * dim)) }.expect("CUDA: gather rows");
+        unsafe { b.launch(launch_cfg(rows.len() * dim), self.pdl) }.expect("CUDA: gather rows");
         self.prenormed = moves.map(|(g, width)| (out.device_ptr(&st).0, g, width));
     }
 

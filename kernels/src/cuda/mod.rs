@@ -16,7 +16,9 @@ use std::sync::Arc;
 
 pub use backend::{CudaBackend, CudaKv, CudaLinear};
 
-use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
+};
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx};
 use sha2::Digest;
 
@@ -231,6 +233,99 @@ fn ptx_for(src: &str, arch: (i32, i32), specific: bool) -> Result<Ptx, KernelErr
     Ok(ptx)
 }
 
+/// Most parameters a kernel launched through [`Launch`] takes.
+const MAX_KERNEL_PARAMS: usize = 24;
+
+/// One kernel parameter as the 8-byte word [`Launch`] passes: a device buffer's address,
+/// or a 4- or 8-byte scalar (little-endian, so a 4-byte one is read from the word's
+/// first bytes).
+pub(crate) trait KernelParam {
+    fn word(self, st: &CudaStream) -> u64;
+}
+impl<T> KernelParam for &CudaSlice<T> {
+    fn word(self, st: &CudaStream) -> u64 {
+        self.device_ptr(st).0
+    }
+}
+impl<T> KernelParam for &mut CudaSlice<T> {
+    fn word(self, st: &CudaStream) -> u64 {
+        self.device_ptr_mut(st).0
+    }
+}
+macro_rules! scalar_param {
+    ($($t:ty => $w:expr),*) => {$(
+        impl KernelParam for &$t {
+            fn word(self, _: &CudaStream) -> u64 {
+                let f: fn($t) -> u64 = $w;
+                f(*self)
+            }
+        }
+    )*};
+}
+scalar_param!(i32 => |v| v as u32 as u64, u32 => |v| v as u64, f32 => |v| v.to_bits() as u64,
+    i64 => |v| v as u64, u64 => |v| v);
+
+/// A launch of one of `ops.cu`'s kernels through `cuLaunchKernelEx`, built as cudarc's
+/// `LaunchArgs` is (`arg`, then `launch`), which can carry programmatic dependent launch
+/// (sm_90+, `DISAGG_CUDA_PDL`): the kernel is then scheduled as the one before it on the
+/// stream ends, before that one's writes are flushed, and waits for them in its own code
+/// (ops.cu `pdl_wait`), so only kernels that do are launched this way. Inside a captured
+/// graph the dependency becomes a programmatic edge.
+pub(crate) struct Launch<'a> {
+    st: &'a CudaStream,
+    func: cudarc::driver::sys::CUfunction,
+    words: [u64; MAX_KERNEL_PARAMS],
+    n: usize,
+}
+
+impl<'a> Launch<'a> {
+    pub(crate) fn new(st: &'a CudaStream, func: &CudaFunction) -> Launch<'a> {
+        Launch { st, func: func.cu_function(), words: [0; MAX_KERNEL_PARAMS], n: 0 }
+    }
+
+    pub(crate) fn arg(&mut self, p: impl KernelParam) -> &mut Self {
+        assert!(self.n < MAX_KERNEL_PARAMS, "a kernel of more than {MAX_KERNEL_PARAMS} parameters");
+        self.words[self.n] = p.word(self.st);
+        self.n += 1;
+        self
+    }
+
+    /// Queues the kernel on the stream; with `pdl`, as a programmatic dependent launch.
+    ///
+    /// # Safety
+    /// As cudarc's `LaunchArgs::launch`: the parameters must match the kernel's in number,
+    /// order and type, and every buffer must hold what the kernel reads and writes. With
+    /// `pdl`, the kernel must call `pdl_wait` before it touches memory that another kernel
+    /// writes.
+    pub(crate) unsafe fn launch(&mut self, cfg: LaunchConfig, pdl: bool) -> Result<(), cudarc::driver::DriverError> {
+        use cudarc::driver::sys;
+        self.st.context().bind_to_thread()?;
+        let mut params = [std::ptr::null_mut::<std::ffi::c_void>(); MAX_KERNEL_PARAMS];
+        for (p, w) in params.iter_mut().zip(self.words.iter_mut()).take(self.n) {
+            *p = (w as *mut u64).cast();
+        }
+        // SAFETY: a plain C struct for which all zeros is a valid value.
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let config = sys::CUlaunchConfig {
+            gridDimX: cfg.grid_dim.0,
+            gridDimY: cfg.grid_dim.1,
+            gridDimZ: cfg.grid_dim.2,
+            blockDimX: cfg.block_dim.0,
+            blockDimY: cfg.block_dim.1,
+            blockDimZ: cfg.block_dim.2,
+            sharedMemBytes: cfg.shared_mem_bytes,
+            hStream: self.st.cu_stream(),
+            attrs: if pdl { &mut attr } else { std::ptr::null_mut() },
+            numAttrs: u32::from(pdl),
+        };
+        // SAFETY: the function belongs to this stream's context; `params` points at
+        // `self.n` live words, one per kernel parameter (the caller's contract above).
+        unsafe { sys::cuLaunchKernelEx(&config, self.func, params.as_mut_ptr(), std::ptr::null_mut()) }.result()
+    }
+}
+
 impl CudaDevice {
     /// Opens `cuda:ordinal`; the error says what is missing and what to use instead.
     pub fn open(ordinal: usize) -> Result<CudaDevice, KernelError> {
@@ -387,22 +482,24 @@ impl CudaDevice {
     }
 
     /// `silu_mul`'s 4-columns-per-thread form writing bf16 bits (the next GEMM's input):
-    /// `ff` a multiple of 4, at most 65,535 rows.
+    /// `ff` a multiple of 4, at most 65,535 rows; `pdl`: as a programmatic dependent
+    /// launch ([`Launch`]).
     pub fn silu_mul_to_bf16(
         &self,
         gu: &CudaSlice<f32>,
         n: usize,
         ff: usize,
         out: &mut CudaSlice<u16>,
+        pdl: bool,
     ) -> Result<(), KernelError> {
         Self::check(gu.len() >= 2 * n * ff && out.len() >= n * ff, "silu_mul buffers")?;
         Self::check(ff.is_multiple_of(4) && n <= 65535, "silu_mul to bf16: ff a multiple of 4, ≤ 65,535 rows")?;
         let ff32 = ff as i32;
-        let mut b = self.stream.launch_builder(self.func("silu_mul_rows4_bf16"));
+        let mut b = Launch::new(&self.stream, self.func("silu_mul_rows4_bf16"));
         b.arg(gu).arg(&ff32).arg(out);
         // SAFETY: as above; rows are 16-byte (gu) and 8-byte (out) aligned since ff is a
-        // multiple of 4.
-        unsafe { b.launch(Self::rows4_cfg(n, ff)) }.map(|_| ()).map_err(dev_err)
+        // multiple of 4; the kernel waits for the one before (pdl_enter).
+        unsafe { b.launch(Self::rows4_cfg(n, ff), pdl) }.map_err(dev_err)
     }
 
     /// The SiLU·gate kernels' 4-columns-per-thread grid: (columns / 1024, rows).

@@ -2,7 +2,23 @@
 // Compiled by NVRTC at start (kernels/src/cuda/mod.rs); every kernel is tested against
 // the CPU op of the same name (kernels/tests/cuda_ops.rs, on the GPU machine).
 
+// Programmatic dependent launch (sm_90+; the backend's DISAGG_CUDA_PDL): a kernel launched
+// with it is scheduled as the kernel before it on the stream ends, before that kernel's
+// writes are flushed, so its launch and its first loads of weights overlap that end.
+// pdl_wait blocks until the kernel before has finished and its writes are visible; every
+// kernel the backend launches that way calls it before it touches memory that another
+// kernel writes (reading only weights before it). No kernel lets the next one start
+// earlier (griddepcontrol.launch_dependents): blocks of the next kernel then took SMs
+// while this one still ran, and a decode step at batch 1 was 15% slower (PERF.md). Launched
+// without the attribute, pdl_wait is a no-op.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 extern "C" __global__ void rms_norm_rows(const float* x, const float* w, float eps, int dim, float* out) {
+    pdl_wait();
     // One block per row; a strided sum of squares, then a block reduction.
     const float* xr = x + (size_t)blockIdx.x * dim;
     float* o = out + (size_t)blockIdx.x * dim;
@@ -26,6 +42,7 @@ extern "C" __global__ void rms_norm_rows(const float* x, const float* w, float e
 __device__ __forceinline__ float silu_gate(float g, float u) { return g / (1.f + expf(-g)) * u; }
 
 extern "C" __global__ void silu_mul_rows(const float* gu, int ff, int n, float* out) {
+    pdl_wait();
     // gu rows are [g | u] of width 2*ff; out = silu(g) * u.
     size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (size_t)n * ff) return;
@@ -37,6 +54,7 @@ extern "C" __global__ void silu_mul_rows(const float* gu, int ff, int n, float* 
 // The same over (row, 4 columns) per thread, grid (⌈ff / 1024⌉, n): 16-byte accesses and
 // no 64-bit division per element (ff a multiple of 4).
 extern "C" __global__ void silu_mul_rows4(const float* gu, int ff, float* out) {
+    pdl_wait();
     const int r = blockIdx.y, c = (blockIdx.x * blockDim.x + threadIdx.x) * 4;
     if (c >= ff) return;
     const float4 g = *reinterpret_cast<const float4*>(gu + (size_t)r * 2 * ff + c);
@@ -50,6 +68,7 @@ extern "C" __global__ void silu_mul_rows4(const float* gu, int ff, float* out) {
 }
 
 extern "C" __global__ void embed_rows(const float* table, const unsigned int* ids, int dim, int n, float* out) {
+    pdl_wait();
     size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (size_t)n * dim) return;
     size_t r = i / dim, c = i % dim;
@@ -90,6 +109,7 @@ __device__ __forceinline__ void kv_store(float* p, size_t i, float v) { p[i] = v
 #define NORM_BF16_VEC 8
 extern "C" __global__ void __launch_bounds__(256) rms_norm_bf16_rows(const float* x, const float* w, float eps, int dim,
                                                                      unsigned short* out) {
+    pdl_wait();
     const float4* xr = reinterpret_cast<const float4*>(x + (size_t)blockIdx.x * dim);
     const int n4 = dim / 4;
     float4 v[NORM_BF16_VEC];
@@ -123,6 +143,7 @@ extern "C" __global__ void __launch_bounds__(256) rms_norm_bf16_rows(const float
 }
 
 extern "C" __global__ void embed_rows_bf16(const unsigned short* table, const unsigned int* ids, int dim, int n, float* out) {
+    pdl_wait();
     size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (size_t)n * dim) return;
     size_t r = i / dim, c = i % dim;
@@ -130,6 +151,7 @@ extern "C" __global__ void embed_rows_bf16(const unsigned short* table, const un
 }
 
 extern "C" __global__ void cast_f32_bf16(const float* x, unsigned short* y, long long n) {
+    pdl_wait();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) y[i] = f32_to_bf16(x[i]);
 }
@@ -137,6 +159,7 @@ extern "C" __global__ void cast_f32_bf16(const float* x, unsigned short* y, long
 // silu_mul_rows4 writing bf16 (the down projection's GEMM input): the same f32 value,
 // rounded once as cast_f32_bf16 would round it, without the f32 round trip.
 extern "C" __global__ void silu_mul_rows4_bf16(const float* gu, int ff, unsigned short* out) {
+    pdl_wait();
     const int r = blockIdx.y, c = (blockIdx.x * blockDim.x + threadIdx.x) * 4;
     if (c >= ff) return;
     const float4 g = *reinterpret_cast<const float4*>(gu + (size_t)r * 2 * ff + c);
@@ -148,6 +171,7 @@ extern "C" __global__ void silu_mul_rows4_bf16(const float* gu, int ff, unsigned
 }
 
 extern "C" __global__ void gather_rows(const float* x, const unsigned int* rows, int dim, int n, float* out) {
+    pdl_wait();
     size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (size_t)n * dim) return;
     size_t r = i / dim, c = i % dim;
@@ -163,6 +187,7 @@ template <typename T>
 __device__ void rope_write_kv_impl(float* qkv, const int* pos, const float* inv_freq, const long long* slots,
                                    int n_heads, int n_kv, int hd, int interleaved, int block_size, T* cache,
                                    long long half) {
+    pdl_wait();
     const int t = blockIdx.x;
     const int w = (n_heads + 2 * n_kv) * hd;
     float* row = qkv + (size_t)t * w;
@@ -218,6 +243,7 @@ template <typename T>
 __device__ void rope_write_kv_pairs_impl(float* qkv, const int* pos, const float* inv_freq, const long long* slots,
                                          int n_tokens, int n_heads, int n_kv, int hd, int interleaved, int block_size,
                                          T* cache, long long half) {
+    pdl_wait();
     const int hh = hd / 2, heads = n_heads + 2 * n_kv;
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long long)n_tokens * heads * hh) return;
@@ -270,6 +296,7 @@ template <typename T, bool SPLIT>
 __device__ void attention_impl(const float* qkv, const T* cache, long long half, const int* pos, const int* table_off,
                                const unsigned int* tables, int n_heads, int n_kv, int hd, int block_size, float scale,
                                const int* max_ctx, float* out) {
+    pdl_wait();
     const int t = blockIdx.x, h = blockIdx.y, z = blockIdx.z;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int w = (n_heads + 2 * n_kv) * hd;
@@ -359,6 +386,7 @@ extern "C" __global__ void attention_split_f32(ATTENTION_ARGS) { attention_impl<
 
 // Merges the key-chunk partials of attention_split_*: one block per (token, head).
 extern "C" __global__ void attention_merge(const float* part, int splits, int n_heads, int hd, float* out) {
+    pdl_wait();
     const int t = blockIdx.x, h = blockIdx.y;
     const float* p = part + (size_t)(t * n_heads + h) * splits * (hd + 2);
     float M = NEG_INF;
@@ -427,6 +455,7 @@ __device__ __forceinline__ void thread_argmax(const float* row, int lo, int hi, 
 // Greedy sampling on the device: out[r] = the first index of the largest value of row r
 // (NaN never wins; a row of -inf gives 0), as engine::sampling::argmax. One block per row.
 extern "C" __global__ void argmax_rows(const float* x, int dim, unsigned int* out) {
+    pdl_wait();
     float bv;
     int bi;
     thread_argmax(x + (size_t)blockIdx.x * dim, 0, dim, bv, bi);
@@ -441,6 +470,7 @@ extern "C" __global__ void argmax_rows(const float* x, int dim, unsigned int* ou
 // equal values, so the result is argmax_rows's.
 extern "C" __global__ void argmax_rows_split(const float* x, int dim, int chunk, float* pv, int* pi,
                                               unsigned int* count, unsigned int* out) {
+    pdl_wait();
     const int c = blockIdx.x, r = blockIdx.y, nc = gridDim.x;
     const int lo = c * chunk, hi = min(dim, lo + chunk);
     float bv;
@@ -1215,6 +1245,7 @@ __device__ void flash_attn_impl(const float* qkv, const unsigned short* cache, l
 // stated 1 lets ptxas spend registers freely (224 here against 174 without it).
 #define FLASH_KERNEL(NAME, HD, WS, LDSM, V, LB) \
     extern "C" __global__ void __launch_bounds__ LB NAME(FLASH_ARGS) { \
+        pdl_wait(); \
         flash_attn_impl<HD, WS, LDSM, V>(FLASH_CALL); \
     }
 FLASH_KERNEL(flash_attn_f16_d64, 64, false, true, 0, (128))
@@ -1428,6 +1459,7 @@ __device__ void flash_decode_km_impl(const float* qkv, const unsigned short* cac
 #define KM_STAGES 3
 #define KM_KERNEL(NAME, HD) \
     extern "C" __global__ void __launch_bounds__(128) NAME(FLASH_ARGS) { \
+        pdl_wait(); \
         flash_decode_km_impl<HD, KM_STAGES>(qkv, cache, half, tiles, tables, n_heads, n_kv, block_size, scale, \
                                             max_ctx, out, part); \
     }
@@ -1544,6 +1576,38 @@ __device__ void gemv_bf16_impl(const unsigned short* __restrict__ w, const float
     constexpr bool ROPE = EPI == EPI_ROPE;
     static_assert(EPI == EPI_OUT || (M == 1 && !SILU), "RoPE and stats epilogues: one token, plain rows");
     static_assert(NORM != NORM_PART || (M == 1 && PIPE), "the producer's norm: one token, pipelined");
+    const int lane = threadIdx.x & 31;
+    const int warp = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
+    // The two rows of W this warp reads (none past the outputs).
+    int r0 = 0, r1 = 0;
+    bool active;
+    if (SILU) {
+        active = warp < n_out;
+        if (active) r0 = warp, r1 = warp + n_out;
+    } else if (ROPE) {
+        active = warp < n_out / 2;
+        if (active) rope_pair_rows(rk, warp, r0, r1);
+    } else {
+        active = 2 * warp < n_out;
+        if (active) r0 = 2 * warp, r1 = min(r0 + 1, n_out - 1);
+    }
+    const unsigned short* w0 = w + (size_t)r0 * k;
+    const unsigned short* w1 = w + (size_t)r1 * k;
+    const int step = 32 * 8;
+    int k0 = lane * 8;
+    auto load = [&](uint4 (&a)[U], uint4 (&b)[U], int kk) {
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            a[u] = ld_stream_u4(w0 + kk + u * step);
+            b[u] = ld_stream_u4(w1 + kk + u * step);
+        }
+    };
+    // The pipelined loop's first loads read only W, so they are issued before waiting for
+    // the kernel that writes x (programmatic dependent launch; no wait without it).
+    const bool whole = PIPE && active && k0 + (U - 1) * step < k;
+    uint4 a[U], b[U];
+    if (whole) load(a, b, k0);
+    pdl_wait();
     __shared__ float scale[M > 0 ? M : 1];
     if (NORM == NORM_BLOCK) {
         __shared__ float part[GEMV_WARPS];
@@ -1562,35 +1626,10 @@ __device__ void gemv_bf16_impl(const unsigned short* __restrict__ w, const float
             __syncthreads();
         }
     }
-    const int lane = threadIdx.x & 31;
-    const int warp = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
-    // The two rows of W this warp reads.
-    int r0, r1;
-    if (SILU) {
-        if (warp >= n_out) return;
-        r0 = warp, r1 = warp + n_out;
-    } else if (ROPE) {
-        if (warp >= n_out / 2) return;
-        rope_pair_rows(rk, warp, r0, r1);
-    } else {
-        r0 = 2 * warp;
-        if (r0 >= n_out) return;
-        r1 = min(r0 + 1, n_out - 1);
-    }
-    const unsigned short* w0 = w + (size_t)r0 * k;
-    const unsigned short* w1 = w + (size_t)r1 * k;
+    if (!active) return;
     float acc[2][M];
 #pragma unroll
     for (int m = 0; m < M; m++) acc[0][m] = acc[1][m] = 0.f;
-    const int step = 32 * 8;
-    int k0 = lane * 8;
-    auto load = [&](uint4 (&a)[U], uint4 (&b)[U], int kk) {
-#pragma unroll
-        for (int u = 0; u < U; u++) {
-            a[u] = ld_stream_u4(w0 + kk + u * step);
-            b[u] = ld_stream_u4(w1 + kk + u * step);
-        }
-    };
     auto consume = [&](const uint4 (&a)[U], const uint4 (&b)[U], int kk) {
 #pragma unroll
         for (int u = 0; u < U; u++)
@@ -1605,9 +1644,7 @@ __device__ void gemv_bf16_impl(const unsigned short* __restrict__ w, const float
     if (PIPE) {
         // Whole groups of U steps, software-pipelined: the next group's loads are issued
         // before this group's are used, so a lane never waits with nothing in flight.
-        if (k0 + (U - 1) * step < k) {
-            uint4 a[U], b[U];
-            load(a, b, k0);
+        if (whole) {
             for (;;) {
                 const int kn = k0 + U * step;
                 const bool more = kn + (U - 1) * step < k;
@@ -1990,6 +2027,7 @@ __device__ void skinny_impl(const unsigned short* __restrict__ w, const unsigned
 #define SK_WARPS 4
 #define SK_KERNEL(NT, S, CL) \
     extern "C" __global__ void __launch_bounds__(SK_WARPS * 32) CL skinny_bf16_t##NT##_s##S(SK_ARGS) { \
+        pdl_wait(); \
         skinny_impl<NT, S, SK_WARPS>(w, x, m_tokens, n, k, y, accumulate); \
     }
 #define SK_KERNELS(NT) \
