@@ -81,6 +81,42 @@ fn handle_stats_include_the_step_of_each_delivered_output() {
     }
 }
 
+/// One stream item: new token ids, new text, finish reason.
+type Item = (Vec<u32>, String, Option<FinishReason>);
+
+/// Every prompt of `prompts()` submitted at once through `h`, the `i`-th with `params(i)`,
+/// and the items each stream yields, in order; fails when a stream stops for 60 s.
+fn stream_all(
+    rt: &tokio::runtime::Runtime,
+    h: &engine::handle::EngineHandle,
+    params: impl Fn(usize) -> SamplingParams,
+) -> Vec<Vec<Item>> {
+    rt.block_on(async {
+        let jobs: Vec<_> = prompts()
+            .into_iter()
+            .enumerate()
+            .map(|(i, p)| {
+                let (h, params) = (h.clone(), params(i));
+                tokio::spawn(async move {
+                    let mut st = h.submit(p, params).unwrap();
+                    let mut items = Vec::new();
+                    while let Some(i) = st.next().await {
+                        items.push((i.out.new_token_ids.clone(), i.out.new_text.clone(), i.out.finish.clone()));
+                    }
+                    assert!(st.error().is_none(), "{:?}", st.error());
+                    items
+                })
+            })
+            .collect();
+        let mut all = Vec::new();
+        for j in jobs {
+            let within = tokio::time::timeout(std::time::Duration::from_secs(60), j).await;
+            all.push(within.expect("outputs stopped arriving").unwrap());
+        }
+        all
+    })
+}
+
 #[test]
 fn async_scheduling_through_the_engine_thread_delivers_every_output() {
     // The engine thread (EngineHandle, as `serve` runs it) with deferred sampling. Once
@@ -97,31 +133,7 @@ fn async_scheduling_through_the_engine_thread_delivers_every_output() {
         if task {
             h.deliver_on(rt.handle());
         }
-        let outs = rt.block_on(async {
-            let jobs: Vec<_> = prompts()
-                .into_iter()
-                .enumerate()
-                .map(|(i, p)| {
-                    let h = h.clone();
-                    tokio::spawn(async move {
-                        let params = SamplingParams { logprobs: None, ..greedy(3 + 4 * i) };
-                        let mut st = h.submit(p, params).unwrap();
-                        let mut items = Vec::new();
-                        while let Some(i) = st.next().await {
-                            items.push((i.out.new_token_ids.clone(), i.out.new_text.clone(), i.out.finish.clone()));
-                        }
-                        assert!(st.error().is_none(), "{:?}", st.error());
-                        items
-                    })
-                })
-                .collect();
-            let mut all = Vec::new();
-            for j in jobs {
-                let within = tokio::time::timeout(std::time::Duration::from_secs(60), j).await;
-                all.push(within.expect("outputs stopped arriving").unwrap());
-            }
-            all
-        });
+        let outs = stream_all(&rt, &h, |i| SamplingParams { logprobs: None, ..greedy(3 + 4 * i) });
         let s = h.stats();
         assert_eq!(s.async_steps > 0, defer, "{s:?}");
         assert_eq!(s.kv_blocks_used, 0, "KV blocks leaked: {s:?}");
@@ -148,29 +160,7 @@ fn outputs_through_a_delivery_task_arrive_whole_and_in_order() {
             h.deliver_on(rt.handle());
             h.deliver_on(rt.handle());
         }
-        let outs = rt.block_on(async {
-            let jobs: Vec<_> = prompts()
-                .into_iter()
-                .map(|p| {
-                    let h = h.clone();
-                    tokio::spawn(async move {
-                        let mut st = h.submit(p, greedy(12)).unwrap();
-                        let mut items = Vec::new();
-                        while let Some(i) = st.next().await {
-                            items.push((i.out.new_token_ids.clone(), i.out.new_text.clone(), i.out.finish.is_some()));
-                        }
-                        assert!(st.error().is_none(), "{:?}", st.error());
-                        items
-                    })
-                })
-                .collect();
-            let mut all = Vec::new();
-            for j in jobs {
-                let within = tokio::time::timeout(std::time::Duration::from_secs(60), j).await;
-                all.push(within.expect("outputs stopped arriving").unwrap());
-            }
-            all
-        });
+        let outs = stream_all(&rt, &h, |_| greedy(12));
         // A long request dropped after its first outputs.
         rt.block_on(async {
             let mut st = h.submit(prompts()[0].clone(), greedy(500)).unwrap();
@@ -192,7 +182,7 @@ fn outputs_through_a_delivery_task_arrive_whole_and_in_order() {
     let (direct, task) = (run(false), run(true));
     assert_eq!(direct.len(), prompts().len());
     for (i, (a, b)) in direct.iter().zip(&task).enumerate() {
-        assert!(a.last().is_some_and(|l| l.2), "request {i} did not finish");
+        assert!(a.last().is_some_and(|l| l.2.is_some()), "request {i} did not finish");
         assert_eq!(a.iter().map(|x| x.0.len()).sum::<usize>(), 12);
         assert_eq!(a, b, "request {i}: outputs differ through the delivery task");
     }
