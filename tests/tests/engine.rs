@@ -526,6 +526,7 @@ fn async_scheduling_gives_the_same_outputs() {
         opts.kv_cache_mib = kv_mib;
         opts.max_num_seqs = 8; // some wait, and join mid-run
         let mut sync = engine(&opts);
+        sync.backend_mut().set_defer_sampling(false); // (whatever DISAGG_ASYNC_SCHEDULING says)
         let want = run(&mut sync, reqs.clone());
         let mut asyn = engine(&opts);
         asyn.backend_mut().set_defer_sampling(true);
