@@ -498,7 +498,7 @@ impl CudaDevice {
         let mut b = Launch::new(&self.stream, self.func("silu_mul_rows4_bf16"));
         b.arg(gu).arg(&ff32).arg(out);
         // SAFETY: as above; rows are 16-byte (gu) and 8-byte (out) aligned since ff is a
-        // multiple of 4; the kernel waits for the one before (pdl_enter).
+        // multiple of 4; the kernel waits for the one before (pdl_wait).
         unsafe { b.launch(Self::rows4_cfg(n, ff), pdl) }.map_err(dev_err)
     }
 
