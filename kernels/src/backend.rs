@@ -279,13 +279,16 @@ pub trait Backend {
         kv: &mut Self::Kv,
     );
     /// Causal attention of each token's q over its sequence's cached keys and values.
+    /// Where [`Backend::norm_qkv_rope`] left RoPE and the KV write of this layer to the
+    /// attention (a fused backend's choice), the attention does them first (so `kv` is
+    /// written).
     fn attention(
         &mut self,
         qkv: &Self::Act,
         layer: usize,
         batch: &StepBatch,
         attn: &AttnShape,
-        kv: &Self::Kv,
+        kv: &mut Self::Kv,
         out: &mut Self::Act,
     );
     /// `x[t] += W_o · attention(t)`: the attention and the output projection with its
@@ -300,7 +303,7 @@ pub trait Backend {
         layer: usize,
         batch: &StepBatch,
         attn: &AttnShape,
-        kv: &Self::Kv,
+        kv: &mut Self::Kv,
         out: &mut Self::Act,
         w_o: &Self::Linear,
         x: &mut Self::Act,
@@ -331,7 +334,8 @@ pub trait Backend {
     }
     /// `qkv[t] = W_qkv · rms_norm(x[t], norm)`, then q and k rotated in place and k, v
     /// written into the KV cache: [`Backend::norm_matmul`] and
-    /// [`Backend::rope_write_kv`], which a backend may fuse (`h` as for `norm_matmul`).
+    /// [`Backend::rope_write_kv`], which a backend may fuse (`h` as for `norm_matmul`),
+    /// or leave RoPE and the KV write to the layer's attention, which must come next.
     #[allow(clippy::too_many_arguments)]
     fn norm_qkv_rope(
         &mut self,

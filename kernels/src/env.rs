@@ -209,10 +209,21 @@ pub const CUDA_NORM_CAST: &str = "DISAGG_CUDA_NORM_CAST";
 /// A/B runs.
 pub const CUDA_SILU_BF16: &str = "DISAGG_CUDA_SILU_BF16";
 
-/// `0`: past the GEMV, the CUDA flash prefill kernel (unsplit) writes f32 and a separate
-/// kernel casts it to the output projection's bf16 GEMM input, instead of writing bf16
-/// itself; for A/B runs.
+/// `0`: past the GEMV, the CUDA flash kernels (prefill and decode forms; when the keys
+/// are split, the merge of their partials) write f32 and a separate kernel casts it to
+/// the output projection's bf16 GEMM input, instead of writing bf16 themselves; for A/B
+/// runs.
 pub const CUDA_ATTN_BF16: &str = "DISAGG_CUDA_ATTN_BF16";
+
+/// `0`: past the GEMV and the skinny GEMM, the CUDA gate/up GEMM writes f32 for
+/// SiLU·gate, instead of bf16 (the rounding PyTorch and vLLM apply there; half the bytes
+/// written and read back); for A/B runs.
+pub const CUDA_GU_BF16: &str = "DISAGG_CUDA_GU_BF16";
+
+/// `0`: a CUDA decode step on the keys-on-M attention kernel runs RoPE and the KV write
+/// (`rope_write_kv`) before the attention, instead of in the attention kernel; for A/B
+/// runs.
+pub const CUDA_ATTN_ROPE: &str = "DISAGG_CUDA_ATTN_ROPE";
 
 /// `0`: the CUDA SiLU·gate runs one element per thread over the flat index (a 64-bit
 /// division each) instead of 4 columns per thread on a (columns, rows) grid; for A/B runs.

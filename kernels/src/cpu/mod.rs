@@ -459,7 +459,7 @@ impl Backend for CpuBackend {
         layer: usize,
         batch: &StepBatch,
         attn: &AttnShape,
-        kv: &CpuKv,
+        kv: &mut CpuKv,
         out: &mut Vec<f32>,
     ) {
         // Tasks: (sequence, query tile, kv head).

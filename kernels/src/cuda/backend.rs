@@ -452,9 +452,19 @@ pub struct CudaBackend {
     /// Past the GEMV, SiLU·gate writes the down projection's bf16 GEMM input itself
     /// (`DISAGG_CUDA_SILU_BF16=0`: f32, then a cast).
     silu_bf16: bool,
-    /// Past the GEMV, the unsplit flash prefill kernel writes the output projection's
-    /// bf16 input itself (`DISAGG_CUDA_ATTN_BF16=0`: f32, then a cast).
+    /// Past the GEMV, the flash kernels (prefill, decode and keys-on-M forms; split, their
+    /// merge) write the output projection's bf16 input themselves
+    /// (`DISAGG_CUDA_ATTN_BF16=0`: f32, then a cast).
     attn_bf16: bool,
+    /// Past the GEMV and the skinny GEMM, the gate/up GEMM writes bf16 and SiLU·gate
+    /// reads it (`DISAGG_CUDA_GU_BF16=0`: f32 gate/up values, half the bytes again).
+    gu_bf16: bool,
+    /// A step on the keys-on-M decode kernel does RoPE and the KV write in the attention
+    /// kernel (`DISAGG_CUDA_ATTN_ROPE=0`: `rope_write_kv` before it).
+    attn_rope: bool,
+    /// Set by `norm_qkv_rope` when it left RoPE and the KV write to the attention of its
+    /// layer: (layer, interleaved pairs).
+    rope_pending: Option<(usize, bool)>,
     /// cuBLAS's workspace, fixed so that captured GEMMs never allocate.
     _blas_ws: CudaSlice<u8>,
 }
@@ -572,6 +582,9 @@ impl CudaBackend {
             silu_rows4: !off(crate::env::CUDA_SILU_ROWS4),
             silu_bf16: !off(crate::env::CUDA_SILU_BF16),
             attn_bf16: !off(crate::env::CUDA_ATTN_BF16),
+            gu_bf16: !off(crate::env::CUDA_GU_BF16),
+            attn_rope: !off(crate::env::CUDA_ATTN_ROPE),
+            rope_pending: None,
             flash_blocks_per_sm,
             graphs_on: !off(crate::env::CUDA_GRAPHS) && profile.is_none(),
             // mma.sync m16n8k16 and cp.async need sm_80 or newer.
@@ -751,6 +764,11 @@ impl CudaBackend {
         }
     }
 
+    /// The key splits of this step's attention (set by `begin_step`; 1: unsplit).
+    pub fn step_splits(&self) -> usize {
+        self.step_splits
+    }
+
     /// The flash kernel a step takes (see the switches above and ops.cu's FLASH_KERNEL
     /// and KM_KERNEL lists); `km`: a decode step the keys-on-M kernel can take.
     fn flash_kernel(&self, head_dim: usize, decode: bool, km: bool) -> &'static str {
@@ -864,10 +882,33 @@ impl CudaBackend {
         self.set_switch(on, |b| &mut b.silu_bf16);
     }
 
-    /// The flash prefill kernel writes the output projection's bf16 input itself
-    /// (default: on unless `DISAGG_CUDA_ATTN_BF16=0`).
+    /// The flash kernels (or their merge) write the output projection's bf16 input
+    /// themselves (default: on unless `DISAGG_CUDA_ATTN_BF16=0`).
     pub fn set_attn_bf16(&mut self, on: bool) {
         self.set_switch(on, |b| &mut b.attn_bf16);
+    }
+
+    /// The gate/up GEMM past the GEMV and skinny kernel writes bf16 for SiLU·gate
+    /// (default: on unless `DISAGG_CUDA_GU_BF16=0`).
+    pub fn set_gu_bf16(&mut self, on: bool) {
+        self.set_switch(on, |b| &mut b.gu_bf16);
+    }
+
+    /// RoPE and the KV write in the keys-on-M decode kernel (default: on unless
+    /// `DISAGG_CUDA_ATTN_ROPE=0`).
+    pub fn set_attn_rope(&mut self, on: bool) {
+        self.set_switch(on, |b| &mut b.attn_rope);
+    }
+
+    /// Whether this step's [`Backend::norm_qkv_rope`] (when the one-token GEMV does not
+    /// fuse it) leaves RoPE and the KV write of `layer` to the layer's attention: the
+    /// keys-on-M decode kernel on an f16 cache (set by `begin_step`).
+    pub fn attention_takes_rope(&self, kv: &CudaKv, layer: usize, attn: &AttnShape) -> bool {
+        self.attn_rope
+            && self.step_flash
+            && super::is_km_kernel(self.step_flash_kernel)
+            && matches!(kv.layers.get(layer), Some(KvBuf::F16(_)))
+            && attn.head_dim.is_multiple_of(2)
     }
 
     /// RMSNorm straight to the bf16 GEMM input (default: on unless
@@ -1319,8 +1360,22 @@ impl CudaBackend {
     /// out[n × rows] (+)= x_bf16[n × cols] · Wᵀ on cuBLAS, W bf16: the input already in the
     /// bf16 scratch (cast, or written there by a fused RMSNorm).
     fn gemm_bf16_scratch(&mut self, w: &CudaLinear, n_tokens: usize, out: &mut CudaSlice<f32>, accumulate: bool) {
+        self.gemm_bf16_scratch_to(w, n_tokens, out, accumulate, false);
+    }
+
+    /// [`Self::gemm_bf16_scratch`]; with `c_bf16` (cuBLAS only, not accumulating) the
+    /// output is written as bf16 into the first half of `out`'s bytes.
+    fn gemm_bf16_scratch_to(
+        &mut self,
+        w: &CudaLinear,
+        n_tokens: usize,
+        out: &mut CudaSlice<f32>,
+        accumulate: bool,
+        c_bf16: bool,
+    ) {
         let CudaLinear::Bf16 { w, rows, cols } = w else { unreachable!("bf16 GEMM of f32 weights") };
         assert!(self.x_bf16.len() >= n_tokens * cols && out.len() >= n_tokens * rows, "bf16 GEMM buffers");
+        assert!(!c_bf16 || !(accumulate || self.takes_skinny(*cols, n_tokens)), "bf16 GEMM output: cuBLAS, C = A·B");
         self.prenormed = None;
         let st = self.dev.stream().clone();
         if self.takes_skinny(*cols, n_tokens) {
@@ -1350,7 +1405,9 @@ impl CudaBackend {
         let (a, _ga) = w.device_ptr(&st);
         let (b, _gb) = self.x_bf16.device_ptr(&st);
         let (c, _gc) = out.device_ptr_mut(&st);
-        // SAFETY: as above; types as declared (bf16 A and B, f32 C).
+        let c_type = if c_bf16 { cudaDataType::CUDA_R_16BF } else { cudaDataType::CUDA_R_32F };
+        // SAFETY: as above; types as declared (bf16 A and B, f32 or bf16 C: half the
+        // bytes `out` holds).
         unsafe {
             blas::gemm_ex(
                 *self.blas.handle(),
@@ -1368,7 +1425,7 @@ impl CudaBackend {
                 k,
                 &beta as *const f32 as *const _,
                 c as *mut _,
-                cudaDataType::CUDA_R_32F,
+                c_type,
                 m,
                 cublasComputeType_t::CUBLAS_COMPUTE_32F,
                 cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
@@ -1400,7 +1457,8 @@ impl CudaBackend {
 
     /// out = W · rms_norm(x) past the GEMV: the norm written as bf16 straight into the
     /// cuBLAS input where the fused kernel takes the width, else an f32 norm into `h` and
-    /// the matmul (which casts).
+    /// the matmul (which casts). With `c_bf16`, where cuBLAS runs after the fused norm,
+    /// `out` gets bf16 values (half its bytes); returns whether it did.
     #[allow(clippy::too_many_arguments)]
     fn norm_then_gemm(
         &mut self,
@@ -1411,23 +1469,28 @@ impl CudaBackend {
         h: &mut CudaSlice<f32>,
         w: &CudaLinear,
         out: &mut CudaSlice<f32>,
-    ) {
+        c_bf16: bool,
+    ) -> bool {
         if n_tokens > 0
             && matches!(w, CudaLinear::Bf16 { .. })
             && norm.len() == w.cols()
             && self.rms_norm_to_bf16(x, norm, eps, n_tokens)
         {
+            let c_bf16 = c_bf16 && !self.takes_skinny(w.cols(), n_tokens);
             let t = self.tic();
-            self.gemm_bf16_scratch(w, n_tokens, out, false);
+            self.gemm_bf16_scratch_to(w, n_tokens, out, false, c_bf16);
             self.toc(gemm_op_name(t.is_some(), w), t);
+            c_bf16
         } else {
             self.rms_norm(x, norm, eps, n_tokens, h);
             self.matmul(w, h, n_tokens, out, false);
+            false
         }
     }
 
-    /// The attention into `out` (f32), or with `bf16_out` (the flash prefill kernel,
-    /// unsplit) into the bf16 GEMM scratch as the output projection's input.
+    /// The attention into `out` (f32), or with `bf16_out` (the flash kernels, written by
+    /// the kernel itself or, split, by the merge) into the bf16 GEMM scratch as the output
+    /// projection's input.
     #[allow(clippy::too_many_arguments)]
     fn attention_to(
         &mut self,
@@ -1435,7 +1498,7 @@ impl CudaBackend {
         layer: usize,
         batch: &StepBatch,
         attn: &AttnShape,
-        kv: &CudaKv,
+        kv: &mut CudaKv,
         out: &mut CudaSlice<f32>,
         bf16_out: bool,
     ) {
@@ -1443,10 +1506,13 @@ impl CudaBackend {
             return;
         }
         assert!(attn.head_dim <= 256 && attn.n_heads.is_multiple_of(attn.n_kv_heads));
-        assert!(
-            !bf16_out || (self.step_flash && self.step_splits == 1 && !self.step_decode),
-            "bf16 attention output: the unsplit flash prefill form only"
-        );
+        assert!(!bf16_out || self.step_flash, "bf16 attention output: the flash kernels only");
+        // RoPE and the KV write left by norm_qkv_rope to this kernel (keys on M).
+        let rope = self.rope_pending.take();
+        assert!(rope.is_none_or(|(l, _)| l == layer), "RoPE left by layer {rope:?}, attention of layer {layer}");
+        if bf16_out {
+            assert!(self.x_bf16.len() >= batch.n_tokens * attn.n_heads * attn.head_dim, "bf16 scratch");
+        }
         let t = self.tic();
         let st = self.dev.stream().clone();
         let half = kv.half() as i64;
@@ -1461,7 +1527,7 @@ impl CudaBackend {
                 self.attn_part = st.alloc_zeros::<f32>(need.next_power_of_two()).expect("CUDA: attention scratch");
             }
         }
-        match &kv.layers[layer] {
+        match &mut kv.layers[layer] {
             KvBuf::F16(c) if self.step_flash => {
                 let name = self.step_flash_kernel;
                 let cfg = LaunchConfig {
@@ -1470,7 +1536,7 @@ impl CudaBackend {
                     shared_mem_bytes: super::flash_smem_bytes(name, attn.head_dim) as u32,
                 };
                 let mut b = Launch::new(&st, self.dev.func(name));
-                b.arg(qkv).arg(c).arg(&half).arg(&self.fa_tiles).arg(&self.tables);
+                b.arg(qkv).arg(&mut *c).arg(&half).arg(&self.fa_tiles).arg(&self.tables);
                 b.arg(&nh).arg(&nkv).arg(&bs).arg(&scale).arg(&self.max_ctx_dev);
                 // Split: each block writes its partials to the scratch, merged below.
                 // The kernel's switch bits (FLASH_LEAN_LOADS, FLASH_WIDE_MERGE,
@@ -1480,22 +1546,32 @@ impl CudaBackend {
                     | (self.flash_wide_merge as i32) << 1
                     | (self.flash_mask_edge as i32) << 2
                     | (bf16_out as i32) << 3
-                    | (self.flash_pair_loads as i32) << 4;
-                if bf16_out {
-                    assert!(self.x_bf16.len() >= batch.n_tokens * attn.n_heads * attn.head_dim, "bf16 scratch");
+                    | (self.flash_pair_loads as i32) << 4
+                    | (rope.is_some() as i32) << 5;
+                if bf16_out && !split {
                     b.arg(&mut self.x_bf16);
                 } else {
                     b.arg(&mut *out);
                 }
                 b.arg(&mut self.attn_part).arg(&flags);
+                let km = super::is_km_kernel(name);
+                assert!(km || rope.is_none(), "RoPE in the attention: the keys-on-M kernel only");
+                let il = i32::from(rope.is_some_and(|(_, il)| il));
+                if km {
+                    // FLASH_ROPE: q rotated as read; k and v of each row stored at its slot
+                    // (the cache is written through this launch, as rope_write_kv would).
+                    b.arg(&self.inv_freq).arg(&self.slots).arg(&il);
+                }
                 // SAFETY: argument types match the kernel; the tiles cover this step's
-                // rows and their tables index the cache; the scratch holds every partial.
+                // rows and their tables index the cache; the scratch holds every partial;
+                // the slots lie in the cache.
                 unsafe { b.launch(cfg, self.pdl) }.expect("CUDA: flash attention");
             }
             layer_kv => {
                 // (The flag follows the last cache made; a layer's own cache is checked.)
                 assert!(!bf16_out, "bf16 attention output: the flash kernel, on an f16 cache, only");
-                let name = match (layer_kv, split) {
+                assert!(rope.is_none(), "RoPE in the attention: the keys-on-M kernel only");
+                let name = match (&*layer_kv, split) {
                     (KvBuf::F16(_), false) => "attention_f16",
                     (KvBuf::F32(_), false) => "attention_f32",
                     (KvBuf::F16(_), true) => "attention_split_f16",
@@ -1508,7 +1584,7 @@ impl CudaBackend {
                 };
                 let mut b = Launch::new(&st, self.dev.func(name));
                 b.arg(qkv);
-                match layer_kv {
+                match &*layer_kv {
                     KvBuf::F16(c) => b.arg(c),
                     KvBuf::F32(c) => b.arg(c),
                 };
@@ -1533,7 +1609,14 @@ impl CudaBackend {
                 shared_mem_bytes: 0,
             };
             let mut b = Launch::new(&st, self.dev.func("attention_merge"));
-            b.arg(&self.attn_part).arg(&sp).arg(&nh).arg(&hd).arg(out);
+            b.arg(&self.attn_part).arg(&sp).arg(&nh).arg(&hd);
+            if bf16_out {
+                b.arg(&mut self.x_bf16);
+            } else {
+                b.arg(out);
+            }
+            let bf16 = i32::from(bf16_out);
+            b.arg(&bf16);
             // SAFETY: the partials were written just above for these tokens and heads.
             unsafe { b.launch(mcfg, self.pdl) }.expect("CUDA: attention merge");
         }
@@ -1919,6 +2002,7 @@ impl Backend for CudaBackend {
                 || self.deferred.back().is_some_and(|d| batch.fed.iter().all(|f| (f.from as usize) < d.1)),
             "CUDA: fed tokens without a deferred sample of their rows"
         );
+        assert!(self.rope_pending.is_none(), "CUDA: RoPE left to an attention that never ran");
         let t = self.tic();
         self.prenormed = None;
         self.prepare_step(tokens, batch, rope, attn, logit_rows);
@@ -2091,7 +2175,7 @@ impl Backend for CudaBackend {
         layer: usize,
         batch: &StepBatch,
         attn: &AttnShape,
-        kv: &CudaKv,
+        kv: &mut CudaKv,
         out: &mut CudaSlice<f32>,
     ) {
         self.attention_to(qkv, layer, batch, attn, kv, out, false);
@@ -2103,7 +2187,7 @@ impl Backend for CudaBackend {
         layer: usize,
         batch: &StepBatch,
         attn: &AttnShape,
-        kv: &CudaKv,
+        kv: &mut CudaKv,
         out: &mut CudaSlice<f32>,
         w_o: &CudaLinear,
         x: &mut CudaSlice<f32>,
@@ -2112,8 +2196,6 @@ impl Backend for CudaBackend {
         let n = batch.n_tokens;
         let fused = self.attn_bf16
             && self.step_flash
-            && !self.step_decode
-            && self.step_splits == 1
             && n > 0
             && matches!(w_o, CudaLinear::Bf16 { .. })
             && w_o.cols() == attn.n_heads * attn.head_dim
@@ -2155,7 +2237,7 @@ impl Backend for CudaBackend {
             self.gemv(Gemv::Norm, w, x, norm, eps, n_tokens, w.rows(), out, false);
             self.toc("gemv_norm", t);
         } else {
-            self.norm_then_gemm(x, norm, eps, n_tokens, h, w, out);
+            self.norm_then_gemm(x, norm, eps, n_tokens, h, w, out, false);
         }
     }
 
@@ -2175,7 +2257,12 @@ impl Backend for CudaBackend {
     ) {
         if !self.fuses_qkv_rope(w_qkv, batch.n_tokens, kv, layer, attn) {
             self.norm_matmul(x, norm, eps, batch.n_tokens, h, w_qkv, qkv);
-            self.rope_write_kv(qkv, layer, batch, rope, attn, kv);
+            if batch.n_tokens > 0 && self.attention_takes_rope(kv, layer, attn) {
+                assert!(self.rope_pending.is_none(), "RoPE left to an attention that never ran");
+                self.rope_pending = Some((layer, rope.interleaved));
+            } else {
+                self.rope_write_kv(qkv, layer, batch, rope, attn, kv);
+            }
             return;
         }
         let t = self.tic();
@@ -2211,7 +2298,7 @@ impl Backend for CudaBackend {
             self.gemv(Gemv::NormSilu, w, x, norm, eps, n_tokens, ff, out, false);
             self.toc("gemv_norm_silu", t);
         } else {
-            self.norm_then_gemm(x, norm, eps, n_tokens, h, w, gu);
+            self.norm_then_gemm(x, norm, eps, n_tokens, h, w, gu, false);
             self.silu_mul(gu, n_tokens, ff, out);
         }
     }
@@ -2249,10 +2336,13 @@ impl Backend for CudaBackend {
             }
             return;
         }
-        self.norm_then_gemm(x, norm, eps, n_tokens, h, gate_up, gu);
+        let gu_bf16 = self.gu_bf16 && ff.is_multiple_of(8);
+        let gu_bf16 = self.norm_then_gemm(x, norm, eps, n_tokens, h, gate_up, gu, gu_bf16);
         let t = self.tic();
         self.grow_x_bf16(n_tokens * ff);
-        self.dev.silu_mul_to_bf16(gu, n_tokens, ff, &mut self.x_bf16, self.pdl).expect("CUDA: SiLU·gate to bf16");
+        self.dev
+            .silu_mul_to_bf16(gu, gu_bf16, n_tokens, ff, &mut self.x_bf16, self.pdl)
+            .expect("CUDA: SiLU·gate to bf16");
         self.toc("silu_mul_bf16", t);
         let t = self.tic();
         self.gemm_bf16_scratch(down, n_tokens, x, true);

@@ -54,6 +54,7 @@ const KERNELS: &[&str] = &[
     "silu_mul_rows",
     "silu_mul_rows4",
     "silu_mul_rows4_bf16",
+    "silu_mul_rows8_bf16_bf16",
     "embed_rows",
     "embed_rows_bf16",
     "cast_f32_bf16",
@@ -483,10 +484,13 @@ impl CudaDevice {
 
     /// `silu_mul`'s 4-columns-per-thread form writing bf16 bits (the next GEMM's input):
     /// `ff` a multiple of 4, at most 65,535 rows; `pdl`: as a programmatic dependent
-    /// launch ([`Launch`]).
+    /// launch ([`Launch`]). With `gu_bf16`, `gu` holds bf16 values (its first half of
+    /// bytes, as a bf16-output GEMM leaves them), read 8 columns per thread: `ff` a
+    /// multiple of 8.
     pub fn silu_mul_to_bf16(
         &self,
         gu: &CudaSlice<f32>,
+        gu_bf16: bool,
         n: usize,
         ff: usize,
         out: &mut CudaSlice<u16>,
@@ -494,12 +498,19 @@ impl CudaDevice {
     ) -> Result<(), KernelError> {
         Self::check(gu.len() >= 2 * n * ff && out.len() >= n * ff, "silu_mul buffers")?;
         Self::check(ff.is_multiple_of(4) && n <= 65535, "silu_mul to bf16: ff a multiple of 4, ≤ 65,535 rows")?;
+        Self::check(!gu_bf16 || ff.is_multiple_of(8), "silu_mul of bf16: ff a multiple of 8")?;
         let ff32 = ff as i32;
-        let mut b = Launch::new(&self.stream, self.func("silu_mul_rows4_bf16"));
+        let (name, cfg) = if gu_bf16 {
+            let cfg = LaunchConfig { grid_dim: (ff.div_ceil(2048) as u32, n as u32, 1), ..Self::rows4_cfg(n, ff) };
+            ("silu_mul_rows8_bf16_bf16", cfg)
+        } else {
+            ("silu_mul_rows4_bf16", Self::rows4_cfg(n, ff))
+        };
+        let mut b = Launch::new(&self.stream, self.func(name));
         b.arg(gu).arg(&ff32).arg(out);
         // SAFETY: as above; rows are 16-byte (gu) and 8-byte (out) aligned since ff is a
-        // multiple of 4; the kernel waits for the one before (pdl_wait).
-        unsafe { b.launch(Self::rows4_cfg(n, ff), pdl) }.map_err(dev_err)
+        // multiple of 4 (of 8 for bf16 gu); the kernel waits for the one before (pdl_wait).
+        unsafe { b.launch(cfg, pdl) }.map_err(dev_err)
     }
 
     /// The SiLU·gate kernels' 4-columns-per-thread grid: (columns / 1024, rows).

@@ -170,6 +170,25 @@ extern "C" __global__ void silu_mul_rows4_bf16(const float* gu, int ff, unsigned
     *reinterpret_cast<uint2*>(out + (size_t)r * ff + c) = o;
 }
 
+// The same from bf16 gate/up values (a GEMM's bf16 output), 8 columns per thread, grid
+// (⌈ff / 2048⌉, n): one 16-byte load of g and of u, one of out (ff a multiple of 8).
+extern "C" __global__ void silu_mul_rows8_bf16_bf16(const unsigned short* gu, int ff, unsigned short* out) {
+    pdl_wait();
+    const int r = blockIdx.y, c = (blockIdx.x * blockDim.x + threadIdx.x) * 8;
+    if (c >= ff) return;
+    const uint4 g = *reinterpret_cast<const uint4*>(gu + (size_t)r * 2 * ff + c);
+    const uint4 u = *reinterpret_cast<const uint4*>(gu + (size_t)r * 2 * ff + ff + c);
+    const unsigned gw[4] = {g.x, g.y, g.z, g.w}, uw[4] = {u.x, u.y, u.z, u.w};
+    unsigned ow[4];
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const float lo = silu_gate(__uint_as_float(gw[i] << 16), __uint_as_float(uw[i] << 16));
+        const float hi = silu_gate(__uint_as_float(gw[i] & 0xffff0000u), __uint_as_float(uw[i] & 0xffff0000u));
+        ow[i] = (unsigned)f32_to_bf16(lo) | ((unsigned)f32_to_bf16(hi) << 16);
+    }
+    *reinterpret_cast<uint4*>(out + (size_t)r * ff + c) = make_uint4(ow[0], ow[1], ow[2], ow[3]);
+}
+
 extern "C" __global__ void gather_rows(const float* x, const unsigned int* rows, int dim, int n, float* out) {
     pdl_wait();
     size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
@@ -178,6 +197,22 @@ extern "C" __global__ void gather_rows(const float* x, const unsigned int* rows,
     out[i] = x[(size_t)rows[r] * dim + c];
 }
 
+// RoPE's cos and sin at position p, frequency f: the angle in f32, cos/sin in f64 (the
+// CPU backend's rounding).
+__device__ __forceinline__ void rope_cs(float p, float f, float& c, float& s) {
+    double sn, cs;
+    sincos((double)(p * f), &sn, &cs);
+    c = (float)cs;
+    s = (float)sn;
+}
+// One rotation of the pair (x0, x1), each product and sum rounded on its own (no FMA
+// contraction, as the CPU computes it), so every kernel that rotates gives the same bits.
+__device__ __forceinline__ void rope_apply(float c, float s, float& x0, float& x1) {
+    const float y0 = __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s));
+    const float y1 = __fadd_rn(__fmul_rn(x0, s), __fmul_rn(x1, c));
+    x0 = y0;
+    x1 = y1;
+}
 // RoPE on q and k of each token's fused [q|k|v] row (in place), then k and v into the
 // cache at the token's slot. One block per token. The angles are made here as the CPU
 // backend makes them: position × inv_freq rounded to f32, cos/sin in f64, rounded to
@@ -194,20 +229,16 @@ __device__ void rope_write_kv_impl(float* qkv, const int* pos, const float* inv_
     const int hh = hd / 2;
     __shared__ float c[128], s[128];  // hd ≤ 256
     const float p = (float)pos[t];
-    for (int j = threadIdx.x; j < hh; j += blockDim.x) {
-        double sn, cs;
-        sincos((double)(p * inv_freq[j]), &sn, &cs);
-        c[j] = (float)cs;
-        s[j] = (float)sn;
-    }
+    for (int j = threadIdx.x; j < hh; j += blockDim.x) rope_cs(p, inv_freq[j], c[j], s[j]);
     __syncthreads();
     for (int i = threadIdx.x; i < (n_heads + n_kv) * hh; i += blockDim.x) {
         const int h = i / hh, j = i % hh;
         const int a = interleaved ? 2 * j : j, b = interleaved ? 2 * j + 1 : j + hh;
         float* x = row + h * hd;
-        const float x0 = x[a], x1 = x[b];
-        x[a] = x0 * c[j] - x1 * s[j];
-        x[b] = x0 * s[j] + x1 * c[j];
+        float x0 = x[a], x1 = x[b];
+        rope_apply(c[j], s[j], x0, x1);
+        x[a] = x0;
+        x[b] = x1;
     }
     __syncthreads();
     const long long slot = slots[t];
@@ -222,16 +253,13 @@ __device__ void rope_write_kv_impl(float* qkv, const int* pos, const float* inv_
     }
 }
 
-// One rotation pair (x0, x1) of q or k at position p, frequency f: the angle in f32,
-// cos/sin in f64 (the CPU backend's rounding). Shared by the pair form below and the
-// one-token QKV GEMV's RoPE epilogue, so both give the same bits.
+// One rotation pair (x0, x1) of q or k at position p, frequency f. Shared by the pair
+// form below and the one-token QKV GEMV's RoPE epilogue; the keys-on-M decode kernel's
+// RoPE takes the same cos/sin and rotation, so all give the same bits.
 __device__ __forceinline__ void rope_rotate(float p, float f, float& x0, float& x1) {
-    double sn, cs;
-    sincos((double)(p * f), &sn, &cs);
-    const float c = (float)cs, s = (float)sn;
-    const float y0 = x0 * c - x1 * s, y1 = x0 * s + x1 * c;
-    x0 = y0;
-    x1 = y1;
+    float c, s;
+    rope_cs(p, f, c, s);
+    rope_apply(c, s, x0, x1);
 }
 
 // The same, one thread per rotation pair (token, head of q|k|v, j < hd/2): every load of
@@ -384,8 +412,10 @@ extern "C" __global__ void attention_f32(ATTENTION_ARGS) { attention_impl<T_, fa
 extern "C" __global__ void attention_split_f32(ATTENTION_ARGS) { attention_impl<T_, true>(ATTENTION_CALL); }
 #undef T_
 
-// Merges the key-chunk partials of attention_split_*: one block per (token, head).
-extern "C" __global__ void attention_merge(const float* part, int splits, int n_heads, int hd, float* out) {
+// Merges the key-chunk partials of attention_split_* and of the split flash kernels: one
+// block per (token, head). With `bf16`, `out` is the next GEMM's bf16 input (the same f32
+// values, rounded once as cast_f32_bf16 rounds them).
+extern "C" __global__ void attention_merge(const float* part, int splits, int n_heads, int hd, float* out, int bf16) {
     pdl_wait();
     const int t = blockIdx.x, h = blockIdx.y;
     const float* p = part + (size_t)(t * n_heads + h) * splits * (hd + 2);
@@ -396,14 +426,17 @@ extern "C" __global__ void attention_merge(const float* part, int splits, int n_
         const float mz = p[z * (hd + 2)];
         if (mz != NEG_INF) L += p[z * (hd + 2) + 1] * expf(mz - M);
     }
-    float* o = out + (size_t)t * n_heads * hd + h * hd;
+    const size_t at = (size_t)t * n_heads * hd + h * hd;
     for (int d = threadIdx.x; d < hd; d += blockDim.x) {
         float s = 0.f;
         for (int z = 0; z < splits; z++) {
             const float mz = p[z * (hd + 2)];
             if (mz != NEG_INF) s += p[z * (hd + 2) + 2 + d] * expf(mz - M);
         }
-        o[d] = s / L;
+        if (bf16)
+            ((unsigned short*)out)[at + d] = f32_to_bf16(s / L);
+        else
+            out[at + d] = s / L;
     }
 }
 
@@ -736,8 +769,9 @@ __device__ __forceinline__ void wgmma_rs(float* d, const unsigned* a, unsigned l
 #define FLASH_LEAN_LOADS 1  // tile loads: addresses once per key, hoisted (else per chunk)
 #define FLASH_WIDE_MERGE 2  // decode: all the block's threads merge its warps' parts (else warp 0)
 #define FLASH_MASK_EDGE 4   // mask only tiles that cross a row's diagonal or the keys' end (else all)
-#define FLASH_OUT_BF16 8    // prefill form, unsplit: `out` is the next GEMM's bf16 input (else f32)
+#define FLASH_OUT_BF16 8    // unsplit: `out` is the next GEMM's bf16 input (else f32)
 #define FLASH_PAIR_LOADS 16    // lean loads: a key 8 (16) on in the same cache block reuses the address
+#define FLASH_ROPE 32       // keys on M: RoPE on q and the row's k, v into the cache here (else done before)
 // 2^x for the online softmax. FX: the bare MUFU instruction, inputs and results below
 // 2^-126 flushed to zero (x ≤ 0 here, and P is rounded to f16 anyway, whose smallest
 // subnormal is 2^-24); else exp2f, which scales around the MUFU for f32 subnormals.
@@ -754,13 +788,14 @@ __device__ __forceinline__ float fa_exp2(float x) {
 // The end of a decode block whose four warps each took a quarter of every key tile: one
 // query row's merge of their partial softmaxes, four columns from c. Warp v's (max, sum)
 // lie at ml[(v·rows + r)·2], its output sums at parts[(v·rows + r)·stride + c] (shared
-// memory). The result goes to `out` (row t, head h) when the keys are not split, else to
-// this split's partial (`attention_merge`'s layout; a split without keys of this row
+// memory). The result goes to `out` (row t, head h) when the keys are not split, as f32 or,
+// with `bf16`, as the next GEMM's bf16 input (rounded once, as cast_f32_bf16 rounds), else
+// to this split's partial (`attention_merge`'s layout; a split without keys of this row
 // leaves M = −∞, L = 0 there).
 template <int HD, bool FX>
 __device__ __forceinline__ void merge_warp_parts(const float* ml, const float* parts, int rows, int stride, int r,
                                                  int c, int t, int h, int n_heads, int splits, int z, float* out,
-                                                 float* part) {
+                                                 float* part, bool bf16) {
     float M = NEG_INF;
 #pragma unroll
     for (int v = 0; v < 4; v++) M = fmaxf(M, ml[(v * rows + r) * 2]);
@@ -779,8 +814,15 @@ __device__ __forceinline__ void merge_warp_parts(const float* ml, const float* p
     }
     if (splits == 1) {
         // Unsplit, key 0 is in every row's past, so L > 0.
-        *reinterpret_cast<float4*>(&out[(size_t)t * n_heads * HD + h * HD + c]) =
-            make_float4(a.x / L, a.y / L, a.z / L, a.w / L);
+        const size_t at = (size_t)t * n_heads * HD + h * HD + c;
+        if (bf16) {
+            uint2 ob;
+            ob.x = (unsigned)f32_to_bf16(a.x / L) | ((unsigned)f32_to_bf16(a.y / L) << 16);
+            ob.y = (unsigned)f32_to_bf16(a.z / L) | ((unsigned)f32_to_bf16(a.w / L) << 16);
+            *reinterpret_cast<uint2*>((unsigned short*)out + at) = ob;
+        } else {
+            *reinterpret_cast<float4*>(&out[at]) = make_float4(a.x / L, a.y / L, a.z / L, a.w / L);
+        }
     } else {
         float* pp = part + ((size_t)(t * n_heads + h) * splits + z) * (HD + 2);
         if (c == 0) {
@@ -1143,7 +1185,7 @@ __device__ void flash_attn_impl(const float* qkv, const unsigned short* cache, l
         for (int i = threadIdx.x; i < nrows * C4; i += blockDim.x) {
             const int r = i / C4, c = (i % C4) * 4;
             merge_warp_parts<HD, FX>(ml, acc, 16, RA, r, c, row0 + r / grp, kvh * grp + r % grp, n_heads, splits, z,
-                                     out, part);
+                                     out, part, (flags & FLASH_OUT_BF16) != 0);
         }
         return;
     }
@@ -1300,10 +1342,15 @@ __device__ __forceinline__ unsigned movmatrix_trans(unsigned x) {
 #define KM_KEYS 64
 #define KM_SMEM_BYTES(HD, STAGES) ((STAGES) * 2 * KM_KEYS * ((HD) + 8) * 2)
 
+// With FLASH_ROPE the kernel also does what rope_write_kv_pairs does for its row before
+// it (one launch per layer fewer): it rotates the group's q as it reads them (the same
+// cos/sin and rotation, so the same bits), and the block whose keys end at the row's own
+// position rotates k and stores k and v at the row's slot before it loads that key.
 template <int HD, int STAGES>
 __device__ void flash_decode_km_impl(const float* qkv, const unsigned short* cache, long long half, const int* tiles,
                                      const unsigned int* tables, int n_heads, int n_kv, int block_size, float scale,
-                                     const int* max_ctx, float* out, float* part) {
+                                     const int* max_ctx, float* out, float* part, int flags, const float* inv_freq,
+                                     const long long* slots, int interleaved) {
     static_assert(HD % 16 == 0 && (HD + 4) * 4 * 8 * 4 + 256 <= KM_SMEM_BYTES(HD, STAGES), "the parts fit the stages");
     constexpr int KS = HD / 16, DT = HD / 16, CH = HD / 8, KPP = 128 / CH, PASSES = KM_KEYS / KPP, ST = HD + 8;
     static_assert(128 % CH == 0 && KM_KEYS % KPP == 0, "whole passes of the 128 threads");
@@ -1317,6 +1364,24 @@ __device__ void flash_decode_km_impl(const float* qkv, const unsigned short* cac
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
     const int w = (n_heads + 2 * n_kv) * HD;
     const float qs = scale * 1.4426950408889634f;
+    const bool rope = (flags & FLASH_ROPE) != 0;
+    constexpr int HH = HD / 2;
+    __shared__ float rope_c[HH], rope_s[HH];
+    if (rope) {
+        for (int j = threadIdx.x; j < HH; j += blockDim.x) rope_cs((float)pos0, inv_freq[j], rope_c[j], rope_s[j]);
+        __syncthreads();
+    }
+    // Pair j's dims (a, b), as rope_write_kv_pairs pairs them.
+    auto pair_a = [&](int j) { return interleaved ? 2 * j : j; };
+    auto pair_b = [&](int j) { return interleaved ? 2 * j + 1 : j + HH; };
+    // Dim c of a q head (rotated with RoPE here).
+    auto q_at = [&](const float* q, int c) {
+        if (!rope) return q[c];
+        const int j = interleaved ? c >> 1 : (c < HH ? c : c - HH);
+        float x0 = q[pair_a(j)], x1 = q[pair_b(j)];
+        rope_apply(rope_c[j], rope_s[j], x0, x1);
+        return c == pair_a(j) ? x0 : x1;
+    };
     // Q^T as B fragments (k = dims, n = heads): b0 = dims 16ks + 2t4, +1 of head g; b1 = +8.
     // Columns past the group are zero (never written).
     unsigned qf[KS][2];
@@ -1326,8 +1391,8 @@ __device__ void flash_decode_km_impl(const float* qkv, const unsigned short* cac
 #pragma unroll
         for (int ks = 0; ks < KS; ks++) {
             const int c0 = 16 * ks + 2 * t4;
-            qf[ks][0] = real ? pack_f16x2(q[c0] * qs, q[c0 + 1] * qs) : 0u;
-            qf[ks][1] = real ? pack_f16x2(q[c0 + 8] * qs, q[c0 + 9] * qs) : 0u;
+            qf[ks][0] = real ? pack_f16x2(q_at(q, c0) * qs, q_at(q, c0 + 1) * qs) : 0u;
+            qf[ks][1] = real ? pack_f16x2(q_at(q, c0 + 8) * qs, q_at(q, c0 + 9) * qs) : 0u;
         }
     }
     // O^T accumulators: o[dt][0] dim 16dt + g, head 2t4; [1] head 2t4 + 1; [2], [3] dim + 8.
@@ -1367,8 +1432,32 @@ __device__ void flash_decode_km_impl(const float* qkv, const unsigned short* cac
         cp_async_commit();
     };
     const int ntiles = k1 > k0 ? (k1 - k0 + KM_KEYS - 1) / KM_KEYS : 0;
+    // RoPE: the row's k (rotated) and v into the cache, by the block holding its key.
+    const bool writes_kv = rope && k0 <= pos0 && pos0 < k1;
+    auto write_kv = [&]() {
+        const long long slot = slots[row0];
+        const long long blk = slot / block_size, off = slot % block_size;
+        const size_t at = (size_t)(((blk * n_kv + kvh) * block_size + off) * HD);
+        const float* k = qkv + (size_t)row0 * w + (size_t)(n_heads + kvh) * HD;
+        const float* v = k + (size_t)n_kv * HD;
+        unsigned short* c = const_cast<unsigned short*>(cache);
+        for (int j = threadIdx.x; j < HH; j += blockDim.x) {
+            float x0 = k[pair_a(j)], x1 = k[pair_b(j)];
+            rope_apply(rope_c[j], rope_s[j], x0, x1);
+            kv_store(c, at + pair_a(j), x0);
+            kv_store(c, at + pair_b(j), x1);
+        }
+        for (int d = threadIdx.x; d < HD; d += blockDim.x) kv_store(c, (size_t)half + at + d, v[d]);
+    };
+    // The key's tile is the last: in the first loads, write it before them; else the
+    // loop loads it after its first barrier, which orders the write before the load.
+    if (writes_kv && ntiles < STAGES) {
+        write_kv();
+        __syncthreads();
+    }
 #pragma unroll
     for (int i = 0; i < STAGES - 1; i++) load_tile(k0 + i * KM_KEYS, i);
+    if (writes_kv && ntiles >= STAGES) write_kv();
     for (int i = 0; i < ntiles; i++) {
         cp_async_wait<STAGES - 2>();
         __syncthreads();  // tile i staged by all; tile i − 1's stage free
@@ -1450,7 +1539,8 @@ __device__ void flash_decode_km_impl(const float* qkv, const unsigned short* cac
     constexpr int C4 = HD / 4;
     for (int i = threadIdx.x; i < grp * C4; i += blockDim.x) {
         const int hh = i / C4, c = (i % C4) * 4;
-        merge_warp_parts<HD, true>(ml, ro, 8, RS, hh, c, row0, kvh * grp + hh, n_heads, splits, z, out, part);
+        merge_warp_parts<HD, true>(ml, ro, 8, RS, hh, c, row0, kvh * grp + hh, n_heads, splits, z, out, part,
+                                   (flags & FLASH_OUT_BF16) != 0);
     }
 }
 
@@ -1458,10 +1548,11 @@ __device__ void flash_decode_km_impl(const float* qkv, const unsigned short* cac
 // stages fit three blocks but were slower, four fit one).
 #define KM_STAGES 3
 #define KM_KERNEL(NAME, HD) \
-    extern "C" __global__ void __launch_bounds__(128) NAME(FLASH_ARGS) { \
+    extern "C" __global__ void __launch_bounds__(128) NAME(FLASH_ARGS, const float* inv_freq, const long long* slots, \
+                                                           int interleaved) { \
         pdl_wait(); \
         flash_decode_km_impl<HD, KM_STAGES>(qkv, cache, half, tiles, tables, n_heads, n_kv, block_size, scale, \
-                                            max_ctx, out, part); \
+                                            max_ctx, out, part, flags, inv_freq, slots, interleaved); \
     }
 KM_KERNEL(flash_decode_km_f16_d64, 64)
 KM_KERNEL(flash_decode_km_f16_d128, 128)
