@@ -7,6 +7,14 @@
 #     --kv-cache-mib 24000 --max-num-seqs 64 --context 64 --gen-tokens 2 --batch 1 \
 #     --prompt-tokens 8192 --repeat 1
 #   python3 tools/gpu-lab/ncu_step.py step.csv
+# A decode step instead (twenty-first session, batch 64): all 64 sequences prefilled in
+# one step so that every later step decodes all of them, then --last takes the last
+# complete step (from one embedding kernel to the next):
+#   DISAGG_CUDA_GRAPHS=0 ncu … --launch-count 20000 … --log-file b64.csv $D bench engine
+#     --device cuda:0 --model random:llama3-8b --json --kv-cache-mib 24000
+#     --max-num-seqs 64 --max-batched-tokens 65600 --context 1024 --gen-tokens 6
+#     --batch 64 --prompt-tokens 64 --repeat 1
+#   python3 tools/gpu-lab/ncu_step.py b64.csv --last
 # The bench's warm-up (a 64-token prompt, 8 tokens) comes first; the step reported is the
 # one holding the first kernel longer than --min-us (the 8k prefill), from its
 # embedding kernel to the next. Kernels are timed one at a time (ncu serializes them),
@@ -16,14 +24,19 @@ import argparse, collections, csv
 ap = argparse.ArgumentParser()
 ap.add_argument("csv")
 ap.add_argument("--min-us", type=float, default=300.0, help="a kernel this long marks the step")
+ap.add_argument("--last", action="store_true", help="the last complete step, not the one marked by --min-us")
 a = ap.parse_args()
 rows = list(csv.reader(l for l in open(a.csv) if l.startswith('"')))
 head = rows[0]
 name, dur = head.index("Kernel Name"), head.index("gpu__time_duration.sum")
-ks = [(r[name], float(r[dur].replace(",", "")) / 1e3) for r in rows[2:]]  # µs
-big = next(i for i, (_, us) in enumerate(ks) if us > a.min_us)
-start = max(i for i in range(big + 1) if ks[i][0].startswith("embed"))
-end = next((i for i in range(big, len(ks)) if ks[i][0].startswith("embed")), len(ks))
+ks = [(r[name], float(r[dur].replace(",", "")) / 1e3) for r in rows[1:] if r[dur][:1].isdigit()]  # µs
+if a.last:
+    starts = [i for i, (n, _) in enumerate(ks) if n.startswith("embed")]
+    start, end = starts[-2], starts[-1]
+else:
+    big = next(i for i, (_, us) in enumerate(ks) if us > a.min_us)
+    start = max(i for i in range(big + 1) if ks[i][0].startswith("embed"))
+    end = next((i for i in range(big, len(ks)) if ks[i][0].startswith("embed")), len(ks))
 step = ks[start:end]
 agg = collections.defaultdict(lambda: [0.0, 0])
 for n, us in step:
