@@ -96,6 +96,13 @@ __device__ __forceinline__ unsigned short f32_to_bf16(float f) {
     u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even
     return (unsigned short)(u >> 16);
 }
+// Two values as one word of bf16 (lo in the low half), each rounded as f32_to_bf16;
+// and the two halves of such a word.
+__device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {
+    return (unsigned)f32_to_bf16(lo) | ((unsigned)f32_to_bf16(hi) << 16);
+}
+__device__ __forceinline__ float bf16x2_lo(unsigned w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float bf16x2_hi(unsigned w) { return __uint_as_float(w & 0xffff0000u); }
 
 // Cache element access: f16 bits or f32.
 __device__ __forceinline__ float kv_load(const unsigned short* p, size_t i) { return f16_to_f32(p[i]); }
@@ -165,8 +172,8 @@ extern "C" __global__ void silu_mul_rows4_bf16(const float* gu, int ff, unsigned
     const float4 g = *reinterpret_cast<const float4*>(gu + (size_t)r * 2 * ff + c);
     const float4 u = *reinterpret_cast<const float4*>(gu + (size_t)r * 2 * ff + ff + c);
     uint2 o;
-    o.x = (unsigned)f32_to_bf16(silu_gate(g.x, u.x)) | ((unsigned)f32_to_bf16(silu_gate(g.y, u.y)) << 16);
-    o.y = (unsigned)f32_to_bf16(silu_gate(g.z, u.z)) | ((unsigned)f32_to_bf16(silu_gate(g.w, u.w)) << 16);
+    o.x = pack_bf16x2(silu_gate(g.x, u.x), silu_gate(g.y, u.y));
+    o.y = pack_bf16x2(silu_gate(g.z, u.z), silu_gate(g.w, u.w));
     *reinterpret_cast<uint2*>(out + (size_t)r * ff + c) = o;
 }
 
@@ -181,11 +188,8 @@ extern "C" __global__ void silu_mul_rows8_bf16_bf16(const unsigned short* gu, in
     const unsigned gw[4] = {g.x, g.y, g.z, g.w}, uw[4] = {u.x, u.y, u.z, u.w};
     unsigned ow[4];
 #pragma unroll
-    for (int i = 0; i < 4; i++) {
-        const float lo = silu_gate(__uint_as_float(gw[i] << 16), __uint_as_float(uw[i] << 16));
-        const float hi = silu_gate(__uint_as_float(gw[i] & 0xffff0000u), __uint_as_float(uw[i] & 0xffff0000u));
-        ow[i] = (unsigned)f32_to_bf16(lo) | ((unsigned)f32_to_bf16(hi) << 16);
-    }
+    for (int i = 0; i < 4; i++)
+        ow[i] = pack_bf16x2(silu_gate(bf16x2_lo(gw[i]), bf16x2_lo(uw[i])), silu_gate(bf16x2_hi(gw[i]), bf16x2_hi(uw[i])));
     *reinterpret_cast<uint4*>(out + (size_t)r * ff + c) = make_uint4(ow[0], ow[1], ow[2], ow[3]);
 }
 
@@ -817,8 +821,8 @@ __device__ __forceinline__ void merge_warp_parts(const float* ml, const float* p
         const size_t at = (size_t)t * n_heads * HD + h * HD + c;
         if (bf16) {
             uint2 ob;
-            ob.x = (unsigned)f32_to_bf16(a.x / L) | ((unsigned)f32_to_bf16(a.y / L) << 16);
-            ob.y = (unsigned)f32_to_bf16(a.z / L) | ((unsigned)f32_to_bf16(a.w / L) << 16);
+            ob.x = pack_bf16x2(a.x / L, a.y / L);
+            ob.y = pack_bf16x2(a.z / L, a.w / L);
             *reinterpret_cast<uint2*>((unsigned short*)out + at) = ob;
         } else {
             *reinterpret_cast<float4*>(&out[at]) = make_float4(a.x / L, a.y / L, a.z / L, a.w / L);
@@ -1253,8 +1257,7 @@ __device__ void flash_attn_impl(const float* qkv, const unsigned short* cache, l
                 unsigned* ob = (unsigned*)((unsigned short*)out + at);
 #pragma unroll
                 for (int d = 0; d < DT; d++)
-                    ob[d * 4] = (unsigned)f32_to_bf16(o[d][2 * half_row] / l) |
-                                ((unsigned)f32_to_bf16(o[d][2 * half_row + 1] / l) << 16);
+                    ob[d * 4] = pack_bf16x2(o[d][2 * half_row] / l, o[d][2 * half_row + 1] / l);
             } else {
                 float* op = out + at;
 #pragma unroll
