@@ -225,6 +225,16 @@ pub const CUDA_GU_BF16: &str = "DISAGG_CUDA_GU_BF16";
 /// runs.
 pub const CUDA_ATTN_ROPE: &str = "DISAGG_CUDA_ATTN_ROPE";
 
+/// `0`: a CUDA decode step whose keys-on-M attention is split into ≤ 16 key chunks merges
+/// them with `attention_merge` (the partials through global memory, a second launch)
+/// instead of in the kernel, its splits one thread block cluster (sm_90); for A/B runs.
+pub const CUDA_ATTN_CLUSTER: &str = "DISAGG_CUDA_ATTN_CLUSTER";
+
+/// `0`: the keys-on-M decode kernel, launched programmatically, waits for the kernel
+/// before it before it asks for any key tile, instead of asking for the first tiles of
+/// keys older than the row's own first; for A/B runs.
+pub const CUDA_KM_EARLY: &str = "DISAGG_CUDA_KM_EARLY";
+
 /// `0`: the CUDA SiLU·gate runs one element per thread over the flat index (a 64-bit
 /// division each) instead of 4 columns per thread on a (columns, rows) grid; for A/B runs.
 pub const CUDA_SILU_ROWS4: &str = "DISAGG_CUDA_SILU_ROWS4";

@@ -194,7 +194,9 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
             // only on edge tiles (else on all), warpgroup MMAs on sm_90 (else mma.sync),
             // one table read per key pair (else per key); and the decode-only step on
             // the keys-on-M kernel (with every switch on; the cases that switch one off
-            // test the flash kernel's decode form).
+            // test the flash kernel's decode form), its splits merged in the kernel as
+            // thread block clusters (sm_90) and by attention_merge, its first tiles asked
+            // for before waiting for the kernel before and after: the same bits.
             #[derive(Clone, Copy)]
             struct Flash {
                 on: bool,
@@ -208,6 +210,8 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
                 wgmma: bool,
                 pair: bool,
                 km: bool,
+                cluster: bool,
+                early: bool,
             }
             let all = Flash {
                 on: true,
@@ -221,11 +225,15 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
                 wgmma: true,
                 pair: true,
                 km: true,
+                cluster: true,
+                early: true,
             };
             let sa = Flash { km: false, ..all };
             let cases = [
                 Flash { on: false, ..all },
                 all,
+                Flash { cluster: false, ..all },
+                Flash { early: false, ..all },
                 sa,
                 Flash { ldsm: false, ..sa },
                 Flash { lean: false, ..sa },
@@ -237,6 +245,8 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
                 Flash { wgmma: false, ..sa },
                 Flash { pair: false, ..sa },
             ];
+            let decode = seqs.iter().all(|s| s.1 == 1);
+            let mut merged: Vec<(bool, bool, usize, Vec<f32>)> = Vec::new();
             for (f, chunk) in cases.iter().flat_map(|f| [(f, 0), (f, 64)]) {
                 let flash = f.on;
                 be.set_flash(flash);
@@ -250,6 +260,8 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
                 be.set_flash_wgmma(f.wgmma);
                 be.set_flash_pair_loads(f.pair);
                 be.set_decode_km(f.km);
+                be.set_attn_cluster(f.cluster);
+                be.set_km_early(f.early);
                 be.set_attn_chunk(chunk);
                 be.begin_step(&tokens, &batch, &rope, &attn, &[]);
                 // The decode-only step (one token per sequence) takes the keys-on-M
@@ -264,9 +276,23 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
                 be.to_host(&out, &mut got);
                 let err = max_abs(&got, &want) / range;
                 println!(
-                    "attention {n_heads}/{n_kv} heads, head_dim {hd}, block {bs}, {} rows, flash {flash} (ldmatrix {}, lean loads {}, wide merge {}, fast exp {}, 32-bit shared addresses {}, 3 per SM {}, edge masks {}, wgmma {}, pair loads {}, keys on M {}), split chunk {chunk}: max |GPU − CPU| / range = {err:.2e}",
-                    n_tokens, f.ldsm, f.lean, f.wide, f.fast_exp, f.smem32, f.occ3, f.mask_edge, f.wgmma, f.pair, f.km
+                    "attention {n_heads}/{n_kv} heads, head_dim {hd}, block {bs}, {} rows, flash {flash} (ldmatrix {}, lean loads {}, wide merge {}, fast exp {}, 32-bit shared addresses {}, 3 per SM {}, edge masks {}, wgmma {}, pair loads {}, keys on M {}), split chunk {chunk}: {} splits{}: max |GPU − CPU| / range = {err:.2e}",
+                    n_tokens, f.ldsm, f.lean, f.wide, f.fast_exp, f.smem32, f.occ3, f.mask_edge, f.wgmma, f.pair, f.km,
+                    be.step_splits(), if be.step_cluster() { " merged in clusters" } else { "" }
                 );
+                // The decode step's split keys-on-M runs: in clusters where the GPU has
+                // them (sm_90) and the switch is on, else through attention_merge.
+                if flash && f.km && decode && chunk > 0 {
+                    let want_cluster = f.cluster && be.device().km_cluster_max >= be.step_splits();
+                    if be.step_splits() < 2 || be.step_cluster() != want_cluster {
+                        failed.push(format!(
+                            "{n_heads}/{n_kv} heads: {} splits, in clusters {}",
+                            be.step_splits(),
+                            be.step_cluster()
+                        ));
+                    }
+                    merged.push((f.early, be.step_cluster(), be.step_splits(), got.clone()));
+                }
                 if err.is_nan() || err >= if flash { 5e-3 } else { 1e-4 } {
                     failed.push(format!(
                         "{n_heads}/{n_kv} heads, head_dim {hd}, block {bs}, {n_tokens} rows, flash {flash}, wgmma {}, \
@@ -275,6 +301,26 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
                     ));
                 }
             }
+            // The cluster merge against attention_merge, and the first tiles before the
+            // wait against after it: the same splits, the same bits.
+            if let [(true, true, s1, a), rest @ ..] = &merged[..] {
+                for (early, cluster, s2, b) in rest {
+                    let diff = a.iter().zip(b).filter(|(x, y)| x.to_bits() != y.to_bits()).count();
+                    println!(
+                        "{n_heads}/{n_kv} heads: against clusters and early tiles ({s1} splits), clusters {cluster}, \
+                         early tiles {early} ({s2} splits): {diff} of {} outputs differ",
+                        a.len()
+                    );
+                    if s1 != s2 || diff > 0 {
+                        failed
+                            .push(format!("{n_heads}/{n_kv} heads: clusters {cluster}, early {early}: {diff} differ"));
+                    }
+                }
+            } else if decode && be.device().km_cluster_max > 0 {
+                failed.push(format!("{n_heads}/{n_kv} heads: the cluster merge did not run ({} runs)", merged.len()));
+            }
+            be.set_attn_cluster(true);
+            be.set_km_early(true);
             if let Err(e) = attention_residual_case(&mut be, &dq, &batch, &attn, &mut gkv, &want, &tokens, &rope) {
                 failed.push(format!("{n_heads}/{n_kv} heads, head_dim {hd}, block {bs}: {e}"));
             }

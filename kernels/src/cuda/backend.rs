@@ -462,6 +462,14 @@ pub struct CudaBackend {
     /// A step on the keys-on-M decode kernel does RoPE and the KV write in the attention
     /// kernel (`DISAGG_CUDA_ATTN_ROPE=0`: `rope_write_kv` before it).
     attn_rope: bool,
+    /// A keys-on-M decode step split into at most `CudaDevice::km_cluster_max` chunks
+    /// launches its splits as thread block clusters that merge in the kernel
+    /// (`DISAGG_CUDA_ATTN_CLUSTER=0`: `attention_merge` after it); whether this step does.
+    attn_cluster: bool,
+    step_cluster: bool,
+    /// The keys-on-M kernel asks for its first tiles of older keys before waiting for the
+    /// kernel before it (`DISAGG_CUDA_KM_EARLY=0`: after).
+    km_early: bool,
     /// Set by `norm_qkv_rope` when it left RoPE and the KV write to the attention of its
     /// layer: (layer, interleaved pairs).
     rope_pending: Option<(usize, bool)>,
@@ -497,11 +505,15 @@ fn km_kernel(head_dim: usize) -> &'static str {
 /// time in a model where each wave of resident blocks costs its chunks plus one
 /// (the block's start, its share of the merge). Whole waves matter: 512 units on 396
 /// slots run as 2 waves at a 65% fill, as 3 waves of 2 splits at 86%.
-/// `max_splits` bounds the partials (see `reserve`).
-fn attn_splits_by_waves(units: usize, chunks: usize, slots: usize, max_splits: usize) -> usize {
+/// `max_splits` bounds the partials (see `reserve`). Where the kernel merges up to
+/// `cluster` splits itself (0: never), more splits cost one unit more: the merge's own
+/// launch (on a tie the fewer splits win).
+fn attn_splits_by_waves(units: usize, chunks: usize, slots: usize, max_splits: usize, cluster: usize) -> usize {
     let (units, slots) = (units.max(1), slots.max(1));
     (1..=chunks.min(max_splits).max(1))
-        .min_by_key(|&s| (units * s).div_ceil(slots) * (chunks.div_ceil(s) + 1))
+        .min_by_key(|&s| {
+            (units * s).div_ceil(slots) * (chunks.div_ceil(s) + 1) + usize::from(cluster > 0 && s > cluster)
+        })
         .unwrap_or(1)
 }
 
@@ -584,6 +596,9 @@ impl CudaBackend {
             attn_bf16: !off(crate::env::CUDA_ATTN_BF16),
             gu_bf16: !off(crate::env::CUDA_GU_BF16),
             attn_rope: !off(crate::env::CUDA_ATTN_ROPE),
+            attn_cluster: !off(crate::env::CUDA_ATTN_CLUSTER),
+            step_cluster: false,
+            km_early: !off(crate::env::CUDA_KM_EARLY),
             rope_pending: None,
             flash_blocks_per_sm,
             graphs_on: !off(crate::env::CUDA_GRAPHS) && profile.is_none(),
@@ -900,6 +915,24 @@ impl CudaBackend {
         self.set_switch(on, |b| &mut b.attn_rope);
     }
 
+    /// A split keys-on-M decode step merges its splits in the kernel, as thread block
+    /// clusters (default: on unless `DISAGG_CUDA_ATTN_CLUSTER=0`; sm_90).
+    pub fn set_attn_cluster(&mut self, on: bool) {
+        self.set_switch(on, |b| &mut b.attn_cluster);
+    }
+
+    /// The keys-on-M kernel's first loads of older keys before it waits (default: on
+    /// unless `DISAGG_CUDA_KM_EARLY=0`).
+    pub fn set_km_early(&mut self, on: bool) {
+        self.set_switch(on, |b| &mut b.km_early);
+    }
+
+    /// Whether this step's attention merges its key splits in the kernel, as clusters
+    /// (set by `begin_step`).
+    pub fn step_cluster(&self) -> bool {
+        self.step_cluster
+    }
+
     /// Whether this step's [`Backend::norm_qkv_rope`] (when the one-token GEMV does not
     /// fuse it) leaves RoPE and the KV write of `layer` to the layer's attention: the
     /// keys-on-M decode kernel on an f16 cache (set by `begin_step`).
@@ -1091,15 +1124,15 @@ impl CudaBackend {
     /// waves of the `blocks_per_sm` resident blocks (see [`attn_splits_by_waves`]; `rows`
     /// (tokens × query heads) bounds the partials), or by the earlier rule: split-K only
     /// when the `units` (blocks of work) alone leave SMs idle, enough to give every SM
-    /// two blocks.
-    fn attn_splits(&self, units: usize, blocks_per_sm: usize, rows: usize) -> usize {
+    /// two blocks. `cluster`: the most splits the kernel merges itself (0: none).
+    fn attn_splits(&self, units: usize, blocks_per_sm: usize, rows: usize, cluster: usize) -> usize {
         if self.attn_chunk == 0 {
             return 1;
         }
         let chunks = self.max_ctx.div_ceil(self.attn_chunk).max(1);
         if self.attn_waves {
             let max_splits = (ATTN_PART_ROWS_PER_SM * self.n_sms / rows.max(1)).min(64);
-            return attn_splits_by_waves(units, chunks, self.n_sms * blocks_per_sm, max_splits);
+            return attn_splits_by_waves(units, chunks, self.n_sms * blocks_per_sm, max_splits, cluster);
         }
         let want = (2 * self.n_sms).div_ceil(units.max(1));
         if want > 1 {
@@ -1520,7 +1553,9 @@ impl CudaBackend {
         let (bs, scale) = (batch.block_size as i32, attn.scale);
         let splits = self.step_splits;
         let split = splits > 1;
-        if split {
+        // Split on the keys-on-M kernel in clusters: merged in the kernel, no partials.
+        let cluster = self.step_cluster && self.step_flash;
+        if split && !cluster {
             let need = batch.n_tokens * attn.n_heads * splits * (attn.head_dim + 2);
             if self.attn_part.len() < need {
                 self.buffers_moving();
@@ -1547,8 +1582,10 @@ impl CudaBackend {
                     | (self.flash_mask_edge as i32) << 2
                     | (bf16_out as i32) << 3
                     | (self.flash_pair_loads as i32) << 4
-                    | (rope.is_some() as i32) << 5;
-                if bf16_out && !split {
+                    | (rope.is_some() as i32) << 5
+                    | (cluster as i32) << 6
+                    | (self.km_early as i32) << 7;
+                if bf16_out && (!split || cluster) {
                     b.arg(&mut self.x_bf16);
                 } else {
                     b.arg(&mut *out);
@@ -1561,6 +1598,11 @@ impl CudaBackend {
                     // FLASH_ROPE: q rotated as read; k and v of each row stored at its slot
                     // (the cache is written through this launch, as rope_write_kv would).
                     b.arg(&self.inv_freq).arg(&self.slots).arg(&il);
+                }
+                assert!(km || !cluster, "clusters: the keys-on-M kernel only");
+                if cluster {
+                    // FLASH_CLUSTER: a (tile, KV head)'s splits are one cluster along z.
+                    b.cluster((1, 1, splits as u32));
                 }
                 // SAFETY: argument types match the kernel; the tiles cover this step's
                 // rows and their tables index the cache; the scratch holds every partial;
@@ -1601,7 +1643,7 @@ impl CudaBackend {
                 unsafe { b.launch(cfg, self.pdl) }.expect("CUDA: attention");
             }
         }
-        if split {
+        if split && !cluster {
             let sp = splits as i32;
             let mcfg = LaunchConfig {
                 grid_dim: (batch.n_tokens as u32, attn.n_heads as u32, 1),
@@ -1742,10 +1784,12 @@ impl CudaBackend {
         } else {
             (batch.n_tokens * attn.n_heads, 2048 / 256)
         };
-        self.step_splits = self.attn_splits(units, per_sm, batch.n_tokens * attn.n_heads);
         // (The same token and logit counts can be one token of each sequence or several
         // of fewer: the keys-on-M kernel's bit keeps their graphs apart.)
         let km = self.step_flash && super::is_km_kernel(self.step_flash_kernel);
+        let cluster = if km && self.attn_cluster { self.dev.km_cluster_max } else { 0 };
+        self.step_splits = self.attn_splits(units, per_sm, batch.n_tokens * attn.n_heads, cluster);
+        self.step_cluster = self.step_splits > 1 && self.step_splits <= cluster;
         let kernel =
             u8::from(self.step_flash) | (u8::from(self.step_decode && self.step_flash) << 1) | (u8::from(km) << 2);
         self.step_key = (batch.n_tokens, logit_rows.len(), self.step_splits, kernel);
@@ -2537,13 +2581,29 @@ mod tests {
     fn attention_splits_fill_whole_waves() {
         // Batch 64 of 1k tokens, 8 KV heads, 396 resident blocks: 2 waves at 65% fill
         // unsplit; 3 splits run 4 waves of a third of the keys.
-        assert_eq!(attn_splits_by_waves(512, 17, 396, 64), 3);
+        assert_eq!(attn_splits_by_waves(512, 17, 396, 64, 0), 3);
         // Batch 1: every chunk its own block (one wave).
-        assert_eq!(attn_splits_by_waves(8, 17, 396, 64), 17);
+        assert_eq!(attn_splits_by_waves(8, 17, 396, 64, 0), 17);
         // Batch 256: already many waves, no split.
-        assert_eq!(attn_splits_by_waves(2048, 17, 396, 64), 1);
+        assert_eq!(attn_splits_by_waves(2048, 17, 396, 64, 0), 1);
         // Bounded by the partials reserved, and by the chunks there are.
-        assert_eq!(attn_splits_by_waves(8, 513, 396, 20), 20);
-        assert_eq!(attn_splits_by_waves(8, 1, 396, 64), 1);
+        assert_eq!(attn_splits_by_waves(8, 513, 396, 20, 0), 20);
+        assert_eq!(attn_splits_by_waves(8, 1, 396, 64, 0), 1);
+    }
+
+    #[test]
+    fn attention_splits_merged_in_clusters_save_the_merge() {
+        // Batch 1 of 1k keys on 264 slots (the H200's 132 SMs, two blocks each): 9 splits
+        // of two chunks merged in the kernel tie with 17 of one and attention_merge, and
+        // the fewer win.
+        assert_eq!(attn_splits_by_waves(8, 17, 264, 64, 16), 9);
+        // 8 splits at most in a cluster: those would take three chunks; 17 and the merge
+        // cost less.
+        assert_eq!(attn_splits_by_waves(8, 17, 264, 64, 8), 17);
+        // 32k keys: many splits pay for the merge.
+        assert_eq!(attn_splits_by_waves(8, 513, 264, 64, 16), 33);
+        // Batch 16: two splits, merged in the kernel as before by attention_merge.
+        assert_eq!(attn_splits_by_waves(128, 17, 264, 64, 16), 2);
+        assert_eq!(attn_splits_by_waves(128, 17, 264, 64, 0), 2);
     }
 }

@@ -38,6 +38,10 @@ pub struct CudaDevice {
     pub arch: (i32, i32),
     /// The module was built for sm_90a, so the warpgroup-MMA (wgmma) kernels can run.
     pub wgmma: bool,
+    /// The most blocks of a thread block cluster the keys-on-M decode kernels may be
+    /// launched in (sm_90: 16 where the non-portable size is allowed, else 8; 0: no
+    /// clusters).
+    pub km_cluster_max: usize,
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     rms_norm: CudaFunction,
@@ -277,11 +281,21 @@ pub(crate) struct Launch<'a> {
     func: cudarc::driver::sys::CUfunction,
     words: [u64; MAX_KERNEL_PARAMS],
     n: usize,
+    /// Thread block cluster dimensions (sm_90); (1, 1, 1): none.
+    cluster: (u32, u32, u32),
 }
 
 impl<'a> Launch<'a> {
     pub(crate) fn new(st: &'a CudaStream, func: &CudaFunction) -> Launch<'a> {
-        Launch { st, func: func.cu_function(), words: [0; MAX_KERNEL_PARAMS], n: 0 }
+        Launch { st, func: func.cu_function(), words: [0; MAX_KERNEL_PARAMS], n: 0, cluster: (1, 1, 1) }
+    }
+
+    /// Launches the grid as thread block clusters of `dims` blocks (sm_90; each grid
+    /// dimension a multiple of the cluster's; more than 8 blocks need the kernel's
+    /// non-portable cluster size attribute).
+    pub(crate) fn cluster(&mut self, dims: (u32, u32, u32)) -> &mut Self {
+        self.cluster = dims;
+        self
     }
 
     pub(crate) fn arg(&mut self, p: impl KernelParam) -> &mut Self {
@@ -306,9 +320,22 @@ impl<'a> Launch<'a> {
             *p = (w as *mut u64).cast();
         }
         // SAFETY: a plain C struct for which all zeros is a valid value.
-        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
-        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-        attr.value.programmaticStreamSerializationAllowed = 1;
+        let mut attrs: [sys::CUlaunchAttribute; 2] = unsafe { std::mem::zeroed() };
+        let mut n_attrs = 0;
+        if pdl {
+            let a = &mut attrs[n_attrs];
+            a.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+            a.value.programmaticStreamSerializationAllowed = 1;
+            n_attrs += 1;
+        }
+        if self.cluster != (1, 1, 1) {
+            let a = &mut attrs[n_attrs];
+            a.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+            a.value.clusterDim.x = self.cluster.0;
+            a.value.clusterDim.y = self.cluster.1;
+            a.value.clusterDim.z = self.cluster.2;
+            n_attrs += 1;
+        }
         let config = sys::CUlaunchConfig {
             gridDimX: cfg.grid_dim.0,
             gridDimY: cfg.grid_dim.1,
@@ -318,8 +345,8 @@ impl<'a> Launch<'a> {
             blockDimZ: cfg.block_dim.2,
             sharedMemBytes: cfg.shared_mem_bytes,
             hStream: self.st.cu_stream(),
-            attrs: if pdl { &mut attr } else { std::ptr::null_mut() },
-            numAttrs: u32::from(pdl),
+            attrs: if n_attrs > 0 { attrs.as_mut_ptr() } else { std::ptr::null_mut() },
+            numAttrs: n_attrs as u32,
         };
         // SAFETY: the function belongs to this stream's context; `params` points at
         // `self.n` live words, one per kernel parameter (the caller's contract above).
@@ -398,12 +425,31 @@ impl CudaDevice {
                 )
                 .map_err(dev_err)?;
         }
+        // Clusters of up to 16 blocks (8 are portable) for the keys-on-M kernels' splits.
+        let km_cluster_max = if arch.0 >= 9 {
+            let wide = FLASH_KERNELS.iter().filter(|(k, _)| is_km_kernel(k)).all(|(k, _)| {
+                funcs[k]
+                    .set_attribute(
+                        cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED,
+                        1,
+                    )
+                    .is_ok()
+            });
+            if wide {
+                16
+            } else {
+                8
+            }
+        } else {
+            0
+        };
         Ok(CudaDevice {
             funcs,
             ordinal,
             name,
             arch,
             wgmma,
+            km_cluster_max,
             stream,
             rms_norm: f("rms_norm_rows")?,
             silu_mul: f("silu_mul_rows")?,

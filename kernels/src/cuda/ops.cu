@@ -776,6 +776,8 @@ __device__ __forceinline__ void wgmma_rs(float* d, const unsigned* a, unsigned l
 #define FLASH_OUT_BF16 8    // unsplit: `out` is the next GEMM's bf16 input (else f32)
 #define FLASH_PAIR_LOADS 16    // lean loads: a key 8 (16) on in the same cache block reuses the address
 #define FLASH_ROPE 32       // keys on M: RoPE on q and the row's k, v into the cache here (else done before)
+#define FLASH_CLUSTER 64    // keys on M, split: the splits are one thread block cluster and merge here (sm_90)
+#define FLASH_EARLY 128     // keys on M: the first tiles before the row's key loaded before pdl_wait
 // 2^x for the online softmax. FX: the bare MUFU instruction, inputs and results below
 // 2^-126 flushed to zero (x ≤ 0 here, and P is rounded to f16 anyway, whose smallest
 // subnormal is 2^-24); else exp2f, which scales around the MUFU for f32 subnormals.
@@ -792,14 +794,14 @@ __device__ __forceinline__ float fa_exp2(float x) {
 // The end of a decode block whose four warps each took a quarter of every key tile: one
 // query row's merge of their partial softmaxes, four columns from c. Warp v's (max, sum)
 // lie at ml[(v·rows + r)·2], its output sums at parts[(v·rows + r)·stride + c] (shared
-// memory). The result goes to `out` (row t, head h) when the keys are not split, as f32 or,
-// with `bf16`, as the next GEMM's bf16 input (rounded once, as cast_f32_bf16 rounds), else
-// to this split's partial (`attention_merge`'s layout; a split without keys of this row
-// leaves M = −∞, L = 0 there).
+// memory). The result goes to `out` at `at` (the row's head, column c) when the keys are
+// not split (`pp` null), as f32 or, with `bf16`, as the next GEMM's bf16 input (rounded
+// once, as cast_f32_bf16 rounds), else to this split's partial at `pp` (global or shared
+// memory; `attention_merge`'s layout: M, L, then the head's sums; a split without keys of
+// this row leaves M = −∞, L = 0 there).
 template <int HD, bool FX>
 __device__ __forceinline__ void merge_warp_parts(const float* ml, const float* parts, int rows, int stride, int r,
-                                                 int c, int t, int h, int n_heads, int splits, int z, float* out,
-                                                 float* part, bool bf16) {
+                                                 int c, float* out, size_t at, float* pp, bool bf16) {
     float M = NEG_INF;
 #pragma unroll
     for (int v = 0; v < 4; v++) M = fmaxf(M, ml[(v * rows + r) * 2]);
@@ -816,9 +818,8 @@ __device__ __forceinline__ void merge_warp_parts(const float* ml, const float* p
         a.z += wv * x.z;
         a.w += wv * x.w;
     }
-    if (splits == 1) {
+    if (pp == nullptr) {
         // Unsplit, key 0 is in every row's past, so L > 0.
-        const size_t at = (size_t)t * n_heads * HD + h * HD + c;
         if (bf16) {
             uint2 ob;
             ob.x = pack_bf16x2(a.x / L, a.y / L);
@@ -828,7 +829,6 @@ __device__ __forceinline__ void merge_warp_parts(const float* ml, const float* p
             *reinterpret_cast<float4*>(&out[at]) = make_float4(a.x / L, a.y / L, a.z / L, a.w / L);
         }
     } else {
-        float* pp = part + ((size_t)(t * n_heads + h) * splits + z) * (HD + 2);
         if (c == 0) {
             pp[0] = M * 0.6931471805599453f;
             pp[1] = L;
@@ -1188,8 +1188,9 @@ __device__ void flash_attn_impl(const float* qkv, const unsigned short* cache, l
         constexpr int C4 = HD / 4;
         for (int i = threadIdx.x; i < nrows * C4; i += blockDim.x) {
             const int r = i / C4, c = (i % C4) * 4;
-            merge_warp_parts<HD, FX>(ml, acc, 16, RA, r, c, row0 + r / grp, kvh * grp + r % grp, n_heads, splits, z,
-                                     out, part, (flags & FLASH_OUT_BF16) != 0);
+            const size_t th = (size_t)(row0 + r / grp) * n_heads + kvh * grp + r % grp;  // (token, head)
+            float* pp = splits == 1 ? nullptr : part + (th * splits + z) * (HD + 2);
+            merge_warp_parts<HD, FX>(ml, acc, 16, RA, r, c, out, th * HD + c, pp, (flags & FLASH_OUT_BF16) != 0);
         }
         return;
     }
@@ -1342,6 +1343,72 @@ __device__ __forceinline__ unsigned movmatrix_trans(unsigned x) {
     return r;
 }
 
+// Cluster barrier (all threads of every block of the cluster), release/acquire.
+__device__ __forceinline__ void cluster_sync_all() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+#else
+    __trap();
+#endif
+}
+// Four floats at shared address `a` of cluster block `rank`.
+__device__ __forceinline__ float4 ld_dsmem_f4(unsigned a, unsigned rank) {
+    float4 v;
+#if __CUDA_ARCH__ >= 900
+    unsigned r;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(a), "r"(rank));
+    asm volatile("ld.shared::cluster.v4.f32 {%0,%1,%2,%3}, [%4];\n"
+                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(r) : "memory");
+#else
+    v = make_float4(0.f, 0.f, 0.f, 0.f);
+    __trap();
+#endif
+    return v;
+}
+// A float at shared address `a` of cluster block `rank` (sm_90).
+__device__ __forceinline__ float ld_dsmem_f32(unsigned a, unsigned rank) {
+    float v = 0.f;
+#if __CUDA_ARCH__ >= 900
+    unsigned r;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(a), "r"(rank));
+    asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(r) : "memory");
+#else
+    __trap();
+#endif
+    return v;
+}
+
+// The key splits of one (row, KV head) launched as one cluster along z, merged in place of
+// attention_merge: split z's partial for head hh (M, L, sums as attention_merge reads them)
+// lies at cpart + hh·(HD + 2) in block z's shared memory; each block merges a share of the
+// grp·HD outputs, reading the others' partials through the cluster, in attention_merge's
+// order and arithmetic (the same bits), to `out` from `at` (f32, or bf16 with `bf16`).
+template <int HD>
+__device__ void cluster_merge(const float* cpart, int grp, int splits, int z, float* out, size_t at, bool bf16) {
+    cluster_sync_all();  // every split's partial written
+    const unsigned base = smem_u32(cpart);
+    for (int i = z * blockDim.x + threadIdx.x; i < grp * HD; i += splits * blockDim.x) {
+        const int hh = i / HD, d = i % HD;
+        const unsigned p = base + hh * (HD + 2) * 4;
+        float M = NEG_INF;
+        for (int s = 0; s < splits; s++) M = fmaxf(M, ld_dsmem_f32(p, s));
+        float L = 0.f, acc = 0.f;
+        for (int s = 0; s < splits; s++) {
+            const float ms = ld_dsmem_f32(p, s);
+            if (ms != NEG_INF) {
+                const float w = expf(ms - M);
+                L += ld_dsmem_f32(p + 4, s) * w;
+                acc += ld_dsmem_f32(p + (2 + d) * 4, s) * w;
+            }
+        }
+        if (bf16)
+            ((unsigned short*)out)[at + i] = f32_to_bf16(acc / L);
+        else
+            out[at + i] = acc / L;
+    }
+    cluster_sync_all();  // no block leaves while another still reads its shared memory
+}
+
 #define KM_KEYS 64
 #define KM_SMEM_BYTES(HD, STAGES) ((STAGES) * 2 * KM_KEYS * ((HD) + 8) * 2)
 
@@ -1354,7 +1421,8 @@ __device__ void flash_decode_km_impl(const float* qkv, const unsigned short* cac
                                      const unsigned int* tables, int n_heads, int n_kv, int block_size, float scale,
                                      const int* max_ctx, float* out, float* part, int flags, const float* inv_freq,
                                      const long long* slots, int interleaved) {
-    static_assert(HD % 16 == 0 && (HD + 4) * 4 * 8 * 4 + 256 <= KM_SMEM_BYTES(HD, STAGES), "the parts fit the stages");
+    static_assert(HD % 16 == 0 && (HD + 4) * 4 * 8 * 4 + 256 + 8 * (HD + 2) * 4 <= KM_SMEM_BYTES(HD, STAGES),
+                  "the parts fit the stages");
     constexpr int KS = HD / 16, DT = HD / 16, CH = HD / 8, KPP = 128 / CH, PASSES = KM_KEYS / KPP, ST = HD + 8;
     static_assert(128 % CH == 0 && KM_KEYS % KPP == 0, "whole passes of the 128 threads");
     constexpr unsigned KBYTES = KM_KEYS * ST * 2, STAGE_BYTES = 2 * KBYTES;
@@ -1385,19 +1453,6 @@ __device__ void flash_decode_km_impl(const float* qkv, const unsigned short* cac
         rope_apply(rope_c[j], rope_s[j], x0, x1);
         return c == pair_a(j) ? x0 : x1;
     };
-    // Q^T as B fragments (k = dims, n = heads): b0 = dims 16ks + 2t4, +1 of head g; b1 = +8.
-    // Columns past the group are zero (never written).
-    unsigned qf[KS][2];
-    {
-        const bool real = g < grp;
-        const float* q = qkv + (size_t)row0 * w + (kvh * grp + (real ? g : 0)) * HD;
-#pragma unroll
-        for (int ks = 0; ks < KS; ks++) {
-            const int c0 = 16 * ks + 2 * t4;
-            qf[ks][0] = real ? pack_f16x2(q_at(q, c0) * qs, q_at(q, c0 + 1) * qs) : 0u;
-            qf[ks][1] = real ? pack_f16x2(q_at(q, c0 + 8) * qs, q_at(q, c0 + 9) * qs) : 0u;
-        }
-    }
     // O^T accumulators: o[dt][0] dim 16dt + g, head 2t4; [1] head 2t4 + 1; [2], [3] dim + 8.
     float o[DT][4];
 #pragma unroll
@@ -1452,14 +1507,33 @@ __device__ void flash_decode_km_impl(const float* qkv, const unsigned short* cac
         }
         for (int d = threadIdx.x; d < HD; d += blockDim.x) kv_store(c, (size_t)half + at + d, v[d]);
     };
+    // With FLASH_EARLY the first tiles of keys before the row's own (written by earlier
+    // steps) are asked for before waiting for the kernel before, which wrote q (and,
+    // without FLASH_ROPE, the row's k and v).
+    int pre = 0;
+    if (flags & FLASH_EARLY)
+        for (; pre < STAGES - 1 && k0 + (pre + 1) * KM_KEYS <= pos0; pre++) load_tile(k0 + pre * KM_KEYS, pre);
+    pdl_wait();
+    // Q^T as B fragments (k = dims, n = heads): b0 = dims 16ks + 2t4, +1 of head g; b1 = +8.
+    // Columns past the group are zero (never written).
+    unsigned qf[KS][2];
+    {
+        const bool real = g < grp;
+        const float* q = qkv + (size_t)row0 * w + (kvh * grp + (real ? g : 0)) * HD;
+#pragma unroll
+        for (int ks = 0; ks < KS; ks++) {
+            const int c0 = 16 * ks + 2 * t4;
+            qf[ks][0] = real ? pack_f16x2(q_at(q, c0) * qs, q_at(q, c0 + 1) * qs) : 0u;
+            qf[ks][1] = real ? pack_f16x2(q_at(q, c0 + 8) * qs, q_at(q, c0 + 9) * qs) : 0u;
+        }
+    }
     // The key's tile is the last: in the first loads, write it before them; else the
     // loop loads it after its first barrier, which orders the write before the load.
     if (writes_kv && ntiles < STAGES) {
         write_kv();
         __syncthreads();
     }
-#pragma unroll
-    for (int i = 0; i < STAGES - 1; i++) load_tile(k0 + i * KM_KEYS, i);
+    for (int i = pre; i < STAGES - 1; i++) load_tile(k0 + i * KM_KEYS, i);
     if (writes_kv && ntiles >= STAGES) write_kv();
     for (int i = 0; i < ntiles; i++) {
         cp_async_wait<STAGES - 2>();
@@ -1538,13 +1612,18 @@ __device__ void flash_decode_km_impl(const float* qkv, const unsigned short* cac
         ml[(warp * 8 + 2 * t4 + 1) * 2 + 1] = l1;
     }
     __syncthreads();
-    // The four warps' parts merged, four columns of one head per thread.
+    // The four warps' parts merged, four columns of one head per thread: to `out`, to the
+    // split's partial for attention_merge, or, in a cluster, to this block's shared memory.
+    const bool bf16 = (flags & FLASH_OUT_BF16) != 0, cluster = (flags & FLASH_CLUSTER) != 0 && splits > 1;
+    float* cpart = ml + 4 * 8 * 2;  // [head][M, L, sums]: the cluster's partials, one per block
     constexpr int C4 = HD / 4;
     for (int i = threadIdx.x; i < grp * C4; i += blockDim.x) {
         const int hh = i / C4, c = (i % C4) * 4;
-        merge_warp_parts<HD, true>(ml, ro, 8, RS, hh, c, row0, kvh * grp + hh, n_heads, splits, z, out, part,
-                                   (flags & FLASH_OUT_BF16) != 0);
+        const size_t th = (size_t)row0 * n_heads + kvh * grp + hh;  // (token, head)
+        float* pp = splits == 1 ? nullptr : cluster ? cpart + hh * (HD + 2) : part + (th * splits + z) * (HD + 2);
+        merge_warp_parts<HD, true>(ml, ro, 8, RS, hh, c, out, th * HD + c, pp, bf16);
     }
+    if (cluster) cluster_merge<HD>(cpart, grp, splits, z, out, ((size_t)row0 * n_heads + kvh * grp) * HD, bf16);
 }
 
 // Three stages: two blocks per SM at head_dim 128 (the lab's best at batch 64; two
@@ -1553,7 +1632,6 @@ __device__ void flash_decode_km_impl(const float* qkv, const unsigned short* cac
 #define KM_KERNEL(NAME, HD) \
     extern "C" __global__ void __launch_bounds__(128) NAME(FLASH_ARGS, const float* inv_freq, const long long* slots, \
                                                            int interleaved) { \
-        pdl_wait(); \
         flash_decode_km_impl<HD, KM_STAGES>(qkv, cache, half, tiles, tables, n_heads, n_kv, block_size, scale, \
                                             max_ctx, out, part, flags, inv_freq, slots, interleaved); \
     }
@@ -1939,29 +2017,7 @@ __device__ __forceinline__ void mma_bf16_16816(float (&c)[4], unsigned a0, unsig
 #endif
 }
 
-// Cluster barrier (all threads of every block of the cluster), release/acquire.
-__device__ __forceinline__ void cluster_sync_all() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-#else
-    __trap();
-#endif
-}
 
-// Four floats at shared address `a` of cluster block `rank`.
-__device__ __forceinline__ float4 ld_dsmem_f4(unsigned a, unsigned rank) {
-    float4 v;
-#if __CUDA_ARCH__ >= 900
-    unsigned r;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(a), "r"(rank));
-    asm volatile("ld.shared::cluster.v4.f32 {%0,%1,%2,%3}, [%4];\n"
-                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(r) : "memory");
-#else
-    v = make_float4(0.f, 0.f, 0.f, 0.f);
-    __trap();
-#endif
-    return v;
-}
 
 // Slab j (of the ns this block's key split covers, from slab s0) into ring stage
 // j % STAGES at shared address `base`, asynchronously: W's ROWS rows from row0 (rows
