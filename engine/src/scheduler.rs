@@ -119,14 +119,6 @@ impl FinishReason {
 /// first) instead of by delivery priority (see [`EngineCore::step`]); for A/B runs.
 pub const OUTPUT_ORDER_ENV: &str = "DISAGG_OUTPUT_ORDER";
 
-/// `1`: async scheduling overlaps a decode-only step only when the backend calls its
-/// launch cheap ([`Backend::cheap_decode_launch`]; CUDA: a graph already captured for
-/// that many rows), and otherwise reads the step in flight first, so that a costly
-/// launch (a CUDA shape's first run op by op, or its graph capture) does not hold back
-/// those tokens. Off by default: not yet measured on a GPU (the suspected cause of
-/// async scheduling's later first tokens at 64 streams; docs/PERF.md, twentieth session).
-pub const OVERLAP_CHEAP_ONLY_ENV: &str = "DISAGG_OVERLAP_CHEAP_ONLY";
-
 /// What one step produced for one request.
 #[derive(Clone, Debug, Serialize)]
 pub struct RequestOutput {
@@ -266,9 +258,6 @@ pub struct EngineCore<B: Backend> {
     sampled_rows: Vec<SampledRow>,
     /// Outputs by delivery priority (unless [`OUTPUT_ORDER_ENV`] is `step`).
     priority_order: bool,
-    /// Async scheduling overlaps only launches the backend calls cheap
-    /// ([`OVERLAP_CHEAP_ONLY_ENV`]).
-    overlap_cheap_only: bool,
     /// The step whose sample was deferred and not read yet (async scheduling): its
     /// sampled sequences in row order; and scratch for the ids read.
     in_flight: Option<Vec<RequestId>>,
@@ -316,7 +305,6 @@ impl<B: Backend> EngineCore<B> {
             step_tokens: Vec::new(),
             step_rows: Vec::new(),
             priority_order: !std::env::var(OUTPUT_ORDER_ENV).is_ok_and(|v| v == "step"),
-            overlap_cheap_only: std::env::var(OVERLAP_CHEAP_ONLY_ENV).is_ok_and(|v| v == "1"),
             in_flight: None,
             collected: Vec::new(),
             fed: Vec::new(),
@@ -327,12 +315,6 @@ impl<B: Backend> EngineCore<B> {
     /// default; see [`EngineCore::step`]).
     pub fn set_priority_order(&mut self, on: bool) {
         self.priority_order = on;
-    }
-
-    /// Async scheduling overlaps only launches the backend calls cheap (true), or every
-    /// decode-only step (false, the default; see [`OVERLAP_CHEAP_ONLY_ENV`]).
-    pub fn set_overlap_cheap_only(&mut self, on: bool) {
-        self.overlap_cheap_only = on;
     }
 
     pub fn backend(&self) -> &B {
@@ -885,8 +867,7 @@ impl<B: Backend> EngineCore<B> {
             && plan.iter().all(|&(id, n)| {
                 let s = &self.seqs[&id];
                 n == 1 && s.n_computed + 1 == s.len_all() && self.defers(s)
-            })
-            && (!self.overlap_cheap_only || self.backend.cheap_decode_launch(plan.len()));
+            });
         let mut outputs: Vec<(u8, RequestOutput)> = Vec::new();
         let mut read_first = 0;
         if !overlap {

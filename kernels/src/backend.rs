@@ -434,15 +434,6 @@ pub trait Backend {
         false
     }
 
-    /// Whether launching a decode step of `n_tokens` rows (one per sequence, each
-    /// sampled) costs the host little: async scheduling launches such a step before it
-    /// reads the step in flight, and a costly launch (a CUDA backend's first run of a
-    /// shape op by op, or its graph capture) would hold those tokens back. Default: yes.
-    fn cheap_decode_launch(&self, n_tokens: usize) -> bool {
-        let _ = n_tokens;
-        true
-    }
-
     /// Takes the argmax of each of the first `rows` rows of `x` (rows of `dim`; plain
     /// greedy rows only) where the logits are, without waiting for them: the next step
     /// may take them as input ([`StepBatch::fed`]) and [`Backend::collect_sampled`] reads

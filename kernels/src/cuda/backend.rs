@@ -2462,12 +2462,6 @@ impl Backend for CudaBackend {
         self.profile.iter().flat_map(|p| &p.totals).map(|(k, (s, n))| (*k, *s, *n)).chain(gaps).collect()
     }
 
-    fn cheap_decode_launch(&self, n_tokens: usize) -> bool {
-        // A replay: a graph captured for this many rows, all sampled (the key's splits
-        // and kernel bits may differ with the contexts; then it is a guess).
-        self.graphs_on && self.graphs.0.keys().any(|k| k.0 == n_tokens && k.1 == n_tokens)
-    }
-
     fn defers_sampling(&self) -> bool {
         self.defer
     }
