@@ -26,7 +26,8 @@
 //!   Decode steps of one token per sequence (GQA groups ≤ 8, at most two waves of
 //!   blocks) take the keys-on-M kernel (`flash_decode_km_*`: keys as the MMA's rows,
 //!   the group's query heads as its 8 columns; `DISAGG_CUDA_DECODE_KM=0`: the flash
-//!   kernel's decode form).
+//!   kernel's decode form); its splits, up to 16 on sm_90, run as one thread-block
+//!   cluster that merges them in the kernel (`attention_merge` otherwise).
 //!   `DISAGG_CUDA_FLASH=0`, f32 KV, other head sizes, and f32 weights (the exactness
 //!   mode) take the per-token f32 kernel (same split rule over (token, head) pairs).
 //! - CUDA graphs: a decode-only step's ops are captured the second time its shape
@@ -1784,12 +1785,12 @@ impl CudaBackend {
         } else {
             (batch.n_tokens * attn.n_heads, 2048 / 256)
         };
-        // (The same token and logit counts can be one token of each sequence or several
-        // of fewer: the keys-on-M kernel's bit keeps their graphs apart.)
         let km = self.step_flash && super::is_km_kernel(self.step_flash_kernel);
         let cluster = if km && self.attn_cluster { self.dev.km_cluster_max } else { 0 };
         self.step_splits = self.attn_splits(units, per_sm, batch.n_tokens * attn.n_heads, cluster);
         self.step_cluster = self.step_splits > 1 && self.step_splits <= cluster;
+        // (The same token and logit counts can be one token of each sequence or several
+        // of fewer: the keys-on-M kernel's bit keeps their graphs apart.)
         let kernel =
             u8::from(self.step_flash) | (u8::from(self.step_decode && self.step_flash) << 1) | (u8::from(km) << 2);
         self.step_key = (batch.n_tokens, logit_rows.len(), self.step_splits, kernel);
