@@ -1555,7 +1555,7 @@ impl CudaBackend {
         let splits = self.step_splits;
         let split = splits > 1;
         // Split on the keys-on-M kernel in clusters: merged in the kernel, no partials.
-        let cluster = self.step_cluster && self.step_flash;
+        let cluster = self.step_cluster;
         if split && !cluster {
             let need = batch.n_tokens * attn.n_heads * splits * (attn.head_dim + 2);
             if self.attn_part.len() < need {

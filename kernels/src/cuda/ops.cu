@@ -2017,8 +2017,6 @@ __device__ __forceinline__ void mma_bf16_16816(float (&c)[4], unsigned a0, unsig
 #endif
 }
 
-
-
 // Slab j (of the ns this block's key split covers, from slab s0) into ring stage
 // j % STAGES at shared address `base`, asynchronously: W's ROWS rows from row0 (rows
 // past n repeat the last), then the XROWS token rows (tokens past m_tokens read as
