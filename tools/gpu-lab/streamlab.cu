@@ -1,20 +1,24 @@
 // Streaming lab (docs/PERF.md, twenty-third session): how fast can a block-tiled kernel
-// read a weight matrix into shared memory? The decode GEMMs of 9–64 tokens read W
-// [rows][cols] (bf16, row-major) in tiles of 128 rows × 64 columns per block and split of K,
-// the way cuBLAS and the engine's skinny kernel do. This times the reading alone (no
-// arithmetic: each stage is touched once), three ways, on the Llama-3-8B narrow shapes with
-// 1 GiB of weights cycled (L2 cold), against the engine's own LDG probe (`stream_read`):
+// read a weight matrix into shared memory, and what do a GEMM's other parts add? The decode
+// GEMMs of 9–64 tokens read W [rows][cols] (bf16, row-major) in tiles of 128 rows × 64
+// columns per block and split of K, as cuBLAS and the engine's skinny kernel do. Timed on
+// the Llama-3-8B shapes with 1 GiB of weights cycled (L2 cold), every way 64 calls replayed
+// from one CUDA graph:
+//   cuBLAS    cublasGemmEx as the engine calls it, 16 and 64 tokens;
+//   LDG       the engine's own read probe (`stream_read`) over the same bytes;
 //   cp.async  every thread copies 16-byte pieces (the skinny kernel's loader), a ring of
-//             STAGES stages, all but one in flight;
+//             STAGES stages, all but one in flight; each stage touched once;
 //   TMA       one thread issues a 2-d tensor-map copy per stage (box 64 columns × 128 rows,
-//             128-byte swizzle, the layout wgmma reads) onto a per-stage mbarrier, all
-//             STAGES in flight.
+//             128-byte swizzle, the layout wgmma reads) onto a per-stage mbarrier;
+//   +X…       the cp.async ring with the tokens' rows (the engine's skinny_stage), then the
+//             slab's warpgroup MMAs, then each way of reducing the key splits (see EPI).
 // Not part of the build; on a CUDA machine:
-//   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a tools/gpu-lab/streamlab.cu -lcuda -o streamlab && ./streamlab
+//   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a tools/gpu-lab/streamlab.cu -lcuda -lcublas -o streamlab && ./streamlab
 #include <cstdio>
 #include <cstdlib>
 #include <cuda.h>
 #include <cuda_runtime.h>
+#include <cublas_v2.h>
 #define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("CUDA %s at %d\n", cudaGetErrorString(e), __LINE__); exit(1); } } while (0)
 #include "graph_time.h"
 #include "../../kernels/src/cuda/ops.cu"
@@ -83,7 +87,11 @@ __global__ void __launch_bounds__(128) read_cp(const unsigned short* __restrict_
 // waiting for all but WAITN groups of them; DEPTH slabs in flight.
 // EPI: 0 none (a sum to `sink` that is never written), 1 the split's partials to global
 // memory [split][token][row] (no reduction), 2 the engine's cluster reduction
-// (skinny_reduce over the splits' shared memory, into y[token][row]).
+// (skinny_reduce over the splits' shared memory, into y[token][row]), 3 the partials to
+// global memory and the row block's last block to finish (an atomic count) adds them in
+// split order into g_y (a fixed order, so the same bits whatever finishes last).
+__device__ unsigned g_count[4096];
+__device__ float g_y[64 * 28672];
 template <int STAGES, int XN, bool MMA, int WAITN, int EPI = 0>
 __device__ void read_cpx_impl(const unsigned short* __restrict__ w, const unsigned short* __restrict__ x, int cols,
                               float* sink) {
@@ -142,6 +150,38 @@ __device__ void read_cpx_impl(const unsigned short* __restrict__ w, const unsign
             }
         return;
     }
+    if (EPI == 3) {
+        float* part = sink + ((size_t)blockIdx.x * gridDim.y + blockIdx.y) * XN * ROWS;
+        for (int mt = 0; mt < 2; mt++)
+            for (int i = 0; i < XN / 8; i++) {
+                const int r = mt * 64 + warp * 16 + g, tok = 8 * i + 2 * t;
+                part[tok * ROWS + r] = acc[mt][4 * i];
+                part[(tok + 1) * ROWS + r] = acc[mt][4 * i + 1];
+                part[tok * ROWS + r + 8] = acc[mt][4 * i + 2];
+                part[(tok + 1) * ROWS + r + 8] = acc[mt][4 * i + 3];
+            }
+        __threadfence();
+        __syncthreads();
+        __shared__ unsigned last;
+        if (threadIdx.x == 0) last = atomicAdd(&g_count[blockIdx.x], 1u) == gridDim.y - 1;
+        __syncthreads();
+        if (!last) return;
+        __threadfence();
+        const float* p0 = sink + (size_t)blockIdx.x * gridDim.y * XN * ROWS;
+        for (int i = threadIdx.x; i < XN * ROWS / 4; i += 128) {
+            float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+            for (int sp = 0; sp < (int)gridDim.y; sp++) {
+                const float4 q = __ldcg(reinterpret_cast<const float4*>(p0 + (size_t)sp * XN * ROWS) + i);
+                v.x += q.x, v.y += q.y, v.z += q.z, v.w += q.w;
+            }
+            const int tok = i / (ROWS / 4), r = (i % (ROWS / 4)) * 4;
+            float4* o = reinterpret_cast<float4*>(g_y + (size_t)tok * n + row0 + r);
+            const float4 old = *o;
+            *o = make_float4(old.x + v.x, old.y + v.y, old.z + v.z, old.w + v.w);
+        }
+        if (threadIdx.x == 0) g_count[blockIdx.x] = 0;
+        return;
+    }
     cp_async_wait<0>();
     __syncthreads();
     constexpr int RS = ROWS + 4;
@@ -166,6 +206,11 @@ __global__ void __launch_bounds__(128) read_cpx(const unsigned short* __restrict
 __global__ void __launch_bounds__(128) read_cpx_part(const unsigned short* __restrict__ w,
                                                      const unsigned short* __restrict__ x, int cols, float* sink) {
     read_cpx_impl<4, 64, true, 0, 1>(w, x, cols, sink);
+}
+template <int XN>
+__global__ void __launch_bounds__(128) read_cpx_fix(const unsigned short* __restrict__ w,
+                                                    const unsigned short* __restrict__ x, int cols, float* sink) {
+    read_cpx_impl<4, XN, true, 0, 3>(w, x, cols, sink);
 }
 __global__ void __launch_bounds__(128) __cluster_dims__(1, 4, 1)
     read_cpx_cl4(const unsigned short* __restrict__ w, const unsigned short* __restrict__ x, int cols, float* sink) {
@@ -233,7 +278,10 @@ int main() {
     unsigned short* xs = bf16_device((size_t)64 * 14336, 9, 1.f);  // the tokens' activations
     cudaStream_t st;
     CK(cudaStreamCreate(&st));
-    struct Shape { const char* name; int rows, cols; } shapes[] = {{"QKV", 6144, 4096}, {"o", 4096, 4096}, {"down", 4096, 14336}, {"gate/up", 28672, 4096}};
+    cublasHandle_t blas;
+    if (cublasCreate(&blas) != CUBLAS_STATUS_SUCCESS || cublasSetStream(blas, st) != CUBLAS_STATUS_SUCCESS) { printf("cuBLAS\n"); exit(1); }
+    struct Shape { const char* name; int rows, cols; bool accumulate; } shapes[] = {
+        {"QKV", 6144, 4096, false}, {"o", 4096, 4096, true}, {"down", 4096, 14336, true}, {"gate/up", 28672, 4096, false}};
     printf("%-8s %-22s %6s %9s %9s\n", "shape", "way", "blocks", "us", "GB/s");
     for (auto& sh : shapes) {
         const size_t bytes = (size_t)sh.rows * sh.cols * 2;
@@ -247,6 +295,16 @@ int main() {
         report("LDG stream_read", 4 * sms, graph_us(st, iter, [&](int i) {
             stream_read<<<4 * sms, 256, 0, st>>>(at(i), (long long)(bytes / 16), sink);
         }));
+        // cuBLAS as the engine calls it (bf16 in, f32 out, y (+)= W·x for o and down).
+        for (int tokens : {16, 64}) {
+            const float alpha = 1.f, beta = sh.accumulate ? 1.f : 0.f;
+            char way[64];
+            snprintf(way, sizeof way, "cuBLAS %d tokens", tokens);
+            report(way, 0, graph_us(st, iter, [&](int i) {
+                cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, sh.rows, tokens, sh.cols, &alpha, at(i), CUDA_R_16BF, sh.cols, xs,
+                             CUDA_R_16BF, sh.cols, &beta, fsink, CUDA_R_32F, sh.rows, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+            }));
+        }
         const int rb = sh.rows / ROWS;
         for (int splits : {1, 2, 4, 8}) {
             if (rb * splits > 4 * sms || rb * splits < sms / 2) continue;
@@ -273,6 +331,8 @@ int main() {
                     snprintf(way, sizeof way, "%s s%d", what, splits);
                     report(way, rb * splits, graph_us(st, iter, [&](int i) { kern<<<grid, 128, smem, st>>>(at(i), xs, sh.cols, fsink); }));
                 };
+                run("+X64 mma w0 4st +fixup", read_cpx_fix<64>, 4, 64);
+                run("+X16 mma w0 4st +fixup", read_cpx_fix<16>, 4, 16);
                 if (splits == 4) {
                     run("+X64 mma w0 4st +part", read_cpx_part, 4, 64);
                     run("+X64 mma w0 4st +cl4 red", read_cpx_cl4, 4, 64);
