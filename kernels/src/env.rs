@@ -235,6 +235,11 @@ pub const CUDA_ATTN_CLUSTER: &str = "DISAGG_CUDA_ATTN_CLUSTER";
 /// keys older than the row's own first; for A/B runs.
 pub const CUDA_KM_EARLY: &str = "DISAGG_CUDA_KM_EARLY";
 
+/// `1`: the keys-on-M decode kernel loads its key tiles by bulk copies (the TMA unit,
+/// sm_90: one 16-byte-aligned row of K or V per thread, counted in by an mbarrier)
+/// instead of sixteen 16-byte cp.async per thread; for A/B runs.
+pub const CUDA_KM_BULK: &str = "DISAGG_CUDA_KM_BULK";
+
 /// `0`: the CUDA SiLU·gate runs one element per thread over the flat index (a 64-bit
 /// division each) instead of 4 columns per thread on a (columns, rows) grid; for A/B runs.
 pub const CUDA_SILU_ROWS4: &str = "DISAGG_CUDA_SILU_ROWS4";

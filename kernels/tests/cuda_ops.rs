@@ -212,6 +212,7 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
                 km: bool,
                 cluster: bool,
                 early: bool,
+                bulk: bool,
             }
             let all = Flash {
                 on: true,
@@ -227,6 +228,7 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
                 km: true,
                 cluster: true,
                 early: true,
+                bulk: true,
             };
             let sa = Flash { km: false, ..all };
             let cases = [
@@ -234,6 +236,7 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
                 all,
                 Flash { cluster: false, ..all },
                 Flash { early: false, ..all },
+                Flash { bulk: false, ..all },
                 sa,
                 Flash { ldsm: false, ..sa },
                 Flash { lean: false, ..sa },
@@ -246,7 +249,9 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
                 Flash { pair: false, ..sa },
             ];
             let decode = seqs.iter().all(|s| s.1 == 1);
-            let mut merged: Vec<(bool, bool, usize, Vec<f32>)> = Vec::new();
+            // ((early tiles, bulk copies), merged in clusters, splits, the outputs)
+            type Merged = ((bool, bool), bool, usize, Vec<f32>);
+            let mut merged: Vec<Merged> = Vec::new();
             for (f, chunk) in cases.iter().flat_map(|f| [(f, 0), (f, 64)]) {
                 let flash = f.on;
                 be.set_flash(flash);
@@ -262,6 +267,7 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
                 be.set_decode_km(f.km);
                 be.set_attn_cluster(f.cluster);
                 be.set_km_early(f.early);
+                be.set_km_bulk(f.bulk);
                 be.set_attn_chunk(chunk);
                 be.begin_step(&tokens, &batch, &rope, &attn, &[]);
                 // The decode-only step (one token per sequence) takes the keys-on-M
@@ -291,7 +297,7 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
                             be.step_cluster()
                         ));
                     }
-                    merged.push((f.early, be.step_cluster(), be.step_splits(), got.clone()));
+                    merged.push(((f.early, f.bulk), be.step_cluster(), be.step_splits(), got.clone()));
                 }
                 if err.is_nan() || err >= if flash { 5e-3 } else { 1e-4 } {
                     failed.push(format!(
@@ -301,19 +307,21 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
                     ));
                 }
             }
-            // The cluster merge against attention_merge, and the first tiles before the
-            // wait against after it: the same splits, the same bits.
-            if let [(true, true, s1, a), rest @ ..] = &merged[..] {
-                for (early, cluster, s2, b) in rest {
+            // The cluster merge against attention_merge, the first tiles before the wait
+            // against after it, bulk copies against cp.async: the same splits, the same bits.
+            if let [((true, true), true, s1, a), rest @ ..] = &merged[..] {
+                for ((early, bulk), cluster, s2, b) in rest {
                     let diff = a.iter().zip(b).filter(|(x, y)| x.to_bits() != y.to_bits()).count();
                     println!(
-                        "{n_heads}/{n_kv} heads: against clusters and early tiles ({s1} splits), clusters {cluster}, \
-                         early tiles {early} ({s2} splits): {diff} of {} outputs differ",
+                        "{n_heads}/{n_kv} heads: against clusters, early tiles and bulk copies ({s1} splits), \
+                         clusters {cluster}, early tiles {early}, bulk copies {bulk} ({s2} splits): {diff} of {} \
+                         outputs differ",
                         a.len()
                     );
                     if s1 != s2 || diff > 0 {
-                        failed
-                            .push(format!("{n_heads}/{n_kv} heads: clusters {cluster}, early {early}: {diff} differ"));
+                        failed.push(format!(
+                            "{n_heads}/{n_kv} heads: clusters {cluster}, early {early}, bulk {bulk}: {diff} differ"
+                        ));
                     }
                 }
             } else if decode && be.device().km_cluster_max > 0 {
@@ -321,6 +329,7 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
             }
             be.set_attn_cluster(true);
             be.set_km_early(true);
+            be.set_km_bulk(true);
             if let Err(e) = attention_residual_case(&mut be, &dq, &batch, &attn, &mut gkv, &want, &tokens, &rope) {
                 failed.push(format!("{n_heads}/{n_kv} heads, head_dim {hd}, block {bs}: {e}"));
             }

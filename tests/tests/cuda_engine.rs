@@ -335,19 +335,22 @@ fn programmatic_launch_changes_no_bits() {
     let mut outputs = Vec::new();
     // Alternated (programmatic launch, split attention merged in clusters, the attention's
     // first tiles asked for before it waits for the QKV GEMV): none may change a bit.
+    // With each, the attention's tiles by bulk copies and by cp.async alternate.
     let runs = [(false, true, true), (true, true, true), (false, true, true), (true, true, true)];
-    for (on, cluster, early) in
-        runs.into_iter().chain([(true, false, true), (true, true, false), (false, false, false)])
+    for (i, (on, cluster, early)) in
+        runs.into_iter().chain([(true, false, true), (true, true, false), (false, false, false)]).enumerate()
     {
+        let bulk = i % 2 == 1;
         gpu.backend_mut().set_pdl(on);
         gpu.backend_mut().set_attn_cluster(cluster);
         gpu.backend_mut().set_km_early(early);
+        gpu.backend_mut().set_km_bulk(bulk);
         let bits: Vec<Vec<u32>> =
             r.cases.iter().map(|c| gpu.score(&c.prompt_ids).unwrap().iter().map(|v| v.to_bits()).collect()).collect();
         let batched: Vec<Vec<u32>> =
             run_to_completion(&mut gpu, reqs.clone(), 1).unwrap().into_iter().map(|o| o.output_ids).collect();
         let one = run_to_completion(&mut gpu, vec![(long.clone(), greedy(40))], 2).unwrap().remove(0).output_ids;
-        outputs.push((format!("pdl {on}, clusters {cluster}, early tiles {early}"), bits, batched, one));
+        outputs.push((format!("pdl {on}, clusters {cluster}, early tiles {early}, bulk {bulk}"), bits, batched, one));
     }
     assert!(gpu.backend().n_graphs() >= 2, "decode steps ran as graphs");
     let (_, bits, batched, one) = &outputs[0];

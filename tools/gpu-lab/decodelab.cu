@@ -28,7 +28,7 @@
 template <int STAGES>
 __global__ void __launch_bounds__(128) decode_km_f16_d128(FLASH_ARGS) {
     flash_decode_km_impl<128, STAGES>(qkv, cache, half, tiles, tables, n_heads, n_kv, block_size, scale, max_ctx,
-                                      out, part);
+                                      out, part, flags, nullptr, nullptr, 0);
 }
 
 // Plain f32 reference: one block per (sequence, query head), scores in shared memory.
@@ -78,6 +78,9 @@ typedef void (*AttnFn)(const float*, const unsigned short*, long long, const int
 
 int main(int argc, char** argv) {
     const int B = argc > 1 ? atoi(argv[1]) : 64, CTX = argc > 2 ? atoi(argv[2]) : 1024;
+    // KM_ONLY="stages bulk splits": that keys-on-M run alone (for Nsight Compute).
+    int only[3] = {0, 0, 0};
+    const bool one = getenv("KM_ONLY") && sscanf(getenv("KM_ONLY"), "%d %d %d", &only[0], &only[1], &only[2]) == 3;
     const int NH = 32, NKV = 8, HD = 128, BS = 16, W = (NH + 2 * NKV) * HD;
     const int nb = (CTX + BS - 1) / BS, blocks = B * nb;
     const long long half = (long long)blocks * NKV * BS * HD;
@@ -136,26 +139,38 @@ int main(int argc, char** argv) {
     AttnFn eng = flash_decode_sa_f16_d128;
     CK(cudaFuncSetAttribute(eng, cudaFuncAttributeMaxDynamicSharedMemorySize, FA_SMEM_BYTES(128)));
     for (int sp : SPLITS) {
+        if (one) break;
         auto f = [&]() {
             eng<<<dim3(B, NKV, sp), 128, FA_SMEM_BYTES(128), st>>>(qkv, cache, half, dtiles, dtables, NH, NKV, BS, scale, dmax, out, part, flags);
-            if (sp > 1) attention_merge<<<dim3(B, NH), 128, 0, st>>>(part, sp, NH, HD, out);
+            if (sp > 1) attention_merge<<<dim3(B, NH), 128, 0, st>>>(part, sp, NH, HD, out, 0);
         };
         CK(cudaMemset(out, 0, on * 4));
         f(); CK(cudaStreamSynchronize(st)); CK(cudaGetLastError());
         const double e = err();
         report("engine flash_decode_sa", sp, time(f), e);
     }
-    // Keys on M, 2–4 stages.
+    // The bytes of K and V copied device to device: the card's copy rate on this run.
+    if (!one) {
+        unsigned short* dst; CK(cudaMalloc(&dst, 2 * half * 2));
+        auto f = [&]() { CK(cudaMemcpyAsync(dst, cache, 2 * half * 2, cudaMemcpyDeviceToDevice, st)); };
+        const float us = time(f);
+        printf("  copy of the cache (read + write %.2f GB): %8.2f us  %6.0f GB/s (read %.0f)\n", 4.0 * half / 1e9, us,
+               4.0 * half * 2 / us / 1e3, 4.0 * half / us / 1e3);
+        CK(cudaFree(dst));
+    }
+    // Keys on M, 2–4 stages, tiles by cp.async and by bulk copies (FLASH_BULK).
     AttnFn km[3] = {decode_km_f16_d128<2>, decode_km_f16_d128<3>, decode_km_f16_d128<4>};
-    for (int si = 0; si < 3; si++) {
+    for (int si = 0; si < 3; si++)
+    for (int kf : {0, FLASH_BULK}) {
         const int smem = KM_SMEM_BYTES(128, si + 2);
         CK(cudaFuncSetAttribute(km[si], cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
         int occ = 0; CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, km[si], 128, smem));
-        char name[64]; snprintf(name, sizeof name, "keys-on-M %d stages (%d/SM)", si + 2, occ);
+        char name[64]; snprintf(name, sizeof name, "keys-on-M %d st%s (%d/SM)", si + 2, kf ? " bulk" : "", occ);
         for (int sp : SPLITS) {
+            if (one && (only[0] != si + 2 || only[1] != (kf != 0) || only[2] != sp)) continue;
             auto f = [&]() {
-                km[si]<<<dim3(B, NKV, sp), 128, smem, st>>>(qkv, cache, half, dtiles, dtables, NH, NKV, BS, scale, dmax, out, part, 0);
-                if (sp > 1) attention_merge<<<dim3(B, NH), 128, 0, st>>>(part, sp, NH, HD, out);
+                km[si]<<<dim3(B, NKV, sp), 128, smem, st>>>(qkv, cache, half, dtiles, dtables, NH, NKV, BS, scale, dmax, out, part, kf);
+                if (sp > 1) attention_merge<<<dim3(B, NH), 128, 0, st>>>(part, sp, NH, HD, out, 0);
             };
             CK(cudaMemset(out, 0, on * 4));
             f(); CK(cudaStreamSynchronize(st)); CK(cudaGetLastError());

@@ -471,6 +471,8 @@ pub struct CudaBackend {
     /// The keys-on-M kernel asks for its first tiles of older keys before waiting for the
     /// kernel before it (`DISAGG_CUDA_KM_EARLY=0`: after).
     km_early: bool,
+    /// The keys-on-M kernel loads its tiles by bulk copies (`DISAGG_CUDA_KM_BULK=1`; sm_90).
+    km_bulk: bool,
     /// Set by `norm_qkv_rope` when it left RoPE and the KV write to the attention of its
     /// layer: (layer, interleaved pairs).
     rope_pending: Option<(usize, bool)>,
@@ -600,6 +602,7 @@ impl CudaBackend {
             attn_cluster: !off(crate::env::CUDA_ATTN_CLUSTER),
             step_cluster: false,
             km_early: !off(crate::env::CUDA_KM_EARLY),
+            km_bulk: std::env::var(crate::env::CUDA_KM_BULK).is_ok_and(|v| v == "1") && dev.arch.0 >= 9,
             rope_pending: None,
             flash_blocks_per_sm,
             graphs_on: !off(crate::env::CUDA_GRAPHS) && profile.is_none(),
@@ -926,6 +929,13 @@ impl CudaBackend {
     /// unless `DISAGG_CUDA_KM_EARLY=0`).
     pub fn set_km_early(&mut self, on: bool) {
         self.set_switch(on, |b| &mut b.km_early);
+    }
+
+    /// The keys-on-M kernel's tiles by bulk copies (default: off unless
+    /// `DISAGG_CUDA_KM_BULK=1`; sm_90 only, elsewhere the switch stays off).
+    pub fn set_km_bulk(&mut self, on: bool) {
+        let sm90 = self.dev.arch.0 >= 9;
+        self.set_switch(on && sm90, |b| &mut b.km_bulk);
     }
 
     /// Whether this step's attention merges its key splits in the kernel, as clusters
@@ -1585,7 +1595,8 @@ impl CudaBackend {
                     | (self.flash_pair_loads as i32) << 4
                     | (rope.is_some() as i32) << 5
                     | (cluster as i32) << 6
-                    | (self.km_early as i32) << 7;
+                    | (self.km_early as i32) << 7
+                    | (self.km_bulk as i32) << 8;
                 if bf16_out && (!split || cluster) {
                     b.arg(&mut self.x_bf16);
                 } else {

@@ -647,6 +647,47 @@ __device__ __forceinline__ void cp_async_wait() {
 #endif
 }
 
+// Bulk copies (sm_90, the TMA unit): global → shared, `bytes` (a multiple of 16, both
+// addresses 16-byte aligned) counted against an mbarrier's transaction count. The barrier
+// (one arrival: the thread that states the bytes) completes its phase when the arrival
+// and all the bytes it expects are in; waiting threads give the phase's parity.
+__device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+#endif
+}
+__device__ __forceinline__ void mbar_arrive_expect_tx(unsigned bar, unsigned bytes) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+#endif
+}
+__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
+#if __CUDA_ARCH__ >= 900
+    unsigned done = 0;
+    while (!done)
+        asm volatile(
+            "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }\n"
+            : "=r"(done)
+            : "r"(bar), "r"(parity)
+            : "memory");
+#endif
+}
+__device__ __forceinline__ void bulk_copy_g2s(unsigned dst, const void* src, unsigned bytes, unsigned bar) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+                 "l"(src), "r"(bytes), "r"(bar)
+                 : "memory");
+#else
+    __trap();
+#endif
+}
+// This thread's global writes ordered before later bulk (async-proxy) reads of them.
+__device__ __forceinline__ void fence_proxy_async_global() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("fence.proxy.async.global;\n" ::: "memory");
+#endif
+}
+
 // Four 8×8 b16 matrices from shared memory (sm_75+): lane i gives the address of row
 // i % 8 of matrix i / 8; each lane receives, per matrix, the pair at (row lane / 4,
 // columns 2·(lane % 4) + {0, 1}) — with .trans, at (rows 2·(lane % 4) + {0, 1}, column
@@ -778,6 +819,7 @@ __device__ __forceinline__ void wgmma_rs(float* d, const unsigned* a, unsigned l
 #define FLASH_ROPE 32       // keys on M: RoPE on q and the row's k, v into the cache here (else done before)
 #define FLASH_CLUSTER 64    // keys on M, split: the splits are one thread block cluster and merge here (sm_90)
 #define FLASH_EARLY 128     // keys on M: the first tiles before the row's key loaded before pdl_wait
+#define FLASH_BULK 256      // keys on M: tiles loaded by bulk copies, a key row per thread (else cp.async)
 // 2^x for the online softmax. FX: the bare MUFU instruction, inputs and results below
 // 2^-126 flushed to zero (x ≤ 0 here, and P is rounded to f16 anyway, whose smallest
 // subnormal is 2^-24); else exp2f, which scales around the MUFU for f32 subnormals.
@@ -1435,9 +1477,17 @@ __device__ void flash_decode_km_impl(const float* qkv, const unsigned short* cac
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
     const int w = (n_heads + 2 * n_kv) * HD;
     const float qs = scale * 1.4426950408889634f;
-    const bool rope = (flags & FLASH_ROPE) != 0;
+    const bool rope = (flags & FLASH_ROPE) != 0, bulk = (flags & FLASH_BULK) != 0;
     constexpr int HH = HD / 2;
     __shared__ float rope_c[HH], rope_s[HH];
+    // FLASH_BULK: a stage's barrier counts its tile's bytes in.
+    __shared__ __align__(8) unsigned long long km_bar[STAGES];
+    const unsigned bar0 = smem_u32(km_bar);
+    if (bulk) {
+        if (threadIdx.x == 0)
+            for (int i = 0; i < STAGES; i++) mbar_init(bar0 + 8 * i, 1);
+        __syncthreads();
+    }
     if (rope) {
         for (int j = threadIdx.x; j < HH; j += blockDim.x) rope_cs((float)pos0, inv_freq[j], rope_c[j], rope_s[j]);
         __syncthreads();
@@ -1471,7 +1521,18 @@ __device__ void flash_decode_km_impl(const float* qkv, const unsigned short* cac
     const unsigned short* my_src = cache + (size_t)kvh * block_size * HD + my_c;
     const size_t blk_stride = (size_t)n_kv * block_size * HD;
     auto load_tile = [&](int kb, int st) {
-        if (kb < k1) {
+        if (kb < k1 && bulk) {
+            // Thread t copies key t % 64's K (t < 64) or V row: keys past the end copy
+            // the last key again (finite values; their scores are masked).
+            static_assert(2 * KM_KEYS == 128, "a key row per thread");
+            const unsigned bar = bar0 + 8 * st;
+            if (threadIdx.x == 0) mbar_arrive_expect_tx(bar, 2 * KM_KEYS * HD * 2);
+            const int r = threadIdx.x % KM_KEYS, j = min(kb + r, k1 - 1);
+            const int bi = bs_pow2 ? j >> bs_shift : j / block_size;
+            const unsigned short* src = cache + (size_t)kvh * block_size * HD + table[bi] * blk_stride +
+                                        (size_t)(j - bi * block_size) * HD + (threadIdx.x < KM_KEYS ? 0 : half);
+            bulk_copy_g2s(base + st * STAGE_BYTES + (threadIdx.x / KM_KEYS) * KBYTES + r * ST * 2, src, HD * 2, bar);
+        } else if (kb < k1) {
             const unsigned at = base + st * STAGE_BYTES + (my_key * ST + my_c) * 2;
 #pragma unroll
             for (int p = 0; p < PASSES; p++) {
@@ -1487,7 +1548,7 @@ __device__ void flash_decode_km_impl(const float* qkv, const unsigned short* cac
                 cp_async16_at(at + KBYTES + p * KPP * ST * 2, bytes ? src + half : cache, bytes);
             }
         }
-        cp_async_commit();
+        if (!bulk) cp_async_commit();
     };
     const int ntiles = k1 > k0 ? (k1 - k0 + KM_KEYS - 1) / KM_KEYS : 0;
     // RoPE: the row's k (rotated) and v into the cache, by the block holding its key.
@@ -1506,6 +1567,7 @@ __device__ void flash_decode_km_impl(const float* qkv, const unsigned short* cac
             kv_store(c, at + pair_b(j), x1);
         }
         for (int d = threadIdx.x; d < HD; d += blockDim.x) kv_store(c, (size_t)half + at + d, v[d]);
+        if (bulk) fence_proxy_async_global();  // the bulk copies of the tile read them
     };
     // With FLASH_EARLY the first tiles of keys before the row's own (written by earlier
     // steps) are asked for before waiting for the kernel before, which wrote q (and,
@@ -1536,7 +1598,10 @@ __device__ void flash_decode_km_impl(const float* qkv, const unsigned short* cac
     for (int i = pre; i < STAGES - 1; i++) load_tile(k0 + i * KM_KEYS, i);
     if (writes_kv && ntiles >= STAGES) write_kv();
     for (int i = 0; i < ntiles; i++) {
-        cp_async_wait<STAGES - 2>();
+        if (bulk)
+            mbar_wait(bar0 + 8 * (i % STAGES), (i / STAGES) & 1);
+        else
+            cp_async_wait<STAGES - 2>();
         __syncthreads();  // tile i staged by all; tile i − 1's stage free
         load_tile(k0 + (i + STAGES - 1) * KM_KEYS, (i + STAGES - 1) % STAGES);
         const int kw = k0 + i * KM_KEYS + 16 * warp;  // this warp's first key
@@ -1592,7 +1657,7 @@ __device__ void flash_decode_km_impl(const float* qkv, const unsigned short* cac
         l0 += __shfl_xor_sync(0xffffffffu, l0, off);
         l1 += __shfl_xor_sync(0xffffffffu, l1, off);
     }
-    cp_async_wait<0>();
+    if (!bulk) cp_async_wait<0>();
     __syncthreads();  // the stages are done with: the warps' parts go there
     constexpr int RS = HD + 4;
     float* ro = reinterpret_cast<float*>(km_smem);  // [warp][head][RS]
