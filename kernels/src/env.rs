@@ -240,6 +240,11 @@ pub const CUDA_KM_EARLY: &str = "DISAGG_CUDA_KM_EARLY";
 /// instead of sixteen 16-byte cp.async per thread; for A/B runs.
 pub const CUDA_KM_BULK: &str = "DISAGG_CUDA_KM_BULK";
 
+/// `0`: the CUDA flash and keys-on-M attention kernels rescale their output accumulators
+/// on every key tile instead of only when one of the warp's row maxima rose (a product
+/// with 1 skipped: the same bits); for A/B runs.
+pub const CUDA_FLASH_LAZY_RESCALE: &str = "DISAGG_CUDA_FLASH_LAZY_RESCALE";
+
 /// `0`: the CUDA SiLU·gate runs one element per thread over the flat index (a 64-bit
 /// division each) instead of 4 columns per thread on a (columns, rows) grid; for A/B runs.
 pub const CUDA_SILU_ROWS4: &str = "DISAGG_CUDA_SILU_ROWS4";

@@ -473,6 +473,8 @@ pub struct CudaBackend {
     km_early: bool,
     /// The keys-on-M kernel loads its tiles by bulk copies (`DISAGG_CUDA_KM_BULK=1`; sm_90).
     km_bulk: bool,
+    /// The attention kernels skip rescaling O by 1 (`DISAGG_CUDA_FLASH_LAZY_RESCALE=0`: never).
+    flash_lazy_rescale: bool,
     /// Set by `norm_qkv_rope` when it left RoPE and the KV write to the attention of its
     /// layer: (layer, interleaved pairs).
     rope_pending: Option<(usize, bool)>,
@@ -603,6 +605,7 @@ impl CudaBackend {
             step_cluster: false,
             km_early: !off(crate::env::CUDA_KM_EARLY),
             km_bulk: std::env::var(crate::env::CUDA_KM_BULK).is_ok_and(|v| v == "1") && dev.arch.0 >= 9,
+            flash_lazy_rescale: !off(crate::env::CUDA_FLASH_LAZY_RESCALE),
             rope_pending: None,
             flash_blocks_per_sm,
             graphs_on: !off(crate::env::CUDA_GRAPHS) && profile.is_none(),
@@ -929,6 +932,12 @@ impl CudaBackend {
     /// unless `DISAGG_CUDA_KM_EARLY=0`).
     pub fn set_km_early(&mut self, on: bool) {
         self.set_switch(on, |b| &mut b.km_early);
+    }
+
+    /// The attention kernels rescale O only when a warp's row maxima rose (default: on
+    /// unless `DISAGG_CUDA_FLASH_LAZY_RESCALE=0`).
+    pub fn set_flash_lazy_rescale(&mut self, on: bool) {
+        self.set_switch(on, |b| &mut b.flash_lazy_rescale);
     }
 
     /// The keys-on-M kernel's tiles by bulk copies (default: off unless
@@ -1596,7 +1605,8 @@ impl CudaBackend {
                     | (rope.is_some() as i32) << 5
                     | (cluster as i32) << 6
                     | (self.km_early as i32) << 7
-                    | (self.km_bulk as i32) << 8;
+                    | (self.km_bulk as i32) << 8
+                    | (self.flash_lazy_rescale as i32) << 9;
                 if bf16_out && (!split || cluster) {
                     b.arg(&mut self.x_bf16);
                 } else {

@@ -820,6 +820,7 @@ __device__ __forceinline__ void wgmma_rs(float* d, const unsigned* a, unsigned l
 #define FLASH_CLUSTER 64    // keys on M, split: the splits are one thread block cluster and merge here (sm_90)
 #define FLASH_EARLY 128     // keys on M: the first tiles before the row's key loaded before pdl_wait
 #define FLASH_BULK 256      // keys on M: tiles loaded by bulk copies, a key row per thread (else cp.async)
+#define FLASH_LAZY_RESCALE 512  // O rescaled only when a warp's row maxima rose (× 1 skipped: the same bits)
 // 2^x for the online softmax. FX: the bare MUFU instruction, inputs and results below
 // 2^-126 flushed to zero (x ≤ 0 here, and P is rounded to f16 anyway, whose smallest
 // subnormal is 2^-24); else exp2f, which scales around the MUFU for f32 subnormals.
@@ -1139,13 +1140,15 @@ __device__ void flash_attn_impl(const float* qkv, const unsigned short* cache, l
             }
             l0 = l0 * a0 + rs0;  // this thread's columns only; summed over the quad at the end
             l1 = l1 * a1 + rs1;
+            // (Warp-uniform here: the branch above is.)
+            if (!(flags & FLASH_LAZY_RESCALE) || !__all_sync(0xffffffffu, a0 == 1.f && a1 == 1.f))
 #pragma unroll
-            for (int d = 0; d < DT; d++) {
-                o[d][0] *= a0;
-                o[d][1] *= a0;
-                o[d][2] *= a1;
-                o[d][3] *= a1;
-            }
+                for (int d = 0; d < DT; d++) {
+                    o[d][0] *= a0;
+                    o[d][1] *= a0;
+                    o[d][2] *= a1;
+                    o[d][3] *= a1;
+                }
             if constexpr (WG) {
                 unsigned pf[NT / 2][4];
 #pragma unroll
@@ -1635,10 +1638,11 @@ __device__ void flash_decode_km_impl(const float* qkv, const unsigned short* cac
         const float p2 = fa_exp2<true>(s[2] - n0), p3 = fa_exp2<true>(s[3] - n1);
         l0 = l0 * c0 + p0 + p2;
         l1 = l1 * c1 + p1 + p3;
+        if (!(flags & FLASH_LAZY_RESCALE) || !__all_sync(0xffffffffu, c0 == 1.f && c1 == 1.f))
 #pragma unroll
-        for (int d = 0; d < DT; d++) {
-            o[d][0] *= c0, o[d][1] *= c1, o[d][2] *= c0, o[d][3] *= c1;
-        }
+            for (int d = 0; d < DT; d++) {
+                o[d][0] *= c0, o[d][1] *= c1, o[d][2] *= c0, o[d][3] *= c1;
+            }
         // P^T as B fragments (k = keys, n = heads): the transposes of the 8×8 matrices
         // (keys 0–7 | 8–15) × heads that S^T's accumulators hold.
         const unsigned b0 = movmatrix_trans(pack_f16x2(p0, p1)), b1 = movmatrix_trans(pack_f16x2(p2, p3));
