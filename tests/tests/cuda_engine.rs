@@ -340,7 +340,7 @@ fn programmatic_launch_changes_no_bits() {
     for (i, (on, cluster, early)) in
         runs.into_iter().chain([(true, false, true), (true, true, false), (false, false, false)]).enumerate()
     {
-        let bulk = i % 2 == 1;
+        let bulk = (i / 2) % 2 == 1; // on with PDL off (run 2) and on (run 3)
         gpu.backend_mut().set_pdl(on);
         gpu.backend_mut().set_attn_cluster(cluster);
         gpu.backend_mut().set_km_early(early);

@@ -1487,8 +1487,10 @@ __device__ void flash_decode_km_impl(const float* qkv, const unsigned short* cac
     __shared__ __align__(8) unsigned long long km_bar[STAGES];
     const unsigned bar0 = smem_u32(km_bar);
     if (bulk) {
-        if (threadIdx.x == 0)
+        if (threadIdx.x == 0) {
             for (int i = 0; i < STAGES; i++) mbar_init(bar0 + 8 * i, 1);
+            fence_proxy_async();  // the initialised barriers visible to the copies' updates
+        }
         __syncthreads();
     }
     if (rope) {
