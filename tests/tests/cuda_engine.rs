@@ -335,12 +335,12 @@ fn programmatic_launch_changes_no_bits() {
     let mut outputs = Vec::new();
     // Alternated (programmatic launch, split attention merged in clusters, the attention's
     // first tiles asked for before it waits for the QKV GEMV): none may change a bit.
-    // With each, the attention's tiles by bulk copies and by cp.async alternate.
+    // The attention's tiles by bulk copies in runs 2, 3 and 6 (PDL off and on), else cp.async.
     let runs = [(false, true, true), (true, true, true), (false, true, true), (true, true, true)];
     for (i, (on, cluster, early)) in
         runs.into_iter().chain([(true, false, true), (true, true, false), (false, false, false)]).enumerate()
     {
-        let bulk = (i / 2) % 2 == 1; // on with PDL off (run 2) and on (run 3)
+        let bulk = (i / 2) % 2 == 1;
         gpu.backend_mut().set_pdl(on);
         gpu.backend_mut().set_attn_cluster(cluster);
         gpu.backend_mut().set_km_early(early);

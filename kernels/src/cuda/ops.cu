@@ -1523,7 +1523,8 @@ __device__ void flash_decode_km_impl(const float* qkv, const unsigned short* cac
     const int my_c = (threadIdx.x % CH) * 8, my_key = threadIdx.x / CH;
     const bool bs_pow2 = (block_size & (block_size - 1)) == 0;
     const int bs_shift = __ffs(block_size) - 1;
-    const unsigned short* my_src = cache + (size_t)kvh * block_size * HD + my_c;
+    const unsigned short* head_src = cache + (size_t)kvh * block_size * HD;  // this KV head's rows
+    const unsigned short* my_src = head_src + my_c;
     const size_t blk_stride = (size_t)n_kv * block_size * HD;
     auto load_tile = [&](int kb, int st) {
         if (kb < k1 && bulk) {
@@ -1534,8 +1535,8 @@ __device__ void flash_decode_km_impl(const float* qkv, const unsigned short* cac
             if (threadIdx.x == 0) mbar_arrive_expect_tx(bar, 2 * KM_KEYS * HD * 2);
             const int r = threadIdx.x % KM_KEYS, j = min(kb + r, k1 - 1);
             const int bi = bs_pow2 ? j >> bs_shift : j / block_size;
-            const unsigned short* src = cache + (size_t)kvh * block_size * HD + table[bi] * blk_stride +
-                                        (size_t)(j - bi * block_size) * HD + (threadIdx.x < KM_KEYS ? 0 : half);
+            const unsigned short* src =
+                head_src + table[bi] * blk_stride + (size_t)(j - bi * block_size) * HD + (threadIdx.x < KM_KEYS ? 0 : half);
             bulk_copy_g2s(base + st * STAGE_BYTES + (threadIdx.x / KM_KEYS) * KBYTES + r * ST * 2, src, HD * 2, bar);
         } else if (kb < k1) {
             const unsigned at = base + st * STAGE_BYTES + (my_key * ST + my_c) * 2;
