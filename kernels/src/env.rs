@@ -245,6 +245,17 @@ pub const CUDA_KM_BULK: &str = "DISAGG_CUDA_KM_BULK";
 /// with 1 skipped: the same bits); for A/B runs.
 pub const CUDA_FLASH_LAZY_RESCALE: &str = "DISAGG_CUDA_FLASH_LAZY_RESCALE";
 
+/// `0`: CUDA prefill steps at head_dim 128 on sm_90 take the one-warpgroup flash kernel
+/// (64-row tiles, three blocks per SM) instead of the warp-specialized one (128-row
+/// tiles: a producer warpgroup loading K/V tiles, two consumer warpgroups taking turns
+/// at the tensor cores); for A/B runs.
+pub const CUDA_FLASH_WARP_SPEC: &str = "DISAGG_CUDA_FLASH_WARP_SPEC";
+
+/// `1`: the warp-specialized flash kernel's two consumer warpgroups take turns at the
+/// tensor cores (FlashAttention-3's ping-pong, by named barriers) instead of issuing
+/// their MMAs whenever ready; measured level on the H200 (docs/PERF.md), for A/B runs.
+pub const CUDA_FLASH_PP_TURNS: &str = "DISAGG_CUDA_FLASH_PP_TURNS";
+
 /// `0`: the CUDA SiLU·gate runs one element per thread over the flat index (a 64-bit
 /// division each) instead of 4 columns per thread on a (columns, rows) grid; for A/B runs.
 pub const CUDA_SILU_ROWS4: &str = "DISAGG_CUDA_SILU_ROWS4";

@@ -192,7 +192,9 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
             // threads (else warp 0), the bare ex2 (else exp2f), 32-bit shared addresses
             // (else generic pointers), the prefill form held to 3 blocks per SM, masks
             // only on edge tiles (else on all), warpgroup MMAs on sm_90 (else mma.sync),
-            // one table read per key pair (else per key); and the decode-only step on
+            // one table read per key pair (else per key), the warp-specialized prefill
+            // kernel on sm_90 (else one warpgroup per block), its consumers free (else
+            // taking turns); and the decode-only step on
             // the keys-on-M kernel (with every switch on; the cases that switch one off
             // test the flash kernel's decode form), its splits merged in the kernel as
             // thread block clusters (sm_90) and by attention_merge, its first tiles asked
@@ -214,6 +216,8 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
                 early: bool,
                 bulk: bool,
                 lazy: bool,
+                pp: bool,
+                turns: bool,
             }
             let all = Flash {
                 on: true,
@@ -231,6 +235,8 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
                 early: true,
                 bulk: true,
                 lazy: true,
+                pp: true,
+                turns: false,
             };
             let sa = Flash { km: false, ..all };
             let cases = [
@@ -246,7 +252,9 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
                 Flash { wide: false, ..sa },
                 Flash { fast_exp: false, ..sa },
                 Flash { smem32: false, ..sa },
-                Flash { occ3: false, ..sa },
+                Flash { pp: false, ..sa },
+                Flash { turns: true, ..sa },
+                Flash { occ3: false, pp: false, ..sa },
                 Flash { mask_edge: false, ..sa },
                 Flash { wgmma: false, ..sa },
                 Flash { pair: false, ..sa },
@@ -273,12 +281,21 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
                 be.set_km_early(f.early);
                 be.set_km_bulk(f.bulk);
                 be.set_flash_lazy_rescale(f.lazy);
+                be.set_flash_warp_spec(f.pp);
+                be.set_flash_pp_turns(f.turns);
                 be.set_attn_chunk(chunk);
                 be.begin_step(&tokens, &batch, &rope, &attn, &[]);
                 // The decode-only step (one token per sequence) takes the keys-on-M
                 // kernel exactly when it is on.
                 let km_ran = be.step_flash_kernel().starts_with("flash_decode_km");
                 if km_ran != (flash && f.km && seqs.iter().all(|s| s.1 == 1)) {
+                    failed.push(format!("{n_heads}/{n_kv} heads, {n_tokens} rows: kernel {}", be.step_flash_kernel()));
+                }
+                // The mixed step takes the warp-specialized kernel exactly when it is on
+                // (with the warpgroup-MMA form it replaces: sm_90, head_dim 128).
+                let pp_ran = be.step_flash_kernel().starts_with("flash_attn_pp");
+                let pp_want = flash && f.pp && f.wgmma && f.ldsm && f.fast_exp && f.smem32;
+                if pp_ran != (pp_want && !decode && hd == 128 && be.device().wgmma) {
                     failed.push(format!("{n_heads}/{n_kv} heads, {n_tokens} rows: kernel {}", be.step_flash_kernel()));
                 }
                 let mut out = be.act(n_tokens * attn.q_dim()).unwrap();
@@ -301,8 +318,9 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
                     }
                 }
                 println!(
-                    "attention {n_heads}/{n_kv} heads, head_dim {hd}, block {bs}, {} rows, flash {flash} (ldmatrix {}, lean loads {}, wide merge {}, fast exp {}, 32-bit shared addresses {}, 3 per SM {}, edge masks {}, wgmma {}, pair loads {}, keys on M {}), split chunk {chunk}: {} splits{}: max |GPU − CPU| / range = {err:.2e}",
+                    "attention {n_heads}/{n_kv} heads, head_dim {hd}, block {bs}, {} rows, flash {flash} (ldmatrix {}, lean loads {}, wide merge {}, fast exp {}, 32-bit shared addresses {}, 3 per SM {}, edge masks {}, wgmma {}, pair loads {}, keys on M {}), kernel {}, split chunk {chunk}: {} splits{}: max |GPU − CPU| / range = {err:.2e}",
                     n_tokens, f.ldsm, f.lean, f.wide, f.fast_exp, f.smem32, f.occ3, f.mask_edge, f.wgmma, f.pair, f.km,
+                    be.step_flash_kernel(),
                     be.step_splits(), if be.step_cluster() { " merged in clusters" } else { "" }
                 );
                 // The decode step's split keys-on-M runs: in clusters where the GPU has

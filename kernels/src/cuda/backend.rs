@@ -475,6 +475,15 @@ pub struct CudaBackend {
     km_bulk: bool,
     /// The attention kernels skip rescaling O by 1 (`DISAGG_CUDA_FLASH_LAZY_RESCALE=0`: never).
     flash_lazy_rescale: bool,
+    /// Prefill steps at head_dim 128 take the warp-specialized flash kernel
+    /// (`flash_attn_pp_f16_d128`, 128-row tiles) where the warpgroup-MMA form runs
+    /// (`DISAGG_CUDA_FLASH_WARP_SPEC=0` for the one-warpgroup kernel).
+    flash_warp_spec: bool,
+    /// Its consumer warpgroups take turns at the tensor cores (`DISAGG_CUDA_FLASH_PP_TURNS=1`;
+    /// else each issues whenever ready).
+    flash_pp_turns: bool,
+    /// This step's flash tiles are the warp-specialized kernel's (128 rows).
+    step_pp: bool,
     /// Set by `norm_qkv_rope` when it left RoPE and the KV write to the attention of its
     /// layer: (layer, interleaved pairs).
     rope_pending: Option<(usize, bool)>,
@@ -560,7 +569,8 @@ impl CudaBackend {
         let defer = !off(crate::env::ASYNC_SCHEDULING) && device_sampling && profile.is_none();
         let flash_occ = |name: &str, hd: usize| -> usize {
             let smem = super::flash_smem_bytes(name, hd);
-            match dev.func(name).occupancy_max_active_blocks_per_multiprocessor(128, smem, None) {
+            let threads = super::flash_block_threads(name) as u32;
+            match dev.func(name).occupancy_max_active_blocks_per_multiprocessor(threads, smem, None) {
                 Ok(n) => (n as usize).max(1),
                 Err(_) => 1,
             }
@@ -606,6 +616,9 @@ impl CudaBackend {
             km_early: !off(crate::env::CUDA_KM_EARLY),
             km_bulk: std::env::var(crate::env::CUDA_KM_BULK).is_ok_and(|v| v == "1") && dev.arch.0 >= 9,
             flash_lazy_rescale: !off(crate::env::CUDA_FLASH_LAZY_RESCALE),
+            flash_warp_spec: !off(crate::env::CUDA_FLASH_WARP_SPEC),
+            flash_pp_turns: std::env::var(crate::env::CUDA_FLASH_PP_TURNS).is_ok_and(|v| v == "1"),
+            step_pp: false,
             rope_pending: None,
             flash_blocks_per_sm,
             graphs_on: !off(crate::env::CUDA_GRAPHS) && profile.is_none(),
@@ -821,6 +834,7 @@ impl CudaBackend {
             ("fx", true, false) => "flash_decode_fx_f16_d128",
             (_, false, true) => "flash_attn_sa_f16_d64",
             (_, true, true) => "flash_decode_sa_f16_d64",
+            (_, false, false) if self.step_pp => "flash_attn_pp_f16_d128",
             (_, false, false) if self.flash_wgmma && self.flash_occ3 => "flash_attn_wg3_f16_d128",
             (_, false, false) if self.flash_wgmma => "flash_attn_wg_f16_d128",
             (_, false, false) if self.flash_occ3 => "flash_attn_sa3_f16_d128",
@@ -938,6 +952,18 @@ impl CudaBackend {
     /// unless `DISAGG_CUDA_FLASH_LAZY_RESCALE=0`).
     pub fn set_flash_lazy_rescale(&mut self, on: bool) {
         self.set_switch(on, |b| &mut b.flash_lazy_rescale);
+    }
+
+    /// Prefill steps at head_dim 128 take the warp-specialized flash kernel where the
+    /// warpgroup-MMA form would run (default: on unless `DISAGG_CUDA_FLASH_WARP_SPEC=0`).
+    pub fn set_flash_warp_spec(&mut self, on: bool) {
+        self.set_switch(on, |b| &mut b.flash_warp_spec);
+    }
+
+    /// The warp-specialized kernel's consumers take turns at the tensor cores (default:
+    /// off unless `DISAGG_CUDA_FLASH_PP_TURNS=1`).
+    pub fn set_flash_pp_turns(&mut self, on: bool) {
+        self.set_switch(on, |b| &mut b.flash_pp_turns);
     }
 
     /// The keys-on-M kernel's tiles by bulk copies (default: off unless
@@ -1587,7 +1613,7 @@ impl CudaBackend {
                 let name = self.step_flash_kernel;
                 let cfg = LaunchConfig {
                     grid_dim: (self.n_fa_tiles as u32, attn.n_kv_heads as u32, splits as u32),
-                    block_dim: (128, 1, 1),
+                    block_dim: (super::flash_block_threads(name) as u32, 1, 1),
                     shared_mem_bytes: super::flash_smem_bytes(name, attn.head_dim) as u32,
                 };
                 let mut b = Launch::new(&st, self.dev.func(name));
@@ -1606,7 +1632,8 @@ impl CudaBackend {
                     | (cluster as i32) << 6
                     | (self.km_early as i32) << 7
                     | (self.km_bulk as i32) << 8
-                    | (self.flash_lazy_rescale as i32) << 9;
+                    | (self.flash_lazy_rescale as i32) << 9
+                    | (self.flash_pp_turns as i32) << 10;
                 if bf16_out && (!split || cluster) {
                     b.arg(&mut self.x_bf16);
                 } else {
@@ -1712,9 +1739,11 @@ impl CudaBackend {
         let group = attn.n_heads / attn.n_kv_heads.max(1);
         self.step_flash =
             self.flash && self.kv_f16.get() && matches!(attn.head_dim, 64 | 128) && (1..=64).contains(&group);
-        let mut tiles: Vec<[i32; 4]> = Vec::new();
-        if self.step_flash {
-            let per = 64 / group;
+        // A prefill step (some tile of more than 16 rows) on the warp-specialized kernel
+        // takes tiles of ⌊128 / group⌋ tokens instead.
+        let tiles_of = |rows: usize| {
+            let per = rows / group;
+            let mut tiles: Vec<[i32; 4]> = Vec::new();
             let mut off = 0i32;
             for span in batch.seqs {
                 for r in span.rows.clone().step_by(per) {
@@ -1724,8 +1753,23 @@ impl CudaBackend {
                 off += span.block_table.len() as i32;
             }
             tiles.sort_by_key(|t| std::cmp::Reverse(t[2] + t[1]));
-        }
+            tiles
+        };
+        let mut tiles = if self.step_flash { tiles_of(64) } else { Vec::new() };
         self.step_decode = self.flash_decode && tiles.iter().all(|t| t[1] as usize * group <= 16);
+        // (The kernel's form chain as flash_kernel walks it: ldmatrix, fast exp and
+        // 32-bit shared offsets on, then warpgroup MMAs.)
+        self.step_pp = self.step_flash
+            && !self.step_decode
+            && self.flash_warp_spec
+            && self.flash_wgmma
+            && self.flash_ldmatrix
+            && self.flash_fast_exp
+            && self.flash_smem32
+            && attn.head_dim == 128;
+        if self.step_pp {
+            tiles = tiles_of(128);
+        }
         self.n_fa_tiles = tiles.len();
         let flat: Vec<i32> = tiles.concat();
         self.n_step = tokens.len();

@@ -163,7 +163,7 @@ pub(crate) const GEMV_FLAT_M1: [&str; 3] =
     ["gemv_bf16_m1_flat", "gemv_norm_bf16_m1_flat", "gemv_norm_silu_bf16_m1_flat"];
 
 /// The flash-attention kernels and their head_dim.
-pub(crate) const FLASH_KERNELS: [(&str, usize); 21] = [
+pub(crate) const FLASH_KERNELS: [(&str, usize); 22] = [
     ("flash_attn_f16_d64", 64),
     ("flash_attn_f16_d128", 128),
     ("flash_decode_f16_d64", 64),
@@ -183,6 +183,7 @@ pub(crate) const FLASH_KERNELS: [(&str, usize); 21] = [
     ("flash_decode_sa_f16_d128", 128),
     ("flash_attn_wg_f16_d128", 128),
     ("flash_attn_wg3_f16_d128", 128),
+    ("flash_attn_pp_f16_d128", 128),
     ("flash_decode_km_f16_d64", 64),
     ("flash_decode_km_f16_d128", 128),
 ];
@@ -192,10 +193,31 @@ pub(crate) fn is_km_kernel(kernel: &str) -> bool {
     kernel.starts_with("flash_decode_km")
 }
 
+/// Whether `kernel` is the warp-specialized prefill kernel (`flash_attn_pp_*`: 384
+/// threads, tiles of up to 128 rows).
+pub(crate) fn is_pp_kernel(kernel: &str) -> bool {
+    kernel.starts_with("flash_attn_pp")
+}
+
+/// Threads of a flash-attention block: four warps, or three warpgroups for the
+/// warp-specialized prefill kernel.
+pub(crate) fn flash_block_threads(kernel: &str) -> usize {
+    if is_pp_kernel(kernel) {
+        384
+    } else {
+        128
+    }
+}
+
 /// Dynamic shared memory of a flash-attention block: two stages of a 64-key K and V
 /// tile, rows of head_dim + 8 halves (`FA_SMEM_BYTES` in ops.cu); the keys-on-M decode
-/// kernels (`flash_decode_km_*`) three (`KM_SMEM_BYTES(HD, KM_STAGES)`).
+/// kernels (`flash_decode_km_*`) three (`KM_SMEM_BYTES(HD, KM_STAGES)`); the
+/// warp-specialized prefill kernel three of 128-key tiles, unpadded, with its alignment
+/// and mbarriers (`PP_SMEM_BYTES`).
 pub(crate) fn flash_smem_bytes(kernel: &str, head_dim: usize) -> usize {
+    if is_pp_kernel(kernel) {
+        return 3 * 2 * 128 * head_dim * 2 + 1024 + 16 * 3;
+    }
     let stages = if is_km_kernel(kernel) { 3 } else { 2 };
     stages * 2 * 64 * (head_dim + 8) * 2
 }

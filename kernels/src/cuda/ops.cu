@@ -821,6 +821,7 @@ __device__ __forceinline__ void wgmma_rs(float* d, const unsigned* a, unsigned l
 #define FLASH_EARLY 128     // keys on M: the first tiles before the row's key loaded before pdl_wait
 #define FLASH_BULK 256      // keys on M: tiles loaded by bulk copies, a key row per thread (else cp.async)
 #define FLASH_LAZY_RESCALE 512  // O rescaled only when a warp's row maxima rose (× 1 skipped: the same bits)
+#define FLASH_PP_TURNS 1024     // warp-specialized: the consumers take turns at the tensor cores (else free)
 // 2^x for the online softmax. FX: the bare MUFU instruction, inputs and results below
 // 2^-126 flushed to zero (x ≤ 0 here, and P is rounded to f16 anyway, whose smallest
 // subnormal is 2^-24); else exp2f, which scales around the MUFU for f32 subnormals.
@@ -1366,6 +1367,350 @@ FLASH_KERNEL(flash_decode_sa_f16_d128, 128, true, true, 2, (128))
 // wg3 is also held to 3 blocks per SM (≤ 168 registers, a few bytes spilled).
 FLASH_KERNEL(flash_attn_wg_f16_d128, 128, false, true, 3, (128))
 FLASH_KERNEL(flash_attn_wg3_f16_d128, 128, false, true, 3, (128, 3))
+
+// ---- Flash prefill, warp-specialized (after FlashAttention-3; sm_90a, head_dim 128) ----
+// "pp": a producer and two consumer warpgroups. A block of 384 threads takes a tile of
+// up to 128 query rows (⌊128 / group⌋ tokens × the group's heads, built by the backend
+// for this kernel) against one KV head. Warpgroup 0, the producer, copies 128-key K and
+// V tiles by cp.async into a ring of PP_STAGES stages; each of its threads arrives on
+// the stage's "full" mbarrier when its own copies are in (cp.async.mbarrier.arrive), so
+// it runs up to PP_STAGES tiles ahead. Warpgroups 1 and 2, the consumers (rows 0–63 and
+// 64–127), share every tile, so a block reads the keys once for 128 rows (the
+// one-warpgroup kernel: once per 64), and arrive on the stage's "empty" mbarrier when
+// done with it. A consumer issues S = Q·Kᵀ of tile n together with O += P·V of tile
+// n − 1 and computes tile n's softmax while that P·V runs. With FLASH_PP_TURNS the two
+// consumers also take turns at the tensor cores (named barriers 1 and 2, FA3's
+// ping-pong); measured level, so off by default. The producer hands its registers to
+// the consumers (setmaxnreg: 40 and 232, within the 168 × 384 the block is launched
+// with). Masks, the online softmax, the lazy rescale, the output and the splits'
+// partials are flash_attn_impl's (same arguments, FLASH_ARGS); the splits' key chunks
+// are multiples of PP_KEYS.
+#define PP_KEYS 128
+#define PP_STAGES 3
+#define PP_TILE_BYTES (PP_KEYS * 128 * 2)  // one K or V tile, head_dim 128, f16
+#define PP_SMEM_BYTES (PP_STAGES * 2 * PP_TILE_BYTES + 1024 + 16 * PP_STAGES)
+// An arrival on the mbarrier once all this thread's earlier cp.async copies are in (the
+// barrier's expected count includes it).
+__device__ __forceinline__ void cp_async_mbar_arrive(unsigned bar) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+#endif
+}
+__device__ __forceinline__ void mbar_arrive(unsigned bar) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+#endif
+}
+// Named barriers 1 and 2 (0 is __syncthreads'): `n` threads of the block arrive in all.
+__device__ __forceinline__ void named_bar_sync(int id, int n) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory");
+}
+__device__ __forceinline__ void named_bar_arrive(int id, int n) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(n) : "memory");
+}
+template <int R>
+__device__ __forceinline__ void setmaxnreg_inc() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(R));
+#endif
+}
+template <int R>
+__device__ __forceinline__ void setmaxnreg_dec() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(R));
+#endif
+}
+// Waits until at most one group of wgmmas is in flight (the newest); `acc` (the older
+// group's accumulators) pinned after the wait.
+template <int N>
+__device__ __forceinline__ void wg_wait1(float* acc) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+    wg_pin<N>(acc);
+#endif
+}
+
+extern "C" __global__ void __launch_bounds__(384, 1) flash_attn_pp_f16_d128(FLASH_ARGS) {
+    pdl_wait();
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    constexpr int HD = 128;
+    constexpr int KS = HD / 16;       // k-steps of S over head_dim
+    constexpr int DT = HD / 8;        // n-tiles of O over head_dim
+    constexpr int NT = PP_KEYS / 8;   // key n-tiles of S per tile
+    constexpr unsigned KV_BYTES = PP_TILE_BYTES;
+    extern __shared__ __align__(1024) unsigned char pp_smem[];
+    // The tiles on a 1024-byte boundary (the 128-byte swizzle's repeat), in the layout of
+    // flash_attn_impl's WG form with 128-key halves: K at stage·2·KV_BYTES, V after it;
+    // then full[s] and empty[s] mbarriers.
+    const unsigned kvs_at = ((unsigned)__cvta_generic_to_shared(pp_smem) + 1023u) & ~1023u;
+    const unsigned full_at = kvs_at + PP_STAGES * 2 * KV_BYTES, empty_at = full_at + 8 * PP_STAGES;
+    const int* tile = tiles + 4 * blockIdx.x;
+    const int row0 = tile[0], ntok = tile[1], pos0 = tile[2];
+    const unsigned int* table = tables + tile[3];
+    const int kvh = blockIdx.y, grp = n_heads / n_kv, z = blockIdx.z, splits = gridDim.z;
+    int k0 = 0, k1 = pos0 + ntok;
+    if (splits > 1) {
+        const int chunk = ((max_ctx[0] + splits - 1) / splits + PP_KEYS - 1) / PP_KEYS * PP_KEYS;
+        k0 = z * chunk;
+        k1 = min(k1, k0 + chunk);
+    }
+    const int n_tiles = k0 < k1 ? (k1 - k0 + PP_KEYS - 1) / PP_KEYS : 0;
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < PP_STAGES; s++) {
+            mbar_init(full_at + 8 * s, 128);   // the producer's threads, each once its copies are in
+            mbar_init(empty_at + 8 * s, 256);  // the consumers' threads, once done with the stage
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+    const int wg = threadIdx.x >> 7;
+    if (wg == 0) {
+        // Producer: each thread one 16-byte column of every 8th key (K and V), so the
+        // block-table read and the 64-bit product are per key, and with power-of-two
+        // cache blocks of ≥ 16 keys one per pair of keys (tiles start at multiples of 128).
+        setmaxnreg_dec<40>();
+        constexpr int CH = HD / 8, KPP = 128 / CH, PASSES = PP_KEYS / KPP;
+        const int my_c = (threadIdx.x % CH) * 8, my_key = threadIdx.x / CH;
+        const unsigned my_off = (my_c / 64) * (PP_KEYS * 128) + my_key * 128 + ((((my_c / 8) & 7) ^ (my_key & 7)) << 4);
+        const bool pair = (flags & FLASH_PAIR_LOADS) && (block_size & (block_size - 1)) == 0 && block_size >= 2 * KPP;
+        const bool bs_pow2 = (block_size & (block_size - 1)) == 0;
+        const int bs_shift = __ffs(block_size) - 1;
+        const unsigned short* my_src = cache + (size_t)kvh * block_size * HD + my_c;
+        const size_t blk_stride = (size_t)n_kv * block_size * HD;
+        for (int n = 0; n < n_tiles; n++) {
+            const int s = n % PP_STAGES, kb = k0 + n * PP_KEYS;
+            mbar_wait(empty_at + 8 * s, ((n / PP_STAGES) & 1) ^ 1);
+            const unsigned at = kvs_at + s * 2 * KV_BYTES + my_off;
+            const unsigned short* prev = nullptr;
+#pragma unroll
+            for (int p = 0; p < PASSES; p++) {
+                const int j = kb + my_key + p * KPP;
+                const unsigned short* src = nullptr;
+                if (j < k1) {
+                    if (pair && (p & 1)) {
+                        src = prev + KPP * HD;  // key j − KPP < k1, same block
+                    } else {
+                        const int bi = bs_pow2 ? j >> bs_shift : j / block_size;
+                        src = my_src + table[bi] * blk_stride + (size_t)(j - bi * block_size) * HD;
+                    }
+                }
+                prev = src;
+                const int bytes = src ? 16 : 0;
+                cp_async16_at(at + p * 1024, bytes ? src : cache, bytes);
+                cp_async16_at(at + KV_BYTES + p * 1024, bytes ? src + half : cache, bytes);
+            }
+            cp_async_mbar_arrive(full_at + 8 * s);
+        }
+        cp_async_wait<0>();  // (nothing left in flight at exit)
+        return;
+    }
+    setmaxnreg_inc<232>();
+    const int c = wg - 1;  // consumer 0: rows 0–63, 1: rows 64–127
+    const int warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+    const int w = (n_heads + 2 * n_kv) * HD;
+    const int nrows = ntok * grp;
+    const int ra = 64 * c + warp * 16 + g, rb = ra + 8;
+    const int ca = min(ra, nrows - 1), cb = min(rb, nrows - 1);
+    const int ta = ca / grp, tb = cb / grp;
+    const int ha = kvh * grp + ca % grp, hb = kvh * grp + cb % grp;
+    const int pa = pos0 + ta, pb = pos0 + tb;
+    const float qs = scale * 1.4426950408889634f;
+    unsigned qf[KS][4];
+    {
+        const float* qa = qkv + (size_t)(row0 + ta) * w + ha * HD;
+        const float* qb = qkv + (size_t)(row0 + tb) * w + hb * HD;
+#pragma unroll
+        for (int k = 0; k < KS; k++) {
+            const int c0 = 16 * k + 2 * t4, c1 = c0 + 8;
+            qf[k][0] = pack_f16x2(qa[c0] * qs, qa[c0 + 1] * qs);
+            qf[k][1] = pack_f16x2(qb[c0] * qs, qb[c0 + 1] * qs);
+            qf[k][2] = pack_f16x2(qa[c1] * qs, qa[c1 + 1] * qs);
+            qf[k][3] = pack_f16x2(qb[c1] * qs, qb[c1 + 1] * qs);
+        }
+    }
+    // Keys before this are in every row of the warp's past (rows are in position order).
+    const int warp_first = pos0 + min(64 * c + warp * 16, nrows - 1) / grp;
+    float o[DT][4];
+#pragma unroll
+    for (int d = 0; d < DT; d++) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.f;
+    float s[NT][4];
+    unsigned pf[NT / 2][4];
+    float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.f, l1 = 0.f;
+    // S of the tile at kb (stage st) onto the tensor cores (K-major B, as the WG form).
+    auto issue_s = [&](int st) {
+        const unsigned ks_at = kvs_at + st * 2 * KV_BYTES;
+#pragma unroll
+        for (int k = 0; k < KS; k++) {
+            const unsigned at = ks_at + (k / 4) * (PP_KEYS * 128) + (k % 4) * 32;
+            wgmma_rs<PP_KEYS, 0>(&s[0][0], qf[k], wg_desc_sw128(at, 16, 1024), k != 0);
+        }
+        wg_commit();
+    };
+    // O += P·V of the tile in stage st (N-major B: 16 keys per k-step).
+    auto issue_pv = [&](int st) {
+        const unsigned vs_at = kvs_at + st * 2 * KV_BYTES + KV_BYTES;
+#pragma unroll
+        for (int kk = 0; kk < NT / 2; kk++)
+            wgmma_rs<HD, 1>(&o[0][0], pf[kk], wg_desc_sw128(vs_at + kk * 2048, PP_KEYS * 128, 1024));
+        wg_commit();
+    };
+    // The softmax of the S of the tile at kb: mask, row maxima, exponentials and sums;
+    // returns O's rescale factors (applied by the caller once its P·V is done).
+    auto softmax = [&](int kb, float& a0, float& a1) {
+        if (!(flags & FLASH_MASK_EDGE) || kb + PP_KEYS > min(warp_first + 1, k1)) {
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++) {
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    const int j = kb + nt * 8 + 2 * t4 + e;
+                    if (j > pa || j >= k1) s[nt][e] = NEG_INF;
+                    if (j > pb || j >= k1) s[nt][2 + e] = NEG_INF;
+                }
+            }
+        }
+        float mx0 = NEG_INF, mx1 = NEG_INF;
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) {
+            mx0 = fmaxf(mx0, fmaxf(s[nt][0], s[nt][1]));
+            mx1 = fmaxf(mx1, fmaxf(s[nt][2], s[nt][3]));
+        }
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffff, mx0, 1));
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffff, mx0, 2));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffff, mx1, 1));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffff, mx1, 2));
+        const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
+        // A row may have no key yet (a split before its position).
+        const float r0 = n0 == NEG_INF ? 0.f : n0, r1 = n1 == NEG_INF ? 0.f : n1;
+        a0 = fa_exp2<true>(m0 - r0);
+        a1 = fa_exp2<true>(m1 - r1);
+        m0 = n0;
+        m1 = n1;
+        float rs0 = 0.f, rs1 = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) {
+            s[nt][0] = fa_exp2<true>(s[nt][0] - r0);
+            s[nt][1] = fa_exp2<true>(s[nt][1] - r0);
+            s[nt][2] = fa_exp2<true>(s[nt][2] - r1);
+            s[nt][3] = fa_exp2<true>(s[nt][3] - r1);
+        }
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) {
+            rs0 += s[nt][0] + s[nt][1];
+            rs1 += s[nt][2] + s[nt][3];
+        }
+        l0 = l0 * a0 + rs0;  // this thread's columns only; summed over the quad at the end
+        l1 = l1 * a1 + rs1;
+    };
+    auto pack_p = [&]() {
+#pragma unroll
+        for (int kk = 0; kk < NT / 2; kk++) {
+            pf[kk][0] = pack_f16x2(s[2 * kk][0], s[2 * kk][1]);
+            pf[kk][1] = pack_f16x2(s[2 * kk][2], s[2 * kk][3]);
+            pf[kk][2] = pack_f16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+            pf[kk][3] = pack_f16x2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+        }
+    };
+    auto rescale = [&](float a0, float a1) {
+        if (!(flags & FLASH_LAZY_RESCALE) || !__all_sync(0xffffffffu, a0 == 1.f && a1 == 1.f))
+#pragma unroll
+            for (int d = 0; d < DT; d++) {
+                o[d][0] *= a0;
+                o[d][1] *= a0;
+                o[d][2] *= a1;
+                o[d][3] *= a1;
+            }
+    };
+    const bool turns = flags & FLASH_PP_TURNS;
+    const int mine = 1 + c, other = 2 - c;  // the named barriers this consumer waits on / signals
+    if (turns && c == 1) named_bar_arrive(1, 256);  // consumer 0 takes the first turn
+    if (n_tiles > 0) {
+        // Turn 0: S of tile 0.
+        mbar_wait(full_at, 0);
+        fence_proxy_async();  // the producer's copies, seen through the barrier, to wgmma
+        if (turns) named_bar_sync(mine, 256);
+        wg_fence();
+        issue_s(0);
+        if (turns) named_bar_arrive(other, 256);
+        wg_wait<NT * 4>(&s[0][0]);
+        float a0, a1;
+        softmax(k0, a0, a1);
+        pack_p();
+        // Turns 1 … n_tiles − 1: S of tile n with P·V of tile n − 1.
+        for (int n = 1; n < n_tiles; n++) {
+            const int st = n % PP_STAGES, prev = (n - 1) % PP_STAGES;
+            mbar_wait(full_at + 8 * st, (n / PP_STAGES) & 1);
+            fence_proxy_async();
+            if (turns) named_bar_sync(mine, 256);
+            wg_pin<DT * 4>(&o[0][0]);
+            wg_pin_u<NT * 2>(&pf[0][0]);
+            wg_fence();
+            issue_s(st);
+            issue_pv(prev);
+            if (turns) named_bar_arrive(other, 256);
+            wg_wait1<NT * 4>(&s[0][0]);
+            softmax(k0 + n * PP_KEYS, a0, a1);
+            wg_wait<DT * 4>(&o[0][0]);
+            mbar_arrive(empty_at + 8 * prev);
+            rescale(a0, a1);
+            pack_p();
+        }
+        // The last turn: P·V of the last tile.
+        const int last = (n_tiles - 1) % PP_STAGES;
+        if (turns) named_bar_sync(mine, 256);
+        wg_pin<DT * 4>(&o[0][0]);
+        wg_pin_u<NT * 2>(&pf[0][0]);
+        wg_fence();
+        issue_pv(last);
+        if (turns) named_bar_arrive(other, 256);
+        wg_wait<DT * 4>(&o[0][0]);
+        mbar_arrive(empty_at + 8 * last);
+    }
+    if (turns && c == 0) named_bar_sync(1, 256);  // consumer 1's last arrival
+    l0 += __shfl_xor_sync(0xffffffff, l0, 1);
+    l0 += __shfl_xor_sync(0xffffffff, l0, 2);
+    l1 += __shfl_xor_sync(0xffffffff, l1, 1);
+    l1 += __shfl_xor_sync(0xffffffff, l1, 2);
+#pragma unroll
+    for (int half_row = 0; half_row < 2; half_row++) {
+        const int r = half_row ? rb : ra;
+        if (r >= nrows) continue;
+        const int t = row0 + (half_row ? tb : ta), h = half_row ? hb : ha;
+        const float m = half_row ? m1 : m0, l = half_row ? l1 : l0;
+        if (splits == 1) {
+            // Key 0 is in every row's past, so l > 0.
+            const size_t at = (size_t)t * n_heads * HD + h * HD + 2 * t4;
+            if (flags & FLASH_OUT_BF16) {
+                // The same f32 values, rounded once as cast_f32_bf16 rounds them.
+                unsigned* ob = (unsigned*)((unsigned short*)out + at);
+#pragma unroll
+                for (int d = 0; d < DT; d++)
+                    ob[d * 4] = pack_bf16x2(o[d][2 * half_row] / l, o[d][2 * half_row + 1] / l);
+            } else {
+                float* op = out + at;
+#pragma unroll
+                for (int d = 0; d < DT; d++) {
+                    op[d * 8] = o[d][2 * half_row] / l;
+                    op[d * 8 + 1] = o[d][2 * half_row + 1] / l;
+                }
+            }
+        } else {
+            // attention_merge's partial (natural-log max, sum, unnormalised acc).
+            float* pp = part + ((size_t)(t * n_heads + h) * splits + z) * (HD + 2);
+            if (t4 == 0) {
+                pp[0] = m * 0.6931471805599453f;
+                pp[1] = l;
+            }
+#pragma unroll
+            for (int d = 0; d < DT; d++) {
+                pp[2 + d * 8 + 2 * t4] = o[d][2 * half_row];
+                pp[2 + d * 8 + 2 * t4 + 1] = o[d][2 * half_row + 1];
+            }
+        }
+    }
+#else
+    __trap();
+#endif
+}
 
 // ---- Decode attention with the keys as the MMA's M ("KM") ----
 // One query token per tile (decode), the query heads of one KV head (group ≤ 8) as the
