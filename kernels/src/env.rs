@@ -247,8 +247,8 @@ pub const CUDA_FLASH_LAZY_RESCALE: &str = "DISAGG_CUDA_FLASH_LAZY_RESCALE";
 
 /// `0`: CUDA prefill steps at head_dim 128 on sm_90 take the one-warpgroup flash kernel
 /// (64-row tiles, three blocks per SM) instead of the warp-specialized one (128-row
-/// tiles: a producer warpgroup loading K/V tiles, two consumer warpgroups taking turns
-/// at the tensor cores); for A/B runs.
+/// tiles: a producer warpgroup loading K/V tiles, two consumer warpgroups sharing them);
+/// for A/B runs.
 pub const CUDA_FLASH_WARP_SPEC: &str = "DISAGG_CUDA_FLASH_WARP_SPEC";
 
 /// `1`: the warp-specialized flash kernel's two consumer warpgroups take turns at the

@@ -807,7 +807,7 @@ impl CudaBackend {
     /// The flash kernel a step takes (see the switches above and ops.cu's FLASH_KERNEL
     /// and KM_KERNEL lists); `km`: a decode step the keys-on-M kernel can take.
     fn flash_kernel(&self, head_dim: usize, decode: bool, km: bool) -> &'static str {
-        if decode && km && self.decode_km {
+        if decode && km && self.decode_km && self.dev.smem_fits(km_kernel(head_dim)) {
             return km_kernel(head_dim);
         }
         // The kernel's form (ops.cu's flash_attn_impl V): each switch off falls back
@@ -1166,7 +1166,8 @@ impl CudaBackend {
         self.seen.clear();
     }
 
-    /// Key splits of the attention over chunks of at least `attn_chunk` keys: by whole
+    /// Key splits of the attention over chunks of at least `attn_chunk` keys (rounded up
+    /// to 128 on the warp-specialized kernel): by whole
     /// waves of the `blocks_per_sm` resident blocks (see [`attn_splits_by_waves`]; `rows`
     /// (tokens × query heads) bounds the partials), or by the earlier rule: split-K only
     /// when the `units` (blocks of work) alone leave SMs idle, enough to give every SM
@@ -1175,7 +1176,9 @@ impl CudaBackend {
         if self.attn_chunk == 0 {
             return 1;
         }
-        let chunks = self.max_ctx.div_ceil(self.attn_chunk).max(1);
+        // (The warp-specialized kernel splits at multiples of its 128-key tiles.)
+        let chunk = if self.step_pp { self.attn_chunk.next_multiple_of(128) } else { self.attn_chunk };
+        let chunks = self.max_ctx.div_ceil(chunk).max(1);
         if self.attn_waves {
             let max_splits = (ATTN_PART_ROWS_PER_SM * self.n_sms / rows.max(1)).min(64);
             return attn_splits_by_waves(units, chunks, self.n_sms * blocks_per_sm, max_splits, cluster);
@@ -1739,7 +1742,7 @@ impl CudaBackend {
         let group = attn.n_heads / attn.n_kv_heads.max(1);
         self.step_flash =
             self.flash && self.kv_f16.get() && matches!(attn.head_dim, 64 | 128) && (1..=64).contains(&group);
-        // A prefill step (some tile of more than 16 rows) on the warp-specialized kernel
+        // A step with a tile of more than 16 rows (prefill) on the warp-specialized kernel
         // takes tiles of ⌊128 / group⌋ tokens instead.
         let tiles_of = |rows: usize| {
             let per = rows / group;
@@ -1760,13 +1763,14 @@ impl CudaBackend {
         // (The kernel's form chain as flash_kernel walks it: ldmatrix, fast exp and
         // 32-bit shared offsets on, then warpgroup MMAs.)
         self.step_pp = self.step_flash
-            && !self.step_decode
+            && tiles.iter().any(|t| t[1] as usize * group > 16)
             && self.flash_warp_spec
             && self.flash_wgmma
             && self.flash_ldmatrix
             && self.flash_fast_exp
             && self.flash_smem32
-            && attn.head_dim == 128;
+            && attn.head_dim == 128
+            && self.dev.smem_fits("flash_attn_pp_f16_d128");
         if self.step_pp {
             tiles = tiles_of(128);
         }
@@ -2055,7 +2059,7 @@ impl Backend for CudaBackend {
         }
         // Split-K partials, one per (token, query head, split). By waves: at most
         // ATTN_PART_ROWS_PER_SM × SMs of them. By the earlier rule: a step splits only
-        // while its units of work (flash tiles of ≤ 64 rows × KV heads, or tokens × heads)
+        // while its units of work (flash tiles of ≤ 64 or 128 rows × KV heads, or tokens × heads)
         // are fewer than 2 × SMs, into at most ⌈2 × SMs / units⌉ splits, so
         // rows × splits < 64 × 4 × SMs (the same bound).
         let len = ATTN_PART_ROWS_PER_SM * self.n_sms * (lim.attn.head_dim + 2);

@@ -42,6 +42,9 @@ pub struct CudaDevice {
     /// launched in (sm_90: 16 where the non-portable size is allowed, else 8; 0: no
     /// clusters).
     pub km_cluster_max: usize,
+    /// Kernels whose dynamic shared memory exceeds what a block may opt into on this GPU
+    /// (e.g. the keys-on-M kernel's three head_dim-128 stages on sm_86/89): never launched.
+    too_big: Vec<&'static str>,
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     rms_norm: CudaFunction,
@@ -216,7 +219,7 @@ pub(crate) fn flash_block_threads(kernel: &str) -> usize {
 /// and mbarriers (`PP_SMEM_BYTES`).
 pub(crate) fn flash_smem_bytes(kernel: &str, head_dim: usize) -> usize {
     if is_pp_kernel(kernel) {
-        return 3 * 2 * 128 * head_dim * 2 + 1024 + 16 * 3;
+        return 3 * 2 * 128 * head_dim * 2 + 1024 + 16 * 3; // = PP_SMEM_BYTES
     }
     let stages = if is_km_kernel(kernel) { 3 } else { 2 };
     stages * 2 * 64 * (head_dim + 8) * 2
@@ -430,16 +433,25 @@ impl CudaDevice {
         {
             funcs.insert(k, f(k)?);
         }
-        // Dynamic shared memory past the default 48 KiB: the flash kernels' double-buffered
-        // K/V tiles at head_dim 128 (sm_80+) and the skinny GEMMs' ring of stages (68 KiB,
-        // sm_90); the backend never launches either on older GPUs.
+        // Dynamic shared memory past the default 48 KiB: the flash kernels' K/V tiles at
+        // head_dim 128 (sm_80+) and the skinny GEMMs' ring of stages (68 KiB, sm_90); the
+        // backend never launches either on older GPUs, nor a kernel that needs more than
+        // this GPU lets a block opt into (listed in `too_big`).
         let flash_kernels = if arch.0 >= 8 { &FLASH_KERNELS[..] } else { &[] };
         let skinny_kernels = if arch.0 >= 9 { &SKINNY_KERNELS[..] } else { &[] };
         let big_smem = flash_kernels
             .iter()
             .map(|&(k, hd)| (k, flash_smem_bytes(k, hd)))
             .chain(skinny_kernels.iter().map(|&k| (k, skinny_smem_bytes())));
+        let optin = ctx
+            .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+            .map_err(dev_err)? as usize;
+        let mut too_big = Vec::new();
         for (k, bytes) in big_smem {
+            if bytes > optin {
+                too_big.push(k);
+                continue;
+            }
             funcs[k]
                 .set_attribute(
                     cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
@@ -472,12 +484,18 @@ impl CudaDevice {
             arch,
             wgmma,
             km_cluster_max,
+            too_big,
             stream,
             rms_norm: f("rms_norm_rows")?,
             silu_mul: f("silu_mul_rows")?,
             embed: f("embed_rows")?,
             ctx,
         })
+    }
+
+    /// Whether `kernel`'s dynamic shared memory fits what a block may use on this GPU.
+    pub fn smem_fits(&self, kernel: &str) -> bool {
+        !self.too_big.contains(&kernel)
     }
 
     pub fn describe(&self) -> String {

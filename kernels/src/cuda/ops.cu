@@ -1388,6 +1388,8 @@ FLASH_KERNEL(flash_attn_wg3_f16_d128, 128, false, true, 3, (128, 3))
 #define PP_KEYS 128
 #define PP_STAGES 3
 #define PP_TILE_BYTES (PP_KEYS * 128 * 2)  // one K or V tile, head_dim 128, f16
+// (mod.rs' flash_smem_bytes gives the same: the ring, the 1024-byte alignment's slack,
+// the full and empty mbarriers.)
 #define PP_SMEM_BYTES (PP_STAGES * 2 * PP_TILE_BYTES + 1024 + 16 * PP_STAGES)
 // An arrival on the mbarrier once all this thread's earlier cp.async copies are in (the
 // barrier's expected count includes it).
@@ -1444,6 +1446,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) flash_attn_pp_f16_d128(FLAS
     // then full[s] and empty[s] mbarriers.
     const unsigned kvs_at = ((unsigned)__cvta_generic_to_shared(pp_smem) + 1023u) & ~1023u;
     const unsigned full_at = kvs_at + PP_STAGES * 2 * KV_BYTES, empty_at = full_at + 8 * PP_STAGES;
+    static_assert(PP_STAGES * 2 * PP_TILE_BYTES + 1008 + 16 * PP_STAGES <= PP_SMEM_BYTES, "the ring and barriers fit");
     const int* tile = tiles + 4 * blockIdx.x;
     const int row0 = tile[0], ntok = tile[1], pos0 = tile[2];
     const unsigned int* table = tables + tile[3];
@@ -1501,7 +1504,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) flash_attn_pp_f16_d128(FLAS
             }
             cp_async_mbar_arrive(full_at + 8 * s);
         }
-        cp_async_wait<0>();  // (nothing left in flight at exit)
+        asm volatile("cp.async.wait_all;\n" ::: "memory");  // (no copy left in flight at exit)
         return;
     }
     setmaxnreg_inc<232>();
