@@ -1737,16 +1737,27 @@ impl CudaBackend {
                 table_off[row] = off;
             }
         }
-        // Flash tiles: ⌊64 / group⌋ tokens of one sequence each (their rows are the
-        // group's query heads), the latest first so the causal tail does not straggle.
         let group = attn.n_heads / attn.n_kv_heads.max(1);
         self.step_flash =
             self.flash && self.kv_f16.get() && matches!(attn.head_dim, 64 | 128) && (1..=64).contains(&group);
-        // A step with a tile of more than 16 rows (prefill) on the warp-specialized kernel
-        // takes tiles of ⌊128 / group⌋ tokens instead.
-        let tiles_of = |rows: usize| {
-            let per = rows / group;
-            let mut tiles: Vec<[i32; 4]> = Vec::new();
+        // Flash tiles: ⌊64 / group⌋ tokens of one sequence each (their rows are the
+        // group's query heads), the latest first so the causal tail does not straggle; a
+        // step with a tile of more than 16 rows (prefill; a span's first tile is its
+        // largest) on the warp-specialized kernel takes ⌊128 / group⌋ tokens instead. (Its
+        // conditions follow the form chain flash_kernel walks: ldmatrix, fast exp and
+        // 32-bit shared offsets on, then warpgroup MMAs.)
+        self.step_pp = self.step_flash
+            && batch.seqs.iter().any(|s| s.rows.len().min(64 / group) * group > 16)
+            && self.flash_warp_spec
+            && self.flash_wgmma
+            && self.flash_ldmatrix
+            && self.flash_fast_exp
+            && self.flash_smem32
+            && attn.head_dim == 128
+            && self.dev.smem_fits("flash_attn_pp_f16_d128");
+        let mut tiles: Vec<[i32; 4]> = Vec::new();
+        if self.step_flash {
+            let per = if self.step_pp { 128 } else { 64 } / group;
             let mut off = 0i32;
             for span in batch.seqs {
                 for r in span.rows.clone().step_by(per) {
@@ -1756,24 +1767,8 @@ impl CudaBackend {
                 off += span.block_table.len() as i32;
             }
             tiles.sort_by_key(|t| std::cmp::Reverse(t[2] + t[1]));
-            tiles
-        };
-        let mut tiles = if self.step_flash { tiles_of(64) } else { Vec::new() };
-        self.step_decode = self.flash_decode && tiles.iter().all(|t| t[1] as usize * group <= 16);
-        // (The kernel's form chain as flash_kernel walks it: ldmatrix, fast exp and
-        // 32-bit shared offsets on, then warpgroup MMAs.)
-        self.step_pp = self.step_flash
-            && tiles.iter().any(|t| t[1] as usize * group > 16)
-            && self.flash_warp_spec
-            && self.flash_wgmma
-            && self.flash_ldmatrix
-            && self.flash_fast_exp
-            && self.flash_smem32
-            && attn.head_dim == 128
-            && self.dev.smem_fits("flash_attn_pp_f16_d128");
-        if self.step_pp {
-            tiles = tiles_of(128);
         }
+        self.step_decode = self.flash_decode && tiles.iter().all(|t| t[1] as usize * group <= 16);
         self.n_fa_tiles = tiles.len();
         let flat: Vec<i32> = tiles.concat();
         self.n_step = tokens.len();

@@ -882,6 +882,67 @@ __device__ __forceinline__ void merge_warp_parts(const float* ml, const float* p
     }
 }
 
+// A thread's two query rows of Q (rows qa and qb, f32, head_dim HD), scaled by qs and
+// rounded to f16 in the mma.m16n8k16 A-fragment layout (also wgmma's register A).
+template <int HD>
+__device__ __forceinline__ void flash_load_q(unsigned (*qf)[4], const float* qa, const float* qb, float qs, int t4) {
+#pragma unroll
+    for (int k = 0; k < HD / 16; k++) {
+        const int c0 = 16 * k + 2 * t4, c1 = c0 + 8;
+        qf[k][0] = pack_f16x2(qa[c0] * qs, qa[c0 + 1] * qs);
+        qf[k][1] = pack_f16x2(qb[c0] * qs, qb[c0 + 1] * qs);
+        qf[k][2] = pack_f16x2(qa[c1] * qs, qa[c1 + 1] * qs);
+        qf[k][3] = pack_f16x2(qb[c1] * qs, qb[c1 + 1] * qs);
+    }
+}
+// The end of a flash block for a thread's two rows (the m16n8 accumulator layout: o[d][0,
+// 1] row a, o[d][2, 3] row b; l already summed over the quad): rows that exist (`has_a`,
+// `has_b`), of tokens ta / tb and heads ha / hb, normalised into `out` (f32, or with
+// FLASH_OUT_BF16 the next GEMM's bf16 input) when the keys are not split, else as
+// attention_merge's partial of split z.
+template <int HD>
+__device__ __forceinline__ void flash_store_rows(const float (*o)[4], float m0, float m1, float l0, float l1,
+                                                 bool has_a, bool has_b, int ta, int tb, int ha, int hb, int n_heads,
+                                                 int t4, int z, int splits, float* out, float* part, int flags) {
+    constexpr int DT = HD / 8;
+#pragma unroll
+    for (int half_row = 0; half_row < 2; half_row++) {
+        if (!(half_row ? has_b : has_a)) continue;
+        const int t = half_row ? tb : ta, h = half_row ? hb : ha;
+        const float m = half_row ? m1 : m0, l = half_row ? l1 : l0;
+        if (splits == 1) {
+            // Key 0 is in every row's past, so l > 0.
+            const size_t at = (size_t)t * n_heads * HD + h * HD + 2 * t4;
+            if (flags & FLASH_OUT_BF16) {
+                // The same f32 values, rounded once as cast_f32_bf16 rounds them.
+                unsigned* ob = (unsigned*)((unsigned short*)out + at);
+#pragma unroll
+                for (int d = 0; d < DT; d++)
+                    ob[d * 4] = pack_bf16x2(o[d][2 * half_row] / l, o[d][2 * half_row + 1] / l);
+            } else {
+                float* op = out + at;
+#pragma unroll
+                for (int d = 0; d < DT; d++) {
+                    op[d * 8] = o[d][2 * half_row] / l;
+                    op[d * 8 + 1] = o[d][2 * half_row + 1] / l;
+                }
+            }
+        } else {
+            // attention_merge's partial (natural-log max, sum, unnormalised acc).
+            float* pp = part + ((size_t)(t * n_heads + h) * splits + z) * (HD + 2);
+            if (t4 == 0) {
+                pp[0] = m * 0.6931471805599453f;
+                pp[1] = l;
+            }
+#pragma unroll
+            for (int d = 0; d < DT; d++) {
+                pp[2 + d * 8 + 2 * t4] = o[d][2 * half_row];
+                pp[2 + d * 8 + 2 * t4 + 1] = o[d][2 * half_row + 1];
+            }
+        }
+    }
+}
+
 // WS (decode: a tile of ≤ 16 rows, one warp's worth): the four warps take the same rows
 // and split each 64-key tile between them (16 keys each), then merge their partial
 // softmaxes through shared memory, so a decode block computes 4× faster.
@@ -932,18 +993,7 @@ __device__ void flash_attn_impl(const float* qkv, const unsigned short* cache, l
     const int pa = pos0 + ta, pb = pos0 + tb;
     const float qs = scale * 1.4426950408889634f;
     unsigned qf[KS][4];
-    {
-        const float* qa = qkv + (size_t)(row0 + ta) * w + ha * HD;
-        const float* qb = qkv + (size_t)(row0 + tb) * w + hb * HD;
-#pragma unroll
-        for (int k = 0; k < KS; k++) {
-            const int c0 = 16 * k + 2 * t4, c1 = c0 + 8;
-            qf[k][0] = pack_f16x2(qa[c0] * qs, qa[c0 + 1] * qs);
-            qf[k][1] = pack_f16x2(qb[c0] * qs, qb[c0 + 1] * qs);
-            qf[k][2] = pack_f16x2(qa[c1] * qs, qa[c1 + 1] * qs);
-            qf[k][3] = pack_f16x2(qb[c1] * qs, qb[c1 + 1] * qs);
-        }
-    }
+    flash_load_q<HD>(qf, qkv + (size_t)(row0 + ta) * w + ha * HD, qkv + (size_t)(row0 + tb) * w + hb * HD, qs, t4);
     float o[DT][4];
 #pragma unroll
     for (int d = 0; d < DT; d++) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.f;
@@ -1290,43 +1340,8 @@ __device__ void flash_attn_impl(const float* qkv, const unsigned short* cache, l
             }
         }
     }
-#pragma unroll
-    for (int half_row = 0; half_row < 2; half_row++) {
-        const int r = half_row ? rb : ra;
-        if (r >= nrows) continue;
-        const int t = row0 + (half_row ? tb : ta), h = half_row ? hb : ha;
-        const float m = half_row ? m1 : m0, l = half_row ? l1 : l0;
-        if (splits == 1) {
-            // Key 0 is in every row's past, so l > 0.
-            const size_t at = (size_t)t * n_heads * HD + h * HD + 2 * t4;
-            if (flags & FLASH_OUT_BF16) {
-                // The same f32 values, rounded once as cast_f32_bf16 rounds them.
-                unsigned* ob = (unsigned*)((unsigned short*)out + at);
-#pragma unroll
-                for (int d = 0; d < DT; d++)
-                    ob[d * 4] = pack_bf16x2(o[d][2 * half_row] / l, o[d][2 * half_row + 1] / l);
-            } else {
-                float* op = out + at;
-#pragma unroll
-                for (int d = 0; d < DT; d++) {
-                    op[d * 8] = o[d][2 * half_row] / l;
-                    op[d * 8 + 1] = o[d][2 * half_row + 1] / l;
-                }
-            }
-        } else {
-            // attention_merge's partial (natural-log max, sum, unnormalised acc).
-            float* pp = part + ((size_t)(t * n_heads + h) * splits + z) * (HD + 2);
-            if (t4 == 0) {
-                pp[0] = m * 0.6931471805599453f;
-                pp[1] = l;
-            }
-#pragma unroll
-            for (int d = 0; d < DT; d++) {
-                pp[2 + d * 8 + 2 * t4] = o[d][2 * half_row];
-                pp[2 + d * 8 + 2 * t4 + 1] = o[d][2 * half_row + 1];
-            }
-        }
-    }
+    flash_store_rows<HD>(o, m0, m1, l0, l1, ra < nrows, rb < nrows, row0 + ta, row0 + tb, ha, hb, n_heads, t4, z,
+                         splits, out, part, flags);
 }
 
 #define FLASH_ARGS const float* qkv, const unsigned short* cache, long long half, const int* tiles, \
@@ -1519,18 +1534,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) flash_attn_pp_f16_d128(FLAS
     const int pa = pos0 + ta, pb = pos0 + tb;
     const float qs = scale * 1.4426950408889634f;
     unsigned qf[KS][4];
-    {
-        const float* qa = qkv + (size_t)(row0 + ta) * w + ha * HD;
-        const float* qb = qkv + (size_t)(row0 + tb) * w + hb * HD;
-#pragma unroll
-        for (int k = 0; k < KS; k++) {
-            const int c0 = 16 * k + 2 * t4, c1 = c0 + 8;
-            qf[k][0] = pack_f16x2(qa[c0] * qs, qa[c0 + 1] * qs);
-            qf[k][1] = pack_f16x2(qb[c0] * qs, qb[c0 + 1] * qs);
-            qf[k][2] = pack_f16x2(qa[c1] * qs, qa[c1 + 1] * qs);
-            qf[k][3] = pack_f16x2(qb[c1] * qs, qb[c1 + 1] * qs);
-        }
-    }
+    flash_load_q<HD>(qf, qkv + (size_t)(row0 + ta) * w + ha * HD, qkv + (size_t)(row0 + tb) * w + hb * HD, qs, t4);
     // Keys before this are in every row of the warp's past (rows are in position order).
     const int warp_first = pos0 + min(64 * c + warp * 16, nrows - 1) / grp;
     float o[DT][4];
@@ -1673,43 +1677,8 @@ extern "C" __global__ void __launch_bounds__(384, 1) flash_attn_pp_f16_d128(FLAS
     l0 += __shfl_xor_sync(0xffffffff, l0, 2);
     l1 += __shfl_xor_sync(0xffffffff, l1, 1);
     l1 += __shfl_xor_sync(0xffffffff, l1, 2);
-#pragma unroll
-    for (int half_row = 0; half_row < 2; half_row++) {
-        const int r = half_row ? rb : ra;
-        if (r >= nrows) continue;
-        const int t = row0 + (half_row ? tb : ta), h = half_row ? hb : ha;
-        const float m = half_row ? m1 : m0, l = half_row ? l1 : l0;
-        if (splits == 1) {
-            // Key 0 is in every row's past, so l > 0.
-            const size_t at = (size_t)t * n_heads * HD + h * HD + 2 * t4;
-            if (flags & FLASH_OUT_BF16) {
-                // The same f32 values, rounded once as cast_f32_bf16 rounds them.
-                unsigned* ob = (unsigned*)((unsigned short*)out + at);
-#pragma unroll
-                for (int d = 0; d < DT; d++)
-                    ob[d * 4] = pack_bf16x2(o[d][2 * half_row] / l, o[d][2 * half_row + 1] / l);
-            } else {
-                float* op = out + at;
-#pragma unroll
-                for (int d = 0; d < DT; d++) {
-                    op[d * 8] = o[d][2 * half_row] / l;
-                    op[d * 8 + 1] = o[d][2 * half_row + 1] / l;
-                }
-            }
-        } else {
-            // attention_merge's partial (natural-log max, sum, unnormalised acc).
-            float* pp = part + ((size_t)(t * n_heads + h) * splits + z) * (HD + 2);
-            if (t4 == 0) {
-                pp[0] = m * 0.6931471805599453f;
-                pp[1] = l;
-            }
-#pragma unroll
-            for (int d = 0; d < DT; d++) {
-                pp[2 + d * 8 + 2 * t4] = o[d][2 * half_row];
-                pp[2 + d * 8 + 2 * t4 + 1] = o[d][2 * half_row + 1];
-            }
-        }
-    }
+    flash_store_rows<HD>(o, m0, m1, l0, l1, ra < nrows, rb < nrows, row0 + ta, row0 + tb, ha, hb, n_heads, t4, z,
+                         splits, out, part, flags);
 #else
     __trap();
 #endif
