@@ -1,0 +1,406 @@
+// Chain lab (issue 5, batch 1): what a kernel boundary costs the one-token GEMVs, and ways
+// around it. The 32 layers' GEMVs (QKV, o, gate/up with SiLU·gate, down; the bare per-warp
+// loop of normlab.cu, 13.96 GB of bf16, L2 cold) replayed from one CUDA graph:
+//   1. the 128 launches several ways: plain, programmatic (first loads before
+//      griddepcontrol.wait), with griddepcontrol.launch_dependents at a block's start, last
+//      pair or end, and persistent grids of 1–4 blocks per SM taking row pairs in a stride;
+//   2. each shape alone (32 in a row);
+//   3. fused_chain: o → gate/up → down → next QKV as phases of one persistent kernel per
+//      layer, a warp of a phase waiting (acquire) for the 512-output chunks of the phase
+//      before it counts complete (release), against the same four launches; its results
+//      are compared bit for bit; the blocks take units in a stride or by tickets, and
+//      mode 2 drops the waits (wrong results: the form's bound);
+//   4. gate/up with the engine's [gate; up] rows, interleaved rows, and plain pairs;
+//   5. the floor: one GEMV over all 13.96 GB in one launch, and stream_read of them.
+// Results and what they mean: docs/PERF.md (twenty-sixth session). Not part of the build;
+// on the GPU machine:
+//   nvcc -O3 -std=c++17 -arch=sm_90a tools/gpu-lab/chainlab.cu -o chainlab && ./chainlab
+//   (./chainlab fused: parts 3–5 only)
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+#include <cuda_runtime.h>
+#define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("CUDA %s at %d\n", cudaGetErrorString(e), __LINE__); exit(1); } } while (0)
+#include "graph_time.h"
+#include "../../kernels/src/cuda/ops.cu"
+
+// trig: 0 none, 1 at start, 2 when the warp starts its last pair, 3 after the warp's loop.
+template <int U>
+__global__ void __launch_bounds__(GEMV_WARPS * 32, 4) chain_gemv(const unsigned short* w, const float* in, float* out, int pairs, int k, int kind, int trig) {
+    const int lane = threadIdx.x & 31;
+    const int stride = gridDim.x * GEMV_WARPS;
+    int p = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
+    if (trig == 1) pdl_trigger();
+    bool first = true;
+    if (p >= pairs) { pdl_wait(); if (trig >= 2) pdl_trigger(); return; }
+    for (; p < pairs; p += stride) {
+        if (trig == 2 && p + stride >= pairs) pdl_trigger();
+        const unsigned short* w0 = w + (size_t)(kind == 2 ? p : 2 * p) * k;  // kind 3: 2p, 2p + 1
+        const unsigned short* w1 = w + (size_t)(kind == 2 ? p + pairs : 2 * p + 1) * k;
+        const int step = 256;
+        uint4 a[U], b[U];
+        int k0 = lane * 8;
+#pragma unroll
+        for (int u = 0; u < U; u++) a[u] = ld_stream_u4(w0 + k0 + u * step), b[u] = ld_stream_u4(w1 + k0 + u * step);
+        if (first) { pdl_wait(); first = false; }
+        float s0 = 0.f, s1 = 0.f;
+        for (;; k0 += U * step) {
+            const bool more = k0 + U * step < k;
+            uint4 an[U], bn[U];
+            if (more) {
+#pragma unroll
+                for (int u = 0; u < U; u++) an[u] = ld_stream_u4(w0 + k0 + U * step + u * step), bn[u] = ld_stream_u4(w1 + k0 + U * step + u * step);
+            }
+#pragma unroll
+            for (int u = 0; u < U; u++) {
+                float v[8];
+                const float4 x0 = *reinterpret_cast<const float4*>(in + k0 + step * u);
+                const float4 x1 = *reinterpret_cast<const float4*>(in + k0 + step * u + 4);
+                v[0] = x0.x, v[1] = x0.y, v[2] = x0.z, v[3] = x0.w, v[4] = x1.x, v[5] = x1.y, v[6] = x1.z, v[7] = x1.w;
+                s0 += dot8_bf16(a[u], v);
+                s1 += dot8_bf16(b[u], v);
+            }
+            if (!more) break;
+#pragma unroll
+            for (int u = 0; u < U; u++) a[u] = an[u], b[u] = bn[u];
+        }
+        for (int o = 16; o > 0; o >>= 1) s0 += __shfl_xor_sync(0xffffffffu, s0, o), s1 += __shfl_xor_sync(0xffffffffu, s1, o);
+        if (lane == 0) {
+            if (kind >= 2) out[p] = silu_gate(s0, s1);
+            else if (kind == 1) out[2 * p] += s0, out[2 * p + 1] += s1;
+            else out[2 * p] = s0, out[2 * p + 1] = s1;
+        }
+    }
+    if (trig == 3) pdl_trigger();
+}
+
+
+// The fused chain: one persistent kernel runs several dependent GEMVs (phases) in order;
+// each warp, after writing its outputs, counts them into its phase's 512-output chunk
+// (release); a warp of the next phase, before consuming a 512-wide group of its input,
+// waits (acquire) until that chunk is complete. Its weight loads never wait, so they
+// overlap the previous phase's tail. Every block must be resident (grid <= capacity).
+struct Phase { const unsigned short* w; const float* in; float* out; int pairs, k, kind; };
+// mode: 0 spin, 1 spin with sleeps, 2 no waits (wrong results: the bound). cnt: [4][64]
+// chunk counts (index 63: the phase's total), [256] blocks done, [600] the next ticket.
+struct Chain { Phase ph[4]; int nph, tickets, mode; unsigned* cnt; };
+__device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
+    unsigned v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ void red_release(unsigned* p, unsigned v) {
+    asm volatile("red.release.gpu.global.add.u32 [%0], %1;" :: "l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ int chunk_expect(const Phase& P, int c) {
+    const int n_out = P.kind == 2 ? P.pairs : 2 * P.pairs;
+    const int n = min(512, n_out - 512 * c);
+    return P.kind == 2 ? n : n / 2;
+}
+__global__ void __launch_bounds__(GEMV_WARPS * 32, 4) fused_chain(const Chain c) {
+    const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5;
+    pdl_wait();
+    // One unit (GEMV_WARPS pairs) of phase ph.
+    auto unit_run = [&](int ph, int unit) {
+        const Phase P = c.ph[ph];
+        const int p = unit * GEMV_WARPS + wib;
+        if (p >= P.pairs) return;
+        const int k = P.k;
+        const unsigned short* w0 = P.w + (size_t)(P.kind == 2 ? p : 2 * p) * k;
+        const unsigned short* w1 = P.w + (size_t)(P.kind == 2 ? p + P.pairs : 2 * p + 1) * k;
+        int ready = ph == 0 ? k : 0;
+        uint4 a[2], b[2];
+        int k0 = lane * 8;
+        a[0] = ld_stream_u4(w0 + k0), b[0] = ld_stream_u4(w1 + k0);
+        a[1] = ld_stream_u4(w0 + k0 + 256), b[1] = ld_stream_u4(w1 + k0 + 256);
+        float s0 = 0.f, s1 = 0.f;
+        for (int g = 0;; g += 512) {
+            const bool more = g + 512 < k;
+            uint4 an[2], bn[2];
+            if (more) {
+                an[0] = ld_stream_u4(w0 + k0 + 512), bn[0] = ld_stream_u4(w1 + k0 + 512);
+                an[1] = ld_stream_u4(w0 + k0 + 768), bn[1] = ld_stream_u4(w1 + k0 + 768);
+            }
+            if (g >= ready && c.mode < 2) {
+                // The whole previous phase done (one check), else this chunk.
+                const unsigned* base = c.cnt + (ph - 1) * 64;
+                int r = 0;
+                if (lane == 0) {
+                    if (ld_acquire(base + 63) >= (unsigned)c.ph[ph - 1].pairs) r = k;
+                    else {
+                        const unsigned want = chunk_expect(c.ph[ph - 1], g >> 9);
+                        while (ld_acquire(base + (g >> 9)) < want) if (c.mode == 1) __nanosleep(128);
+                        r = g + 512;
+                    }
+                }
+                ready = __shfl_sync(0xffffffffu, r, 0);
+                __syncwarp();
+            }
+#pragma unroll
+            for (int u = 0; u < 2; u++) {
+                float v[8];
+                const float4 x0 = *reinterpret_cast<const float4*>(P.in + k0 + 256 * u);
+                const float4 x1 = *reinterpret_cast<const float4*>(P.in + k0 + 256 * u + 4);
+                v[0] = x0.x, v[1] = x0.y, v[2] = x0.z, v[3] = x0.w, v[4] = x1.x, v[5] = x1.y, v[6] = x1.z, v[7] = x1.w;
+                s0 += dot8_bf16(a[u], v);
+                s1 += dot8_bf16(b[u], v);
+            }
+            if (!more) break;
+            k0 += 512;
+            a[0] = an[0], a[1] = an[1], b[0] = bn[0], b[1] = bn[1];
+        }
+        for (int o = 16; o > 0; o >>= 1) s0 += __shfl_xor_sync(0xffffffffu, s0, o), s1 += __shfl_xor_sync(0xffffffffu, s1, o);
+        if (lane == 0) {
+            int oi;
+            if (P.kind == 2) P.out[p] = silu_gate(s0, s1), oi = p;
+            else if (P.kind == 1) P.out[2 * p] = __ldcg(P.out + 2 * p) + s0, P.out[2 * p + 1] = __ldcg(P.out + 2 * p + 1) + s1, oi = 2 * p;
+            else P.out[2 * p] = s0, P.out[2 * p + 1] = s1, oi = 2 * p;
+            red_release(c.cnt + ph * 64 + (oi >> 9), 1u);
+            red_release(c.cnt + ph * 64 + 63, 1u);
+        }
+    };
+    if (c.tickets) {
+        // Dynamic: tickets over the phases' units in order (the next one taken while this
+        // one runs), so blocks share the work whatever each phase's size.
+        int ends[4], total = 0;
+        for (int ph = 0; ph < 4; ph++) total += (c.ph[ph].pairs + GEMV_WARPS - 1) / GEMV_WARPS, ends[ph] = total;
+        __shared__ int tk[2];
+        if (threadIdx.x == 0) tk[0] = (int)atomicAdd(c.cnt + 600, 1u);
+        __syncthreads();
+        int t = tk[0], slot = 0;
+        while (t < total) {
+            if (threadIdx.x == 0) tk[slot ^ 1] = (int)atomicAdd(c.cnt + 600, 1u);
+            int ph = 0;
+            while (t >= ends[ph]) ph++;
+            unit_run(ph, t - (ph ? ends[ph - 1] : 0));
+            __syncthreads();
+            slot ^= 1;
+            t = tk[slot];
+        }
+    } else {
+        for (int ph = 0; ph < 4; ph++) {
+            const int units = (c.ph[ph].pairs + GEMV_WARPS - 1) / GEMV_WARPS;
+            for (int unit = blockIdx.x; unit < units; unit += gridDim.x) unit_run(ph, unit);
+        }
+    }
+    // The last block to finish zeroes the counts for the next launch.
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        if (atomicAdd(c.cnt + 256, 1u) == gridDim.x - 1) {
+            for (int i = 0; i < 1024; i++) c.cnt[i] = 0;
+            __threadfence();
+        }
+    }
+}
+
+__global__ void fill_bf16(unsigned short* w, size_t n, unsigned seed, float scale) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        unsigned h = (unsigned)i * 2654435761u ^ seed;
+        h ^= h >> 15, h *= 2246822519u, h ^= h >> 13, h *= 3266489917u, h ^= h >> 16;
+        const float f = ((h >> 8) / 16777216.f * 2 - 1) * scale;
+        w[i] = (unsigned short)(__float_as_uint(f) >> 16);
+    }
+}
+
+struct Way { const char* name; int per_sm; bool pdl; int trig; int u; };
+
+int main(int argc, char** argv) {
+    const int L = 32, H = 4096, QKV = 6144, FF = 14336;
+    int nsm;
+    CK(cudaDeviceGetAttribute(&nsm, cudaDevAttrMultiProcessorCount, 0));
+    std::vector<float> hx(FF);
+    for (int i = 0; i < FF; i++) hx[i] = ((i * 37) % 101) / 50.f - 1;
+    float *x, *qkv, *act, *res;
+    CK(cudaMalloc(&x, FF * 4));
+    CK(cudaMemcpy(x, hx.data(), FF * 4, cudaMemcpyHostToDevice));
+    CK(cudaMalloc(&qkv, QKV * 4));
+    CK(cudaMalloc(&act, FF * 4));
+    CK(cudaMalloc(&res, 2 * FF * 4));
+    struct Shape { const char* name; int rows, k, kind; };
+    const Shape shapes[4] = {{"QKV", QKV, H, 0}, {"o", H, H, 1}, {"gate/up", 2 * FF, H, 2}, {"down", H, FF, 1}};
+    size_t sbytes[4], layer = 0;
+    for (int s = 0; s < 4; s++) sbytes[s] = (size_t)shapes[s].rows * shapes[s].k * 2, layer += sbytes[s];
+    const size_t total = layer * L;
+    unsigned short* all;
+    CK(cudaMalloc(&all, total));
+    fill_bf16<<<4 * nsm, 256>>>(all, total / 2, 7u, 1.f / 64);
+    CK(cudaDeviceSynchronize());
+    auto wp = [&](int s, int l) { size_t off = layer * l; for (int i = 0; i < s; i++) off += sbytes[i]; return all + off / 2; };
+    cudaStream_t st;
+    CK(cudaStreamCreate(&st));
+    auto launch = [&](int s, int l, const Way& wy, const float* in, float* out) {
+        const Shape& sh = shapes[s];
+        const int pairs = sh.kind == 2 ? FF : sh.rows / 2;
+        const int full = (pairs + GEMV_WARPS - 1) / GEMV_WARPS;
+        const int grid = wy.per_sm ? std::min(full, wy.per_sm * nsm) : full;
+        cudaLaunchConfig_t cfg = {};
+        cfg.gridDim = dim3(grid);
+        cfg.blockDim = dim3(GEMV_WARPS * 32);
+        cfg.stream = st;
+        cudaLaunchAttribute at[1];
+        at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        at[0].val.programmaticStreamSerializationAllowed = 1;
+        cfg.attrs = at;
+        cfg.numAttrs = wy.pdl ? 1 : 0;
+        if (wy.u == 4) CK(cudaLaunchKernelEx(&cfg, chain_gemv<4>, wp(s, l), in, out, pairs, sh.k, sh.kind, wy.trig));
+        else CK(cudaLaunchKernelEx(&cfg, chain_gemv<2>, wp(s, l), in, out, pairs, sh.k, sh.kind, wy.trig));
+    };
+    std::vector<Way> ways = {
+        {"plain", 0, false, 0, 2},
+        {"pdl", 0, true, 0, 2},
+        {"pdl trig-last", 0, true, 2, 2},
+        {"pdl trig-after", 0, true, 3, 2},
+        {"pers2 pdl", 2, true, 0, 2},
+        {"pers2 pdl trig-last", 2, true, 2, 2},
+        {"pers2 pdl trig-start", 2, true, 1, 2},
+        {"pers3 pdl trig-last", 3, true, 2, 2},
+        {"pers4 pdl", 4, true, 0, 2},
+        {"pers1 pdl trig-last U4", 1, true, 2, 4},
+        {"pers2 pdl trig-last U4", 2, true, 2, 4},
+        {"plain U4", 0, false, 0, 4},
+    };
+    const double gb = total / 1e9;
+    auto chain = [&](const Way& wy) {
+        float best = 1e30f;
+        for (int r = 0; r < 3; r++)
+            best = std::min(best, graph_us(st, 1, [&](int) {
+                for (int l = 0; l < L; l++) {
+                    launch(0, l, wy, x, qkv);
+                    launch(1, l, wy, qkv, res);
+                    launch(2, l, wy, x, act);
+                    launch(3, l, wy, act, res);
+                }
+            }));
+        return best;
+    };
+    // Each way twice, interleaved (rounds), so drift shows.
+    for (int round = 0; round < (argc > 1 ? 0 : 2); round++)
+        for (const Way& wy : ways) {
+            const float us = chain(wy);
+            printf("round %d  %-26s chain %.1f us  %.0f GB/s\n", round, wy.name, us, gb / (us * 1e-6));
+        }
+    // Per shape (32 of one shape in a row), three ways.
+    for (int s = 0; s < (argc > 1 ? 0 : 4); s++)
+        for (int wi : {0, 1, 5}) {
+            const Way& wy = ways[wi];
+            float* out = shapes[s].kind == 0 ? qkv : shapes[s].kind == 2 ? act : res;
+            float best = 1e30f;
+            for (int r = 0; r < 3; r++) best = std::min(best, graph_us(st, 1, [&](int) { for (int l = 0; l < L; l++) launch(s, l, wy, x, out); }));
+            printf("shape %-8s %-26s %.2f us each  %.0f GB/s\n", shapes[s].name, wy.name, best / L, sbytes[s] * L / 1e9 / (best * 1e-6));
+        }
+    // The fused chain: per layer one kernel (o, gate/up, down, next QKV), against the same
+    // four GEMVs as separate launches (plain, pdl) in the same buffers.
+    {
+        unsigned* cnt;
+        CK(cudaMalloc(&cnt, 1024 * 4));
+        CK(cudaMemset(cnt, 0, 1024 * 4));
+        float* res2;
+        CK(cudaMalloc(&res2, H * 4));
+        int per = 0;
+        CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, fused_chain, GEMV_WARPS * 32, 0));
+        printf("fused_chain: %d blocks per SM\n", per);
+        int tickets = 0, mode = 0;
+        auto phases = [&](int l) {
+            Chain c = {};
+            c.tickets = tickets;
+            c.mode = mode;
+            c.ph[0] = {wp(1, l), qkv, res, H / 2, H, 1};
+            c.ph[1] = {wp(2, l), res, act, FF, H, 2};
+            c.ph[2] = {wp(3, l), act, res2, H / 2, FF, 1};
+            c.ph[3] = {wp(0, (l + 1) % L), res2, qkv, QKV / 2, H, 0};
+            c.nph = 4;
+            c.cnt = cnt;
+            return c;
+        };
+        for (int round = 0; round < 2; round++) {
+            for (int pdl = 0; pdl < 2; pdl++) {
+                const Way wy = {"", 0, pdl == 1, 0, 2};
+                float best = 1e30f;
+                for (int r = 0; r < 3; r++)
+                    best = std::min(best, graph_us(st, 1, [&](int) {
+                        for (int l = 0; l < L; l++) {
+                            launch(1, l, wy, qkv, res);
+                            launch(2, l, wy, res, act);
+                            launch(3, l, wy, act, res2);
+                            launch(0, (l + 1) % L, wy, res2, qkv);
+                        }
+                    }));
+                printf("separate (%s): %.1f us  %.0f GB/s\n", pdl ? "pdl" : "plain", best, gb / (best * 1e-6));
+            }
+            for (int pdl = 0; pdl < 4; pdl++) {
+                tickets = pdl > 0;
+                mode = pdl == 3 ? 2 : pdl == 2 ? 0 : 1;
+                float best = 1e30f;
+                for (int r = 0; r < 3; r++)
+                    best = std::min(best, graph_us(st, 1, [&](int) {
+                        for (int l = 0; l < L; l++) {
+                            cudaLaunchConfig_t cfg = {};
+                            cfg.gridDim = dim3(per * nsm);
+                            cfg.blockDim = dim3(GEMV_WARPS * 32);
+                            cfg.stream = st;
+                            cudaLaunchAttribute at[1];
+                            at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+                            at[0].val.programmaticStreamSerializationAllowed = 1;
+                            cfg.attrs = at;
+                            cfg.numAttrs = 1;
+                            CK(cudaLaunchKernelEx(&cfg, fused_chain, phases(l)));
+                        }
+                    }));
+                printf("fused (mode %d, %s): %.1f us  %.0f GB/s\n", mode, tickets ? "tickets" : "static", best, gb / (best * 1e-6));
+            }
+        }
+        // Same results? Run layer 0 both ways from the same inputs and compare qkv.
+        std::vector<float> hq(QKV), hf(QKV), h0(2 * FF, 0.25f);
+        auto reset = [&]() {
+            CK(cudaMemcpy(res, h0.data(), H * 4, cudaMemcpyHostToDevice));
+            CK(cudaMemcpy(res2, h0.data(), H * 4, cudaMemcpyHostToDevice));
+            CK(cudaMemcpy(qkv, hx.data(), QKV * 4, cudaMemcpyHostToDevice));
+        };
+        const Way wy = {"", 0, false, 0, 2};
+        reset();
+        launch(1, 0, wy, qkv, res); launch(2, 0, wy, res, act); launch(3, 0, wy, act, res2); launch(0, 1, wy, res2, qkv);
+        CK(cudaMemcpy(hq.data(), qkv, QKV * 4, cudaMemcpyDeviceToHost));
+        reset();
+        mode = 1, tickets = 1;
+        fused_chain<<<per * nsm, GEMV_WARPS * 32, 0, st>>>(phases(0));
+        CK(cudaStreamSynchronize(st));
+        CK(cudaMemcpy(hf.data(), qkv, QKV * 4, cudaMemcpyDeviceToHost));
+        double md = 0, mx = 0;
+        for (int i = 0; i < QKV; i++) md = std::max(md, (double)fabsf(hq[i] - hf[i])), mx = std::max(mx, (double)fabsf(hq[i]));
+        printf("fused vs separate, layer 0's QKV: largest difference %.3e of %.3e\n", md, mx);
+    }
+    // gate/up: [gate; up] (kind 2, the engine's), rows interleaved (kind 3), plain pairs (kind 0).
+    for (int kind : {2, 3, 0, 2, 3, 0}) {
+        const int pairs = FF;
+        float best = 1e30f;
+        for (int r = 0; r < 3; r++)
+            best = std::min(best, graph_us(st, 1, [&](int) {
+                for (int l = 0; l < L; l++) chain_gemv<2><<<pairs / GEMV_WARPS, GEMV_WARPS * 32, 0, st>>>(wp(2, l), x, kind == 0 ? res : act, pairs, H, kind, 0);
+            }));
+        printf("gate/up kind %d: %.2f us each  %.0f GB/s\n", kind, best / L, sbytes[2] * L / 1e9 / (best * 1e-6));
+    }
+    // The floor: one GEMV over all the bytes (k = 4096), and stream_read of them.
+    {
+        const long long rows = (long long)(total / 2 / H);
+        const int pairs = (int)(rows / 2);
+        for (int per : {0, 2, 4}) {
+            float best = 1e30f;
+            for (int r = 0; r < 3; r++)
+                best = std::min(best, graph_us(st, 1, [&](int) {
+                    const int full = (pairs + GEMV_WARPS - 1) / GEMV_WARPS;
+                    chain_gemv<2><<<per ? per * nsm : full, GEMV_WARPS * 32, 0, st>>>(all, x, act, pairs, H, 0, 0);
+                }));
+            printf("one GEMV over all %.2f GB (grid %s): %.1f us  %.0f GB/s\n", gb, per ? (per == 2 ? "2/SM" : "4/SM") : "full", best, gb / (best * 1e-6));
+        }
+        unsigned* sink;
+        CK(cudaMalloc(&sink, 4));
+        float best = 1e30f;
+        for (int r = 0; r < 3; r++) best = std::min(best, graph_us(st, 1, [&](int) { stream_read<<<4 * nsm, 256, 0, st>>>(all, (long long)(total / 16), sink); }));
+        printf("stream_read all: %.1f us  %.0f GB/s\n", best, gb / (best * 1e-6));
+    }
+    return 0;
+}
