@@ -11,7 +11,14 @@
 //      are compared bit for bit; the blocks take units in a stride or by tickets, and
 //      mode 2 drops the waits (wrong results: the form's bound);
 //   4. gate/up with the engine's [gate; up] rows, interleaved rows, and plain pairs;
-//   5. the floor: one GEMV over all 13.96 GB in one launch, and stream_read of them.
+//   5. the floor: one GEMV over all 13.96 GB in one launch, and stream_read of them;
+//   6. (./chainlab stream [stages]: this part only) stream_chain: a block per SM, one
+//      producer warp streaming each phase's weights through a ring of shared-memory stages
+//      by bulk copies, never waiting for activations, and 8 consumer warps waiting per
+//      input chunk as in 3 — fused per layer and one launch per phase, against the four
+//      launches, and its bits against theirs. WRITTEN BUT NOT YET RUN: no GPU time was
+//      left in the session that wrote it (its device code compiles with NVRTC 12.9 for
+//      sm_90a: 110 registers, no spills; the host code was only read).
 // Results and what they mean: docs/PERF.md (twenty-sixth session). Not part of the build;
 // on the GPU machine:
 //   nvcc -O3 -std=c++17 -arch=sm_90a tools/gpu-lab/chainlab.cu -o chainlab && ./chainlab
@@ -197,6 +204,128 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, 4) fused_chain(const Chain c)
     }
 }
 
+
+// The streamed chain: a block per SM, one producer warp streaming the weights of its rows,
+// phase after phase, through a ring of shared-memory stages (two rows × SC_CH columns, bulk
+// copies onto an mbarrier) without ever waiting for activations; NC consumer warps take the
+// block's row pairs in turn, wait for a stage and, from the second phase on, for the
+// 512-output chunks of the phase before that its columns need (as fused_chain), and count
+// their outputs the same way. While consumers wait at a phase's start, the producer keeps
+// the memory busy until the ring is full (~5 µs of the card's bandwidth at 24 stages).
+#define SC_CH 2048
+#define SC_STAGE (2 * SC_CH * 2)
+__device__ __forceinline__ uint4 lds128(unsigned a) {
+    uint4 v;
+    asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(a));
+    return v;
+}
+template <int NC>
+__global__ void __launch_bounds__(32 * (NC + 1), 1) stream_chain(const Chain c, int stages) {
+    extern __shared__ __align__(1024) unsigned char sc_smem[];
+    const unsigned base = ((unsigned)__cvta_generic_to_shared(sc_smem) + 1023u) & ~1023u;
+    const unsigned full_at = base + stages * SC_STAGE, empty_at = full_at + 8 * stages;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int G = gridDim.x, b = blockIdx.x;
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < stages; s++) mbar_init(full_at + 8 * s, 1), mbar_init(empty_at + 8 * s, 1);
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+    if (warp == 0) {
+        if (lane == 0) {
+            int s = 0;
+            for (int ph = 0; ph < c.nph; ph++) {
+                const Phase P = c.ph[ph];
+                const int p0 = (int)((long long)P.pairs * b / G), p1 = (int)((long long)P.pairs * (b + 1) / G);
+                const int chunks = P.k / SC_CH;
+                for (int p = p0; p < p1; p++) {
+                    const unsigned short* w0 = P.w + (size_t)(P.kind == 2 ? p : 2 * p) * P.k;
+                    const unsigned short* w1 = P.w + (size_t)(P.kind == 2 ? p + P.pairs : 2 * p + 1) * P.k;
+                    for (int j = 0; j < chunks; j++, s++) {
+                        const int st = s % stages;
+                        mbar_wait(empty_at + 8 * st, ((s / stages) & 1) ^ 1);
+                        mbar_arrive_expect_tx(full_at + 8 * st, SC_STAGE);
+                        const unsigned dst = base + st * SC_STAGE;
+                        bulk_copy_g2s(dst, w0 + (size_t)j * SC_CH, SC_CH * 2, full_at + 8 * st);
+                        bulk_copy_g2s(dst + SC_CH * 2, w1 + (size_t)j * SC_CH, SC_CH * 2, full_at + 8 * st);
+                    }
+                }
+            }
+        }
+    } else {
+        const int cw = warp - 1;
+        pdl_wait();
+        int s = 0;
+        for (int ph = 0; ph < c.nph; ph++) {
+            const Phase P = c.ph[ph];
+            const int p0 = (int)((long long)P.pairs * b / G), p1 = (int)((long long)P.pairs * (b + 1) / G);
+            const int chunks = P.k / SC_CH;
+            for (int p = p0; p < p1; p++) {
+                if ((p - p0) % NC != cw) {
+                    s += chunks;
+                    continue;
+                }
+                float s0 = 0.f, s1 = 0.f;
+                int ready = ph == 0 || c.mode == 2 ? P.k : 0;
+                for (int j = 0; j < chunks; j++, s++) {
+                    const int st = s % stages;
+                    if (j * SC_CH >= ready) {
+                        const Phase& Q = c.ph[ph - 1];
+                        const unsigned* cb = c.cnt + (ph - 1) * 64;
+                        const int n_prev = Q.kind == 2 ? Q.pairs : 2 * Q.pairs;
+                        int r = 0;
+                        if (lane == 0) {
+                            if (ld_acquire(cb + 63) >= (unsigned)Q.pairs) r = P.k;
+                            else {
+                                for (int q = 4 * j; q < 4 * j + 4 && q * 512 < n_prev; q++) {
+                                    const unsigned want = chunk_expect(Q, q);
+                                    while (ld_acquire(cb + q) < want) __nanosleep(64);
+                                }
+                                r = (j + 1) * SC_CH;
+                            }
+                        }
+                        ready = __shfl_sync(0xffffffffu, r, 0);
+                        __syncwarp();
+                    }
+                    mbar_wait(full_at + 8 * st, (s / stages) & 1);
+                    const unsigned ws = base + st * SC_STAGE;
+                    const float* xin = P.in + (size_t)j * SC_CH + lane * 8;
+#pragma unroll
+                    for (int t = 0; t < SC_CH / 256; t++) {
+                        const uint4 a = lds128(ws + (t * 256 + lane * 8) * 2);
+                        const uint4 bb = lds128(ws + SC_CH * 2 + (t * 256 + lane * 8) * 2);
+                        float v[8];
+                        const float4 x0 = *reinterpret_cast<const float4*>(xin + t * 256);
+                        const float4 x1 = *reinterpret_cast<const float4*>(xin + t * 256 + 4);
+                        v[0] = x0.x, v[1] = x0.y, v[2] = x0.z, v[3] = x0.w, v[4] = x1.x, v[5] = x1.y, v[6] = x1.z, v[7] = x1.w;
+                        s0 += dot8_bf16(a, v);
+                        s1 += dot8_bf16(bb, v);
+                    }
+                    __syncwarp();
+                    if (lane == 0) mbar_arrive(empty_at + 8 * st);
+                }
+                for (int o = 16; o > 0; o >>= 1) s0 += __shfl_xor_sync(0xffffffffu, s0, o), s1 += __shfl_xor_sync(0xffffffffu, s1, o);
+                if (lane == 0) {
+                    int oi;
+                    if (P.kind == 2) P.out[p] = silu_gate(s0, s1), oi = p;
+                    else if (P.kind == 1) P.out[2 * p] = __ldcg(P.out + 2 * p) + s0, P.out[2 * p + 1] = __ldcg(P.out + 2 * p + 1) + s1, oi = 2 * p;
+                    else P.out[2 * p] = s0, P.out[2 * p + 1] = s1, oi = 2 * p;
+                    red_release(c.cnt + ph * 64 + (oi >> 9), 1u);
+                    red_release(c.cnt + ph * 64 + 63, 1u);
+                }
+            }
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        if (atomicAdd(c.cnt + 256, 1u) == gridDim.x - 1) {
+            for (int i = 0; i < 1024; i++) c.cnt[i] = 0;
+            __threadfence();
+        }
+    }
+}
+
 __global__ void fill_bf16(unsigned short* w, size_t n, unsigned seed, float scale) {
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
         unsigned h = (unsigned)i * 2654435761u ^ seed;
@@ -292,6 +421,101 @@ int main(int argc, char** argv) {
             for (int r = 0; r < 3; r++) best = std::min(best, graph_us(st, 1, [&](int) { for (int l = 0; l < L; l++) launch(s, l, wy, x, out); }));
             printf("shape %-8s %-26s %.2f us each  %.0f GB/s\n", shapes[s].name, wy.name, best / L, sbytes[s] * L / 1e9 / (best * 1e-6));
         }
+    // The streamed chain (argument "stream": this part only): fused per layer and one phase
+    // per launch, against the separate launches, and its bits against theirs.
+    if (argc > 1 && !strcmp(argv[1], "stream")) {
+        unsigned* cnt;
+        CK(cudaMalloc(&cnt, 1024 * 4));
+        CK(cudaMemset(cnt, 0, 1024 * 4));
+        float* res2;
+        CK(cudaMalloc(&res2, H * 4));
+        const int stages = argc > 2 ? atoi(argv[2]) : 24;
+        const int smem = stages * SC_STAGE + 16 * stages + 1024;
+        CK(cudaFuncSetAttribute(stream_chain<8>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+        int mode = 1;
+        auto phase = [&](int i, int l) -> Phase {
+            if (i == 0) return {wp(1, l), qkv, res, H / 2, H, 1};
+            if (i == 1) return {wp(2, l), res, act, FF, H, 2};
+            if (i == 2) return {wp(3, l), act, res2, H / 2, FF, 1};
+            return {wp(0, (l + 1) % L), res2, qkv, QKV / 2, H, 0};
+        };
+        auto sc_launch = [&](Chain c) {
+            cudaLaunchConfig_t cfg = {};
+            cfg.gridDim = dim3(nsm);
+            cfg.blockDim = dim3(32 * 9);
+            cfg.dynamicSmemBytes = smem;
+            cfg.stream = st;
+            cudaLaunchAttribute at[1];
+            at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+            at[0].val.programmaticStreamSerializationAllowed = 1;
+            cfg.attrs = at;
+            cfg.numAttrs = 1;
+            CK(cudaLaunchKernelEx(&cfg, stream_chain<8>, c, stages));
+        };
+        auto fused = [&](int l) {
+            Chain c = {};
+            for (int i = 0; i < 4; i++) c.ph[i] = phase(i, l);
+            c.nph = 4, c.mode = mode, c.cnt = cnt;
+            sc_launch(c);
+        };
+        auto split = [&](int l) {
+            for (int i = 0; i < 4; i++) {
+                Chain c = {};
+                c.ph[0] = phase(i, l);
+                c.nph = 1, c.mode = mode, c.cnt = cnt;
+                sc_launch(c);
+            }
+        };
+        printf("streamed chain: %d stages of %d bytes, %d bytes of shared memory\n", stages, SC_STAGE, smem);
+        for (int round = 0; round < 2; round++) {
+            const Way wy = {"", 0, true, 0, 2};
+            float best = 1e30f;
+            for (int r = 0; r < 3; r++)
+                best = std::min(best, graph_us(st, 1, [&](int) {
+                    for (int l = 0; l < L; l++) {
+                        launch(1, l, wy, qkv, res);
+                        launch(2, l, wy, res, act);
+                        launch(3, l, wy, act, res2);
+                        launch(0, (l + 1) % L, wy, res2, qkv);
+                    }
+                }));
+            printf("separate (pdl): %.1f us  %.0f GB/s\n", best, gb / (best * 1e-6));
+            for (int way = 0; way < 3; way++) {
+                mode = way == 2 ? 2 : 1;
+                best = 1e30f;
+                for (int r = 0; r < 3; r++)
+                    best = std::min(best, graph_us(st, 1, [&](int) {
+                        for (int l = 0; l < L; l++) {
+                            if (way == 0) split(l);
+                            else fused(l);
+                        }
+                    }));
+                printf("streamed, %s: %.1f us  %.0f GB/s\n", way == 0 ? "a launch per phase" : way == 1 ? "fused" : "fused, no waits (wrong results)", best, gb / (best * 1e-6));
+            }
+        }
+        std::vector<float> hq(QKV), hf(QKV), h0(2 * FF, 0.25f);
+        auto reset = [&]() {
+            CK(cudaMemcpy(res, h0.data(), H * 4, cudaMemcpyHostToDevice));
+            CK(cudaMemcpy(res2, h0.data(), H * 4, cudaMemcpyHostToDevice));
+            CK(cudaMemcpy(qkv, hx.data(), QKV * 4, cudaMemcpyHostToDevice));
+        };
+        const Way wy = {"", 0, false, 0, 2};
+        reset();
+        launch(1, 0, wy, qkv, res); launch(2, 0, wy, res, act); launch(3, 0, wy, act, res2); launch(0, 1, wy, res2, qkv);
+        CK(cudaMemcpy(hq.data(), qkv, QKV * 4, cudaMemcpyDeviceToHost));
+        for (int way = 0; way < 2; way++) {
+            reset();
+            mode = 1;
+            if (way == 0) split(0);
+            else fused(0);
+            CK(cudaStreamSynchronize(st));
+            CK(cudaMemcpy(hf.data(), qkv, QKV * 4, cudaMemcpyDeviceToHost));
+            double md = 0, mx = 0;
+            for (int i = 0; i < QKV; i++) md = std::max(md, (double)fabsf(hq[i] - hf[i])), mx = std::max(mx, (double)fabsf(hq[i]));
+            printf("streamed (%s) vs separate, layer 0's QKV: largest difference %.3e of %.3e\n", way ? "fused" : "a launch per phase", md, mx);
+        }
+        return 0;
+    }
     // The fused chain: per layer one kernel (o, gate/up, down, next QKV), against the same
     // four GEMVs as separate launches (plain, pdl) in the same buffers.
     {
