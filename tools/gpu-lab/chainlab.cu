@@ -18,7 +18,7 @@
 //      input chunk as in 3 — fused per layer and one launch per phase, against the four
 //      launches, and its bits against theirs. WRITTEN BUT NOT YET RUN: no GPU time was
 //      left in the session that wrote it (its device code compiles with NVRTC 12.9 for
-//      sm_90a: 110 registers, no spills; the host code was only read).
+//      sm_90a: 106 registers, no spills; the host code was only read, and reviewed).
 // Results and what they mean: docs/PERF.md (twenty-sixth session). Not part of the build;
 // on the GPU machine:
 //   nvcc -O3 -std=c++17 -arch=sm_90a tools/gpu-lab/chainlab.cu -o chainlab && ./chainlab
@@ -216,17 +216,22 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, 4) fused_chain(const Chain c)
 #define SC_STAGE (2 * SC_CH * 2)
 __device__ __forceinline__ uint4 lds128(unsigned a) {
     uint4 v;
-    asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(a));
+    asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(a) : "memory");
     return v;
 }
 template <int NC>
 __global__ void __launch_bounds__(32 * (NC + 1), 1) stream_chain(const Chain c, int stages) {
     extern __shared__ __align__(1024) unsigned char sc_smem[];
     const unsigned base = ((unsigned)__cvta_generic_to_shared(sc_smem) + 1023u) & ~1023u;
-    const unsigned full_at = base + stages * SC_STAGE, empty_at = full_at + 8 * stages;
+    // issued_at: how many stages the producer has issued. A consumer skips the other warps'
+    // stages, so it may reach a stage's use n while use n − 1 is still pending, and a parity
+    // wait cannot tell use n from use n − 2; once use n is issued, use n − 1 was released
+    // (its full phase complete), so the parity wait is exact.
+    const unsigned full_at = base + stages * SC_STAGE, empty_at = full_at + 8 * stages, issued_at = empty_at + 8 * stages;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int G = gridDim.x, b = blockIdx.x;
     if (threadIdx.x == 0) {
+        asm volatile("st.shared.u32 [%0], %1;" ::"r"(issued_at), "r"(0) : "memory");
         for (int s = 0; s < stages; s++) mbar_init(full_at + 8 * s, 1), mbar_init(empty_at + 8 * s, 1);
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
@@ -248,6 +253,7 @@ __global__ void __launch_bounds__(32 * (NC + 1), 1) stream_chain(const Chain c, 
                         const unsigned dst = base + st * SC_STAGE;
                         bulk_copy_g2s(dst, w0 + (size_t)j * SC_CH, SC_CH * 2, full_at + 8 * st);
                         bulk_copy_g2s(dst + SC_CH * 2, w1 + (size_t)j * SC_CH, SC_CH * 2, full_at + 8 * st);
+                        asm volatile("st.release.cta.shared::cta.u32 [%0], %1;" ::"r"(issued_at), "r"(s + 1) : "memory");
                     }
                 }
             }
@@ -260,13 +266,14 @@ __global__ void __launch_bounds__(32 * (NC + 1), 1) stream_chain(const Chain c, 
             const Phase P = c.ph[ph];
             const int p0 = (int)((long long)P.pairs * b / G), p1 = (int)((long long)P.pairs * (b + 1) / G);
             const int chunks = P.k / SC_CH;
+            // Input columns known complete (chunks never become incomplete again).
+            int ready = ph == 0 || c.mode == 2 ? P.k : 0;
             for (int p = p0; p < p1; p++) {
                 if ((p - p0) % NC != cw) {
                     s += chunks;
                     continue;
                 }
                 float s0 = 0.f, s1 = 0.f;
-                int ready = ph == 0 || c.mode == 2 ? P.k : 0;
                 for (int j = 0; j < chunks; j++, s++) {
                     const int st = s % stages;
                     if (j * SC_CH >= ready) {
@@ -287,6 +294,12 @@ __global__ void __launch_bounds__(32 * (NC + 1), 1) stream_chain(const Chain c, 
                         ready = __shfl_sync(0xffffffffu, r, 0);
                         __syncwarp();
                     }
+                    if (lane == 0) {
+                        unsigned n;
+                        do asm volatile("ld.acquire.cta.shared::cta.u32 %0, [%1];" : "=r"(n) : "r"(issued_at) : "memory");
+                        while (n <= (unsigned)s);
+                    }
+                    __syncwarp();
                     mbar_wait(full_at + 8 * st, (s / stages) & 1);
                     const unsigned ws = base + st * SC_STAGE;
                     const float* xin = P.in + (size_t)j * SC_CH + lane * 8;
@@ -320,7 +333,8 @@ __global__ void __launch_bounds__(32 * (NC + 1), 1) stream_chain(const Chain c, 
     if (threadIdx.x == 0) {
         __threadfence();
         if (atomicAdd(c.cnt + 256, 1u) == gridDim.x - 1) {
-            for (int i = 0; i < 1024; i++) c.cnt[i] = 0;
+            __threadfence();
+            for (int i = 0; i <= 256; i++) c.cnt[i] = 0;  // the chunk counts and the blocks-done count
             __threadfence();
         }
     }
@@ -430,8 +444,12 @@ int main(int argc, char** argv) {
         float* res2;
         CK(cudaMalloc(&res2, H * 4));
         const int stages = argc > 2 ? atoi(argv[2]) : 24;
-        const int smem = stages * SC_STAGE + 16 * stages + 1024;
-        CK(cudaFuncSetAttribute(stream_chain<8>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+        const int smem = stages * SC_STAGE + 16 * stages + 16 + 1024;  // ring, full and empty barriers, the issued count, alignment
+        constexpr int NC = 8;
+        CK(cudaFuncSetAttribute(stream_chain<NC>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+        int fits = 0;
+        CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fits, stream_chain<NC>, 32 * (NC + 1), smem));
+        if (fits < 1 || H % SC_CH || FF % SC_CH) { printf("stream_chain does not fit (%d blocks per SM)\n", fits); return 1; }
         int mode = 1;
         auto phase = [&](int i, int l) -> Phase {
             if (i == 0) return {wp(1, l), qkv, res, H / 2, H, 1};
@@ -442,7 +460,7 @@ int main(int argc, char** argv) {
         auto sc_launch = [&](Chain c) {
             cudaLaunchConfig_t cfg = {};
             cfg.gridDim = dim3(nsm);
-            cfg.blockDim = dim3(32 * 9);
+            cfg.blockDim = dim3(32 * (NC + 1));
             cfg.dynamicSmemBytes = smem;
             cfg.stream = st;
             cudaLaunchAttribute at[1];
@@ -450,7 +468,7 @@ int main(int argc, char** argv) {
             at[0].val.programmaticStreamSerializationAllowed = 1;
             cfg.attrs = at;
             cfg.numAttrs = 1;
-            CK(cudaLaunchKernelEx(&cfg, stream_chain<8>, c, stages));
+            CK(cudaLaunchKernelEx(&cfg, stream_chain<NC>, c, stages));
         };
         auto fused = [&](int l) {
             Chain c = {};
@@ -466,6 +484,41 @@ int main(int argc, char** argv) {
                 sc_launch(c);
             }
         };
+        // Bits first (a broken ring could hang the timing): layer 0 through the four launches,
+        // then through the streamed forms, from the same inputs; every output buffer compared.
+        {
+            std::vector<float> h0(2 * FF, 0.25f);
+            auto reset = [&]() {
+                CK(cudaMemcpy(res, h0.data(), H * 4, cudaMemcpyHostToDevice));
+                CK(cudaMemcpy(res2, h0.data(), H * 4, cudaMemcpyHostToDevice));
+                CK(cudaMemset(act, 0, FF * 4));
+                CK(cudaMemcpy(qkv, hx.data(), QKV * 4, cudaMemcpyHostToDevice));
+            };
+            auto grab = [&]() {
+                std::vector<float> h(QKV + 2 * H + FF);
+                CK(cudaStreamSynchronize(st));
+                CK(cudaMemcpy(h.data(), qkv, QKV * 4, cudaMemcpyDeviceToHost));
+                CK(cudaMemcpy(h.data() + QKV, res, H * 4, cudaMemcpyDeviceToHost));
+                CK(cudaMemcpy(h.data() + QKV + H, res2, H * 4, cudaMemcpyDeviceToHost));
+                CK(cudaMemcpy(h.data() + QKV + 2 * H, act, FF * 4, cudaMemcpyDeviceToHost));
+                return h;
+            };
+            const Way wy = {"", 0, false, 0, 2};
+            reset();
+            launch(1, 0, wy, qkv, res); launch(2, 0, wy, res, act); launch(3, 0, wy, act, res2); launch(0, 1, wy, res2, qkv);
+            const std::vector<float> ref = grab();
+            for (int way = 0; way < 2; way++)
+                for (int rep = 0; rep < 3; rep++) {
+                    reset();
+                    mode = 1;
+                    if (way == 0) split(0);
+                    else fused(0);
+                    const std::vector<float> got = grab();
+                    int diff = 0;
+                    for (size_t i = 0; i < ref.size(); i++) diff += memcmp(&ref[i], &got[i], 4) != 0;
+                    printf("streamed (%s), run %d: %d of %zu outputs differ in bits from the four launches\n", way ? "fused" : "a launch per phase", rep, diff, ref.size());
+                }
+        }
         printf("streamed chain: %d stages of %d bytes, %d bytes of shared memory\n", stages, SC_STAGE, smem);
         for (int round = 0; round < 2; round++) {
             const Way wy = {"", 0, true, 0, 2};
@@ -492,27 +545,6 @@ int main(int argc, char** argv) {
                     }));
                 printf("streamed, %s: %.1f us  %.0f GB/s\n", way == 0 ? "a launch per phase" : way == 1 ? "fused" : "fused, no waits (wrong results)", best, gb / (best * 1e-6));
             }
-        }
-        std::vector<float> hq(QKV), hf(QKV), h0(2 * FF, 0.25f);
-        auto reset = [&]() {
-            CK(cudaMemcpy(res, h0.data(), H * 4, cudaMemcpyHostToDevice));
-            CK(cudaMemcpy(res2, h0.data(), H * 4, cudaMemcpyHostToDevice));
-            CK(cudaMemcpy(qkv, hx.data(), QKV * 4, cudaMemcpyHostToDevice));
-        };
-        const Way wy = {"", 0, false, 0, 2};
-        reset();
-        launch(1, 0, wy, qkv, res); launch(2, 0, wy, res, act); launch(3, 0, wy, act, res2); launch(0, 1, wy, res2, qkv);
-        CK(cudaMemcpy(hq.data(), qkv, QKV * 4, cudaMemcpyDeviceToHost));
-        for (int way = 0; way < 2; way++) {
-            reset();
-            mode = 1;
-            if (way == 0) split(0);
-            else fused(0);
-            CK(cudaStreamSynchronize(st));
-            CK(cudaMemcpy(hf.data(), qkv, QKV * 4, cudaMemcpyDeviceToHost));
-            double md = 0, mx = 0;
-            for (int i = 0; i < QKV; i++) md = std::max(md, (double)fabsf(hq[i] - hf[i])), mx = std::max(mx, (double)fabsf(hq[i]));
-            printf("streamed (%s) vs separate, layer 0's QKV: largest difference %.3e of %.3e\n", way ? "fused" : "a launch per phase", md, mx);
         }
         return 0;
     }
