@@ -18,7 +18,8 @@
 //      input chunk as in 3 — fused per layer and one launch per phase, against the four
 //      launches, and its bits against theirs. WRITTEN BUT NOT YET RUN: no GPU time was
 //      left in the session that wrote it (its device code compiles with NVRTC 12.9 for
-//      sm_90a: 106 registers, no spills; the host code was only read, and reviewed).
+//      sm_90a: 106 registers, no spills; the host code was reviewed and type-checked by g++
+//      against stub CUDA declarations, not compiled by nvcc).
 // Results and what they mean: docs/PERF.md (twenty-sixth session). Not part of the build;
 // on the GPU machine:
 //   nvcc -O3 -std=c++17 -arch=sm_90a tools/gpu-lab/chainlab.cu -o chainlab && ./chainlab
@@ -33,6 +34,21 @@
 #define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("CUDA %s at %d\n", cudaGetErrorString(e), __LINE__); exit(1); } } while (0)
 #include "graph_time.h"
 #include "../../kernels/src/cuda/ops.cu"
+
+// Lets the kernel after this one be scheduled once every block has called it or exited
+// (ops.cu's kernels never call it: PERF.md, twentieth session).
+__device__ __forceinline__ void pdl_trigger() {
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+
+// Eight f32 inputs by two plain float4 loads (not ops.cu's load_x8: its __restrict__ input
+// may be read through the non-coherent cache, and the fused kernels read inputs that other
+// blocks of the same launch write).
+__device__ __forceinline__ void x8(const float* p, float (&v)[8]) {
+    const float4 a = *reinterpret_cast<const float4*>(p);
+    const float4 b = *reinterpret_cast<const float4*>(p + 4);
+    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+}
 
 // trig: 0 none, 1 at start, 2 when the warp starts its last pair, 3 after the warp's loop.
 template <int U>
@@ -64,9 +80,7 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, 4) chain_gemv(const unsigned 
 #pragma unroll
             for (int u = 0; u < U; u++) {
                 float v[8];
-                const float4 x0 = *reinterpret_cast<const float4*>(in + k0 + step * u);
-                const float4 x1 = *reinterpret_cast<const float4*>(in + k0 + step * u + 4);
-                v[0] = x0.x, v[1] = x0.y, v[2] = x0.z, v[3] = x0.w, v[4] = x1.x, v[5] = x1.y, v[6] = x1.z, v[7] = x1.w;
+                x8(in + k0 + step * u, v);
                 s0 += dot8_bf16(a[u], v);
                 s1 += dot8_bf16(b[u], v);
             }
@@ -107,6 +121,53 @@ __device__ __forceinline__ int chunk_expect(const Phase& P, int c) {
     const int n = min(512, n_out - 512 * c);
     return P.kind == 2 ? n : n / 2;
 }
+// Waits (lane 0 polls, then the warp) until the outputs [col, col + n) of phase ph − 1 (its
+// 512-output chunks) are complete; returns how many input columns are now known complete:
+// all k once that whole phase is (one check of its total first).
+__device__ __forceinline__ int wait_inputs(const Chain& c, int ph, int col, int n, int k, bool sleep) {
+    const Phase& Q = c.ph[ph - 1];
+    const unsigned* cb = c.cnt + (ph - 1) * 64;
+    const int n_prev = Q.kind == 2 ? Q.pairs : 2 * Q.pairs;
+    int r = 0;
+    if ((threadIdx.x & 31) == 0) {
+        if (ld_acquire(cb + 63) >= (unsigned)Q.pairs) r = k;
+        else {
+            for (int q = col / 512; q < (col + n) / 512 && q * 512 < n_prev; q++) {
+                const unsigned want = chunk_expect(Q, q);
+                while (ld_acquire(cb + q) < want)
+                    if (sleep) __nanosleep(128);
+            }
+            r = col + n;
+        }
+    }
+    r = __shfl_sync(0xffffffffu, r, 0);
+    __syncwarp();
+    return r;
+}
+// The warp's two dot products reduced, written as phase ph's kind says (P: that phase), and
+// counted into the phase's chunk and total (release).
+__device__ __forceinline__ void store_pair(const Phase& P, unsigned* cnt, int ph, int p, float s0, float s1) {
+    for (int o = 16; o > 0; o >>= 1) s0 += __shfl_xor_sync(0xffffffffu, s0, o), s1 += __shfl_xor_sync(0xffffffffu, s1, o);
+    if ((threadIdx.x & 31) != 0) return;
+    int oi;
+    if (P.kind == 2) P.out[p] = silu_gate(s0, s1), oi = p;
+    else if (P.kind == 1) P.out[2 * p] = __ldcg(P.out + 2 * p) + s0, P.out[2 * p + 1] = __ldcg(P.out + 2 * p + 1) + s1, oi = 2 * p;
+    else P.out[2 * p] = s0, P.out[2 * p + 1] = s1, oi = 2 * p;
+    red_release(cnt + ph * 64 + (oi >> 9), 1u);
+    red_release(cnt + ph * 64 + 63, 1u);
+}
+// The block's end: the last block to finish zeroes the first n counts for the next launch.
+__device__ __forceinline__ void finish_launch(unsigned* cnt, int n) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        if (atomicAdd(cnt + 256, 1u) == gridDim.x - 1) {
+            __threadfence();
+            for (int i = 0; i < n; i++) cnt[i] = 0;
+            __threadfence();
+        }
+    }
+}
 __global__ void __launch_bounds__(GEMV_WARPS * 32, 4) fused_chain(const Chain c) {
     const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5;
     pdl_wait();
@@ -131,27 +192,11 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, 4) fused_chain(const Chain c)
                 an[0] = ld_stream_u4(w0 + k0 + 512), bn[0] = ld_stream_u4(w1 + k0 + 512);
                 an[1] = ld_stream_u4(w0 + k0 + 768), bn[1] = ld_stream_u4(w1 + k0 + 768);
             }
-            if (g >= ready && c.mode < 2) {
-                // The whole previous phase done (one check), else this chunk.
-                const unsigned* base = c.cnt + (ph - 1) * 64;
-                int r = 0;
-                if (lane == 0) {
-                    if (ld_acquire(base + 63) >= (unsigned)c.ph[ph - 1].pairs) r = k;
-                    else {
-                        const unsigned want = chunk_expect(c.ph[ph - 1], g >> 9);
-                        while (ld_acquire(base + (g >> 9)) < want) if (c.mode == 1) __nanosleep(128);
-                        r = g + 512;
-                    }
-                }
-                ready = __shfl_sync(0xffffffffu, r, 0);
-                __syncwarp();
-            }
+            if (g >= ready && c.mode < 2) ready = wait_inputs(c, ph, g, 512, k, c.mode == 1);
 #pragma unroll
             for (int u = 0; u < 2; u++) {
                 float v[8];
-                const float4 x0 = *reinterpret_cast<const float4*>(P.in + k0 + 256 * u);
-                const float4 x1 = *reinterpret_cast<const float4*>(P.in + k0 + 256 * u + 4);
-                v[0] = x0.x, v[1] = x0.y, v[2] = x0.z, v[3] = x0.w, v[4] = x1.x, v[5] = x1.y, v[6] = x1.z, v[7] = x1.w;
+                x8(P.in + k0 + 256 * u, v);
                 s0 += dot8_bf16(a[u], v);
                 s1 += dot8_bf16(b[u], v);
             }
@@ -159,15 +204,7 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, 4) fused_chain(const Chain c)
             k0 += 512;
             a[0] = an[0], a[1] = an[1], b[0] = bn[0], b[1] = bn[1];
         }
-        for (int o = 16; o > 0; o >>= 1) s0 += __shfl_xor_sync(0xffffffffu, s0, o), s1 += __shfl_xor_sync(0xffffffffu, s1, o);
-        if (lane == 0) {
-            int oi;
-            if (P.kind == 2) P.out[p] = silu_gate(s0, s1), oi = p;
-            else if (P.kind == 1) P.out[2 * p] = __ldcg(P.out + 2 * p) + s0, P.out[2 * p + 1] = __ldcg(P.out + 2 * p + 1) + s1, oi = 2 * p;
-            else P.out[2 * p] = s0, P.out[2 * p + 1] = s1, oi = 2 * p;
-            red_release(c.cnt + ph * 64 + (oi >> 9), 1u);
-            red_release(c.cnt + ph * 64 + 63, 1u);
-        }
+        store_pair(P, c.cnt, ph, p, s0, s1);
     };
     if (c.tickets) {
         // Dynamic: tickets over the phases' units in order (the next one taken while this
@@ -193,15 +230,7 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, 4) fused_chain(const Chain c)
             for (int unit = blockIdx.x; unit < units; unit += gridDim.x) unit_run(ph, unit);
         }
     }
-    // The last block to finish zeroes the counts for the next launch.
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        __threadfence();
-        if (atomicAdd(c.cnt + 256, 1u) == gridDim.x - 1) {
-            for (int i = 0; i < 1024; i++) c.cnt[i] = 0;
-            __threadfence();
-        }
-    }
+    finish_launch(c.cnt, 1024);  // (with the ticket count at 600)
 }
 
 
@@ -276,24 +305,7 @@ __global__ void __launch_bounds__(32 * (NC + 1), 1) stream_chain(const Chain c, 
                 float s0 = 0.f, s1 = 0.f;
                 for (int j = 0; j < chunks; j++, s++) {
                     const int st = s % stages;
-                    if (j * SC_CH >= ready) {
-                        const Phase& Q = c.ph[ph - 1];
-                        const unsigned* cb = c.cnt + (ph - 1) * 64;
-                        const int n_prev = Q.kind == 2 ? Q.pairs : 2 * Q.pairs;
-                        int r = 0;
-                        if (lane == 0) {
-                            if (ld_acquire(cb + 63) >= (unsigned)Q.pairs) r = P.k;
-                            else {
-                                for (int q = 4 * j; q < 4 * j + 4 && q * 512 < n_prev; q++) {
-                                    const unsigned want = chunk_expect(Q, q);
-                                    while (ld_acquire(cb + q) < want) __nanosleep(64);
-                                }
-                                r = (j + 1) * SC_CH;
-                            }
-                        }
-                        ready = __shfl_sync(0xffffffffu, r, 0);
-                        __syncwarp();
-                    }
+                    if (j * SC_CH >= ready) ready = wait_inputs(c, ph, j * SC_CH, SC_CH, P.k, true);
                     if (lane == 0) {
                         unsigned n;
                         do asm volatile("ld.acquire.cta.shared::cta.u32 %0, [%1];" : "=r"(n) : "r"(issued_at) : "memory");
@@ -302,52 +314,25 @@ __global__ void __launch_bounds__(32 * (NC + 1), 1) stream_chain(const Chain c, 
                     __syncwarp();
                     mbar_wait(full_at + 8 * st, (s / stages) & 1);
                     const unsigned ws = base + st * SC_STAGE;
-                    const float* xin = P.in + (size_t)j * SC_CH + lane * 8;
 #pragma unroll
                     for (int t = 0; t < SC_CH / 256; t++) {
                         const uint4 a = lds128(ws + (t * 256 + lane * 8) * 2);
                         const uint4 bb = lds128(ws + SC_CH * 2 + (t * 256 + lane * 8) * 2);
                         float v[8];
-                        const float4 x0 = *reinterpret_cast<const float4*>(xin + t * 256);
-                        const float4 x1 = *reinterpret_cast<const float4*>(xin + t * 256 + 4);
-                        v[0] = x0.x, v[1] = x0.y, v[2] = x0.z, v[3] = x0.w, v[4] = x1.x, v[5] = x1.y, v[6] = x1.z, v[7] = x1.w;
+                        x8(P.in + (size_t)j * SC_CH + t * 256 + lane * 8, v);
                         s0 += dot8_bf16(a, v);
                         s1 += dot8_bf16(bb, v);
                     }
                     __syncwarp();
                     if (lane == 0) mbar_arrive(empty_at + 8 * st);
                 }
-                for (int o = 16; o > 0; o >>= 1) s0 += __shfl_xor_sync(0xffffffffu, s0, o), s1 += __shfl_xor_sync(0xffffffffu, s1, o);
-                if (lane == 0) {
-                    int oi;
-                    if (P.kind == 2) P.out[p] = silu_gate(s0, s1), oi = p;
-                    else if (P.kind == 1) P.out[2 * p] = __ldcg(P.out + 2 * p) + s0, P.out[2 * p + 1] = __ldcg(P.out + 2 * p + 1) + s1, oi = 2 * p;
-                    else P.out[2 * p] = s0, P.out[2 * p + 1] = s1, oi = 2 * p;
-                    red_release(c.cnt + ph * 64 + (oi >> 9), 1u);
-                    red_release(c.cnt + ph * 64 + 63, 1u);
-                }
+                store_pair(P, c.cnt, ph, p, s0, s1);
             }
         }
     }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        __threadfence();
-        if (atomicAdd(c.cnt + 256, 1u) == gridDim.x - 1) {
-            __threadfence();
-            for (int i = 0; i <= 256; i++) c.cnt[i] = 0;  // the chunk counts and the blocks-done count
-            __threadfence();
-        }
-    }
+    finish_launch(c.cnt, 257);  // the chunk counts and the blocks-done count
 }
 
-__global__ void fill_bf16(unsigned short* w, size_t n, unsigned seed, float scale) {
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-        unsigned h = (unsigned)i * 2654435761u ^ seed;
-        h ^= h >> 15, h *= 2246822519u, h ^= h >> 13, h *= 3266489917u, h ^= h >> 16;
-        const float f = ((h >> 8) / 16777216.f * 2 - 1) * scale;
-        w[i] = (unsigned short)(__float_as_uint(f) >> 16);
-    }
-}
 
 struct Way { const char* name; int per_sm; bool pdl; int trig; int u; };
 
@@ -375,22 +360,53 @@ int main(int argc, char** argv) {
     auto wp = [&](int s, int l) { size_t off = layer * l; for (int i = 0; i < s; i++) off += sbytes[i]; return all + off / 2; };
     cudaStream_t st;
     CK(cudaStreamCreate(&st));
-    auto launch = [&](int s, int l, const Way& wy, const float* in, float* out) {
-        const Shape& sh = shapes[s];
-        const int pairs = sh.kind == 2 ? FF : sh.rows / 2;
-        const int full = (pairs + GEMV_WARPS - 1) / GEMV_WARPS;
-        const int grid = wy.per_sm ? std::min(full, wy.per_sm * nsm) : full;
+    // Any of the lab's kernels on st, with programmatic dependent launch or without.
+    auto launch_ex = [&](bool pdl, int grid, int threads, int smem, auto kernel, auto... args) {
         cudaLaunchConfig_t cfg = {};
         cfg.gridDim = dim3(grid);
-        cfg.blockDim = dim3(GEMV_WARPS * 32);
+        cfg.blockDim = dim3(threads);
+        cfg.dynamicSmemBytes = smem;
         cfg.stream = st;
         cudaLaunchAttribute at[1];
         at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
         at[0].val.programmaticStreamSerializationAllowed = 1;
         cfg.attrs = at;
-        cfg.numAttrs = wy.pdl ? 1 : 0;
-        if (wy.u == 4) CK(cudaLaunchKernelEx(&cfg, chain_gemv<4>, wp(s, l), in, out, pairs, sh.k, sh.kind, wy.trig));
-        else CK(cudaLaunchKernelEx(&cfg, chain_gemv<2>, wp(s, l), in, out, pairs, sh.k, sh.kind, wy.trig));
+        cfg.numAttrs = pdl ? 1 : 0;
+        CK(cudaLaunchKernelEx(&cfg, kernel, args...));
+    };
+    auto launch = [&](int s, int l, const Way& wy, const float* in, float* out) {
+        const Shape& sh = shapes[s];
+        const int pairs = sh.kind == 2 ? FF : sh.rows / 2;
+        const int full = (pairs + GEMV_WARPS - 1) / GEMV_WARPS;
+        const int grid = wy.per_sm ? std::min(full, wy.per_sm * nsm) : full;
+        launch_ex(wy.pdl, grid, GEMV_WARPS * 32, 0, wy.u == 4 ? chain_gemv<4> : chain_gemv<2>, (const unsigned short*)wp(s, l), in, out,
+                  pairs, sh.k, sh.kind, wy.trig);
+    };
+    // Parts 3 and 6: the chain's counts, down's output, layer l as four launches (o, gate/up,
+    // down, next QKV), and the inputs of a bit comparison.
+    unsigned* cnt;
+    CK(cudaMalloc(&cnt, 1024 * 4));
+    CK(cudaMemset(cnt, 0, 1024 * 4));
+    float* res2;
+    CK(cudaMalloc(&res2, H * 4));
+    auto four_launches = [&](int l, const Way& wy) {
+        launch(1, l, wy, qkv, res);
+        launch(2, l, wy, res, act);
+        launch(3, l, wy, act, res2);
+        launch(0, (l + 1) % L, wy, res2, qkv);
+    };
+    auto phase = [&](int i, int l) -> Phase {
+        if (i == 0) return {wp(1, l), qkv, res, H / 2, H, 1};
+        if (i == 1) return {wp(2, l), res, act, FF, H, 2};
+        if (i == 2) return {wp(3, l), act, res2, H / 2, FF, 1};
+        return {wp(0, (l + 1) % L), res2, qkv, QKV / 2, H, 0};
+    };
+    const std::vector<float> h0(2 * FF, 0.25f);
+    auto reset = [&]() {
+        CK(cudaMemcpy(res, h0.data(), H * 4, cudaMemcpyHostToDevice));
+        CK(cudaMemcpy(res2, h0.data(), H * 4, cudaMemcpyHostToDevice));
+        CK(cudaMemset(act, 0, FF * 4));
+        CK(cudaMemcpy(qkv, hx.data(), QKV * 4, cudaMemcpyHostToDevice));
     };
     std::vector<Way> ways = {
         {"plain", 0, false, 0, 2},
@@ -438,11 +454,6 @@ int main(int argc, char** argv) {
     // The streamed chain (argument "stream": this part only): fused per layer and one phase
     // per launch, against the separate launches, and its bits against theirs.
     if (argc > 1 && !strcmp(argv[1], "stream")) {
-        unsigned* cnt;
-        CK(cudaMalloc(&cnt, 1024 * 4));
-        CK(cudaMemset(cnt, 0, 1024 * 4));
-        float* res2;
-        CK(cudaMalloc(&res2, H * 4));
         const int stages = argc > 2 ? atoi(argv[2]) : 24;
         const int smem = stages * SC_STAGE + 16 * stages + 16 + 1024;  // ring, full and empty barriers, the issued count, alignment
         constexpr int NC = 8;
@@ -451,25 +462,7 @@ int main(int argc, char** argv) {
         CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fits, stream_chain<NC>, 32 * (NC + 1), smem));
         if (fits < 1 || H % SC_CH || FF % SC_CH) { printf("stream_chain does not fit (%d blocks per SM)\n", fits); return 1; }
         int mode = 1;
-        auto phase = [&](int i, int l) -> Phase {
-            if (i == 0) return {wp(1, l), qkv, res, H / 2, H, 1};
-            if (i == 1) return {wp(2, l), res, act, FF, H, 2};
-            if (i == 2) return {wp(3, l), act, res2, H / 2, FF, 1};
-            return {wp(0, (l + 1) % L), res2, qkv, QKV / 2, H, 0};
-        };
-        auto sc_launch = [&](Chain c) {
-            cudaLaunchConfig_t cfg = {};
-            cfg.gridDim = dim3(nsm);
-            cfg.blockDim = dim3(32 * (NC + 1));
-            cfg.dynamicSmemBytes = smem;
-            cfg.stream = st;
-            cudaLaunchAttribute at[1];
-            at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-            at[0].val.programmaticStreamSerializationAllowed = 1;
-            cfg.attrs = at;
-            cfg.numAttrs = 1;
-            CK(cudaLaunchKernelEx(&cfg, stream_chain<NC>, c, stages));
-        };
+        auto sc_launch = [&](Chain c) { launch_ex(true, nsm, 32 * (NC + 1), smem, stream_chain<NC>, c, stages); };
         auto fused = [&](int l) {
             Chain c = {};
             for (int i = 0; i < 4; i++) c.ph[i] = phase(i, l);
@@ -487,13 +480,6 @@ int main(int argc, char** argv) {
         // Bits first (a broken ring could hang the timing): layer 0 through the four launches,
         // then through the streamed forms, from the same inputs; every output buffer compared.
         {
-            std::vector<float> h0(2 * FF, 0.25f);
-            auto reset = [&]() {
-                CK(cudaMemcpy(res, h0.data(), H * 4, cudaMemcpyHostToDevice));
-                CK(cudaMemcpy(res2, h0.data(), H * 4, cudaMemcpyHostToDevice));
-                CK(cudaMemset(act, 0, FF * 4));
-                CK(cudaMemcpy(qkv, hx.data(), QKV * 4, cudaMemcpyHostToDevice));
-            };
             auto grab = [&]() {
                 std::vector<float> h(QKV + 2 * H + FF);
                 CK(cudaStreamSynchronize(st));
@@ -503,9 +489,8 @@ int main(int argc, char** argv) {
                 CK(cudaMemcpy(h.data() + QKV + 2 * H, act, FF * 4, cudaMemcpyDeviceToHost));
                 return h;
             };
-            const Way wy = {"", 0, false, 0, 2};
             reset();
-            launch(1, 0, wy, qkv, res); launch(2, 0, wy, res, act); launch(3, 0, wy, act, res2); launch(0, 1, wy, res2, qkv);
+            four_launches(0, Way{"", 0, false, 0, 2});
             const std::vector<float> ref = grab();
             for (int way = 0; way < 2; way++)
                 for (int rep = 0; rep < 3; rep++) {
@@ -523,15 +508,7 @@ int main(int argc, char** argv) {
         for (int round = 0; round < 2; round++) {
             const Way wy = {"", 0, true, 0, 2};
             float best = 1e30f;
-            for (int r = 0; r < 3; r++)
-                best = std::min(best, graph_us(st, 1, [&](int) {
-                    for (int l = 0; l < L; l++) {
-                        launch(1, l, wy, qkv, res);
-                        launch(2, l, wy, res, act);
-                        launch(3, l, wy, act, res2);
-                        launch(0, (l + 1) % L, wy, res2, qkv);
-                    }
-                }));
+            for (int r = 0; r < 3; r++) best = std::min(best, graph_us(st, 1, [&](int) { for (int l = 0; l < L; l++) four_launches(l, wy); }));
             printf("separate (pdl): %.1f us  %.0f GB/s\n", best, gb / (best * 1e-6));
             for (int way = 0; way < 3; way++) {
                 mode = way == 2 ? 2 : 1;
@@ -551,11 +528,6 @@ int main(int argc, char** argv) {
     // The fused chain: per layer one kernel (o, gate/up, down, next QKV), against the same
     // four GEMVs as separate launches (plain, pdl) in the same buffers.
     {
-        unsigned* cnt;
-        CK(cudaMalloc(&cnt, 1024 * 4));
-        CK(cudaMemset(cnt, 0, 1024 * 4));
-        float* res2;
-        CK(cudaMalloc(&res2, H * 4));
         int per = 0;
         CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, fused_chain, GEMV_WARPS * 32, 0));
         printf("fused_chain: %d blocks per SM\n", per);
@@ -564,10 +536,7 @@ int main(int argc, char** argv) {
             Chain c = {};
             c.tickets = tickets;
             c.mode = mode;
-            c.ph[0] = {wp(1, l), qkv, res, H / 2, H, 1};
-            c.ph[1] = {wp(2, l), res, act, FF, H, 2};
-            c.ph[2] = {wp(3, l), act, res2, H / 2, FF, 1};
-            c.ph[3] = {wp(0, (l + 1) % L), res2, qkv, QKV / 2, H, 0};
+            for (int i = 0; i < 4; i++) c.ph[i] = phase(i, l);
             c.nph = 4;
             c.cnt = cnt;
             return c;
@@ -576,15 +545,7 @@ int main(int argc, char** argv) {
             for (int pdl = 0; pdl < 2; pdl++) {
                 const Way wy = {"", 0, pdl == 1, 0, 2};
                 float best = 1e30f;
-                for (int r = 0; r < 3; r++)
-                    best = std::min(best, graph_us(st, 1, [&](int) {
-                        for (int l = 0; l < L; l++) {
-                            launch(1, l, wy, qkv, res);
-                            launch(2, l, wy, res, act);
-                            launch(3, l, wy, act, res2);
-                            launch(0, (l + 1) % L, wy, res2, qkv);
-                        }
-                    }));
+                for (int r = 0; r < 3; r++) best = std::min(best, graph_us(st, 1, [&](int) { for (int l = 0; l < L; l++) four_launches(l, wy); }));
                 printf("separate (%s): %.1f us  %.0f GB/s\n", pdl ? "pdl" : "plain", best, gb / (best * 1e-6));
             }
             for (int pdl = 0; pdl < 4; pdl++) {
@@ -593,32 +554,15 @@ int main(int argc, char** argv) {
                 float best = 1e30f;
                 for (int r = 0; r < 3; r++)
                     best = std::min(best, graph_us(st, 1, [&](int) {
-                        for (int l = 0; l < L; l++) {
-                            cudaLaunchConfig_t cfg = {};
-                            cfg.gridDim = dim3(per * nsm);
-                            cfg.blockDim = dim3(GEMV_WARPS * 32);
-                            cfg.stream = st;
-                            cudaLaunchAttribute at[1];
-                            at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-                            at[0].val.programmaticStreamSerializationAllowed = 1;
-                            cfg.attrs = at;
-                            cfg.numAttrs = 1;
-                            CK(cudaLaunchKernelEx(&cfg, fused_chain, phases(l)));
-                        }
+                        for (int l = 0; l < L; l++) launch_ex(true, per * nsm, GEMV_WARPS * 32, 0, fused_chain, phases(l));
                     }));
                 printf("fused (mode %d, %s): %.1f us  %.0f GB/s\n", mode, tickets ? "tickets" : "static", best, gb / (best * 1e-6));
             }
         }
         // Same results? Run layer 0 both ways from the same inputs and compare qkv.
-        std::vector<float> hq(QKV), hf(QKV), h0(2 * FF, 0.25f);
-        auto reset = [&]() {
-            CK(cudaMemcpy(res, h0.data(), H * 4, cudaMemcpyHostToDevice));
-            CK(cudaMemcpy(res2, h0.data(), H * 4, cudaMemcpyHostToDevice));
-            CK(cudaMemcpy(qkv, hx.data(), QKV * 4, cudaMemcpyHostToDevice));
-        };
-        const Way wy = {"", 0, false, 0, 2};
+        std::vector<float> hq(QKV), hf(QKV);
         reset();
-        launch(1, 0, wy, qkv, res); launch(2, 0, wy, res, act); launch(3, 0, wy, act, res2); launch(0, 1, wy, res2, qkv);
+        four_launches(0, Way{"", 0, false, 0, 2});
         CK(cudaMemcpy(hq.data(), qkv, QKV * 4, cudaMemcpyDeviceToHost));
         reset();
         mode = 1, tickets = 1;

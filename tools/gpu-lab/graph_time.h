@@ -1,7 +1,8 @@
 // Shared by the gpu-lab programs (define CK first): µs per call of f(i), i = 0 … iter − 1,
 // the calls captured in one CUDA graph on `st` and replayed, as the engine replays its
 // decode steps. An uncaptured f(0) first checks that the kernels launch; one replay warms up.
-// Also `bf16_device`: n pseudo-random bf16 values in (−scale, scale) on the device.
+// Also `bf16_device`: n pseudo-random bf16 values in (−scale, scale) on the device, and
+// `fill_bf16`, a kernel that fills n of them in place from a hash of (index, seed).
 #pragma once
 #include <cstring>
 #include <vector>
@@ -41,4 +42,12 @@ static float graph_us(cudaStream_t st, int iter, F f) {
     cudaGraphExecDestroy(ge);
     cudaGraphDestroy(gr);
     return ms * 1e3f / iter;
+}
+__global__ void fill_bf16(unsigned short* w, size_t n, unsigned seed, float scale) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        unsigned h = (unsigned)i * 2654435761u ^ seed;
+        h ^= h >> 15, h *= 2246822519u, h ^= h >> 13, h *= 3266489917u, h ^= h >> 16;
+        const float f = ((h >> 8) / 16777216.f * 2 - 1) * scale;
+        w[i] = (unsigned short)(__float_as_uint(f) >> 16);
+    }
 }

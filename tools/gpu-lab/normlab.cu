@@ -63,15 +63,6 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, 4) bare(const unsigned short*
     else out[2 * p] = s0, out[2 * p + 1] = s1;
 }
 
-__global__ void fill_bf16(unsigned short* w, size_t n, unsigned seed, float scale) {
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-        unsigned h = (unsigned)i * 2654435761u ^ seed;
-        h ^= h >> 15, h *= 2246822519u, h ^= h >> 13, h *= 3266489917u, h ^= h >> 16;
-        const float f = ((h >> 8) / 16777216.f * 2 - 1) * scale;
-        w[i] = (unsigned short)(__float_as_uint(f) >> 16);
-    }
-}
-
 enum Way { BARE, PLAIN, BLOCK, PART };
 const char* way_name[] = {"bare", "plain", "block", "part"};
 
