@@ -15,12 +15,11 @@
 //   6. (./chainlab stream [stages]: this part only) stream_chain: a block per SM, one
 //      producer warp streaming each phase's weights through a ring of shared-memory stages
 //      by bulk copies, never waiting for activations, and 8 consumer warps waiting per
-//      input chunk as in 3 — fused per layer and one launch per phase, against the four
-//      launches, and its bits against theirs. WRITTEN BUT NOT YET RUN: no GPU time was
-//      left in the session that wrote it (its device code compiles with NVRTC 12.9 for
-//      sm_90a: 106 registers, no spills; the host code was reviewed and type-checked by g++
-//      against stub CUDA declarations, not compiled by nvcc).
-// Results and what they mean: docs/PERF.md (twenty-sixth session). Not part of the build;
+//      input chunk as in 3 — fused per layer, one launch per phase, and one launch per
+//      phase that lets the next launch at once (griddepcontrol.launch_dependents), against
+//      the four launches, and its bits against theirs (first run: twenty-seventh session).
+// Results and what they mean: docs/PERF.md (twenty-sixth and twenty-seventh sessions).
+// Not part of the build;
 // on the GPU machine:
 //   nvcc -O3 -std=c++17 -arch=sm_90a tools/gpu-lab/chainlab.cu -o chainlab && ./chainlab
 //   (./chainlab fused: parts 3–5 only)
@@ -107,7 +106,9 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, 4) chain_gemv(const unsigned 
 struct Phase { const unsigned short* w; const float* in; float* out; int pairs, k, kind; };
 // mode: 0 spin, 1 spin with sleeps, 2 no waits (wrong results: the bound). cnt: [4][64]
 // chunk counts (index 63: the phase's total), [256] blocks done, [600] the next ticket.
-struct Chain { Phase ph[4]; int nph, tickets, mode; unsigned* cnt; };
+// trig (stream_chain only): every thread calls griddepcontrol.launch_dependents first, so the
+// next launch's blocks, where they fit beside this one's, start streaming their weights early.
+struct Chain { Phase ph[4]; int nph, tickets, mode; unsigned* cnt; int trig; };
 __device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
     unsigned v;
     asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
@@ -259,6 +260,7 @@ __global__ void __launch_bounds__(32 * (NC + 1), 1) stream_chain(const Chain c, 
     const unsigned full_at = base + stages * SC_STAGE, empty_at = full_at + 8 * stages, issued_at = empty_at + 8 * stages;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int G = gridDim.x, b = blockIdx.x;
+    if (c.trig) pdl_trigger();
     if (threadIdx.x == 0) {
         asm volatile("st.shared.u32 [%0], %1;" ::"r"(issued_at), "r"(0) : "memory");
         for (int s = 0; s < stages; s++) mbar_init(full_at + 8 * s, 1), mbar_init(empty_at + 8 * s, 1);
@@ -469,11 +471,12 @@ int main(int argc, char** argv) {
             c.nph = 4, c.mode = mode, c.cnt = cnt;
             sc_launch(c);
         };
+        int trig = 0;
         auto split = [&](int l) {
             for (int i = 0; i < 4; i++) {
                 Chain c = {};
                 c.ph[0] = phase(i, l);
-                c.nph = 1, c.mode = mode, c.cnt = cnt;
+                c.nph = 1, c.mode = mode, c.cnt = cnt, c.trig = trig;
                 sc_launch(c);
             }
         };
@@ -492,35 +495,37 @@ int main(int argc, char** argv) {
             reset();
             four_launches(0, Way{"", 0, false, 0, 2});
             const std::vector<float> ref = grab();
-            for (int way = 0; way < 2; way++)
+            for (int way = 0; way < 3; way++)
                 for (int rep = 0; rep < 3; rep++) {
                     reset();
                     mode = 1;
-                    if (way == 0) split(0);
+                    trig = way == 2;
+                    if (way != 1) split(0);
                     else fused(0);
                     const std::vector<float> got = grab();
                     int diff = 0;
                     for (size_t i = 0; i < ref.size(); i++) diff += memcmp(&ref[i], &got[i], 4) != 0;
-                    printf("streamed (%s), run %d: %d of %zu outputs differ in bits from the four launches\n", way ? "fused" : "a launch per phase", rep, diff, ref.size());
+                    printf("streamed (%s), run %d: %d of %zu outputs differ in bits from the four launches\n", way == 1 ? "fused" : way ? "a launch per phase, early trigger" : "a launch per phase", rep, diff, ref.size());
                 }
         }
-        printf("streamed chain: %d stages of %d bytes, %d bytes of shared memory\n", stages, SC_STAGE, smem);
+        printf("streamed chain: %d stages of %d bytes, %d bytes of shared memory, %d blocks fit per SM\n", stages, SC_STAGE, smem, fits);
         for (int round = 0; round < 2; round++) {
             const Way wy = {"", 0, true, 0, 2};
             float best = 1e30f;
             for (int r = 0; r < 3; r++) best = std::min(best, graph_us(st, 1, [&](int) { for (int l = 0; l < L; l++) four_launches(l, wy); }));
             printf("separate (pdl): %.1f us  %.0f GB/s\n", best, gb / (best * 1e-6));
-            for (int way = 0; way < 3; way++) {
+            for (int way = 0; way < 4; way++) {
                 mode = way == 2 ? 2 : 1;
+                trig = way == 3;
                 best = 1e30f;
                 for (int r = 0; r < 3; r++)
                     best = std::min(best, graph_us(st, 1, [&](int) {
                         for (int l = 0; l < L; l++) {
-                            if (way == 0) split(l);
+                            if (way == 0 || way == 3) split(l);
                             else fused(l);
                         }
                     }));
-                printf("streamed, %s: %.1f us  %.0f GB/s\n", way == 0 ? "a launch per phase" : way == 1 ? "fused" : "fused, no waits (wrong results)", best, gb / (best * 1e-6));
+                printf("streamed, %s: %.1f us  %.0f GB/s\n", way == 0 ? "a launch per phase" : way == 1 ? "fused" : way == 2 ? "fused, no waits (wrong results)" : "a launch per phase, early trigger", best, gb / (best * 1e-6));
             }
         }
         return 0;
