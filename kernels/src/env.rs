@@ -256,6 +256,13 @@ pub const CUDA_FLASH_WARP_SPEC: &str = "DISAGG_CUDA_FLASH_WARP_SPEC";
 /// their MMAs whenever ready; measured level on the H200 (docs/PERF.md), for A/B runs.
 pub const CUDA_FLASH_PP_TURNS: &str = "DISAGG_CUDA_FLASH_PP_TURNS";
 
+/// `0`: one-token GEMVs keep two 16-byte loads per row in flight everywhere, instead of
+/// more where their grid leaves the SMs room: four in residual GEMVs of at most two
+/// blocks per SM (o and down at Llama-3-8B's 4,096 outputs), three in the prenormed QKV
+/// GEMV with RoPE at up to three (the same bits; batch 1 −2% on the H200, PERF.md);
+/// for A/B runs.
+pub const CUDA_GEMV_DEEP: &str = "DISAGG_CUDA_GEMV_DEEP";
+
 /// `0`: the CUDA SiLU·gate runs one element per thread over the flat index (a 64-bit
 /// division each) instead of 4 columns per thread on a (columns, rows) grid; for A/B runs.
 pub const CUDA_SILU_ROWS4: &str = "DISAGG_CUDA_SILU_ROWS4";

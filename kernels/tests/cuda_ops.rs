@@ -737,7 +737,9 @@ fn qkv_gemv_with_rope_equals_the_separate_ops() {
 /// bits; what a prenormed GEMV writes differs by float rounding only (the scale applied
 /// after the dot product instead of before, the squares summed in another order): held to
 /// 1e-5 of the largest |value| (f16 cache values: 2e-3). The prenormed path must have run
-/// three times with the switch on, never with it off.
+/// three times with the switch on, never with it off. The prenormed chain again with two
+/// loads per row in flight everywhere (`set_gemv_deep(false)`; by default its three
+/// residual GEMVs keep four, its QKV three) gives every value's bits of the first.
 fn prenormed_gemvs_match_the_gemvs_that_norm_themselves() {
     use kernels::quant::GgmlType;
     use kernels::{AttnShape, Backend, KvDtype, KvShape, Rope, StepBatch, WeightPart};
@@ -763,12 +765,13 @@ fn prenormed_gemvs_match_the_gemvs_that_norm_themselves() {
         // (x after the first residual GEMV, x after the second, q|k|v, cache, x at the end, logits)
         type Run = (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>);
         let mut runs: Vec<Run> = Vec::new();
-        for prenorm in [true, false] {
+        for (prenorm, deep) in [(true, true), (false, true), (true, false)] {
             let mut be = kernels::cuda::CudaBackend::new(0, true).expect("cuda:0 opens");
             be.set_gemv_max_tokens(1);
             be.set_gemv_pipe(true);
             be.set_gemv_rope(true);
             be.set_gemv_prenorm(prenorm);
+            be.set_gemv_deep(deep);
             let lin = |be: &kernels::cuda::CudaBackend, rows: usize, cols: usize, w: &[f32]| {
                 let b = bytes(w);
                 be.linear(&[WeightPart { ty: GgmlType::F32, rows, cols, bytes: &b }]).unwrap()
@@ -815,8 +818,22 @@ fn prenormed_gemvs_match_the_gemvs_that_norm_themselves() {
             be.norm_matmul(&sel, &dn[3], eps, 1, &mut h, &head, &mut logits);
             let lg = host(&mut be, &logits, vocab);
             assert_eq!(be.prenormed_gemvs(), if prenorm { 3 } else { 0 }, "prenormed GEMVs, switch {prenorm}");
+            // Deep: the three residual GEMVs that leave the norm inputs and the prenormed
+            // QKV GEMV (none without prenorm: those kernels do not run then).
+            let deep_want = if deep && prenorm { 4 } else { 0 };
+            assert_eq!(be.deep_gemvs(), deep_want, "deep GEMVs, switches {prenorm} {deep}");
             runs.push((x1, x2, q, cache, x3, lg));
         }
+        let bits = |r: &Run| {
+            let (a, b, c, d, e, f) = r;
+            [a, b, c, d, e, f].iter().flat_map(|v| v.iter().map(|x| x.to_bits())).collect::<Vec<u32>>()
+        };
+        let same = bits(&runs[2]) == bits(&runs[0]);
+        println!(
+            "prenormed GEMVs, {hidden} wide, two loads in flight: every value's bits {}",
+            if same { "equal the deep kernels'" } else { "DIFFER" }
+        );
+        assert!(same, "the deep GEMVs changed bits");
         let (on, off) = (&runs[0], &runs[1]);
         assert!(on.0.iter().chain(&on.5).all(|v| v.is_finite()));
         let errs = [

@@ -432,6 +432,9 @@ pub struct CudaBackend {
     /// inputs, and the one-token GEMV of that norm takes them (`DISAGG_CUDA_GEMV_PRENORM=0`:
     /// the GEMV computes the norm itself). See [`Self::prenorm`].
     gemv_prenorm: bool,
+    /// One-token GEMVs whose grid leaves room keep more loads per row in flight
+    /// (`DISAGG_CUDA_GEMV_DEEP=0`: two everywhere); see [`Self::gemv`].
+    gemv_deep: bool,
     /// What the last such residual GEMV left: x · the norm weight, and the sums of x² per
     /// `NORM_SPAN` elements.
     prenorm_xg: CudaSlice<f32>,
@@ -441,6 +444,8 @@ pub struct CudaBackend {
     prenormed: Option<(u64, u64, usize)>,
     /// GEMVs that took them.
     prenorm_taken: u64,
+    /// How many deep GEMVs (`gemv_deep`) were launched from the host (tests).
+    deep_taken: u64,
     /// `DISAGG_CUDA_SKINNY` (sm_90): GEMMs of 2–8 tokens on the skinny kernel (see
     /// [`Self::takes_skinny`]).
     skinny: bool,
@@ -600,10 +605,12 @@ impl CudaBackend {
             gemv_rope: !off(crate::env::CUDA_GEMV_ROPE),
             gemv_pipe: !off(crate::env::CUDA_GEMV_PIPE),
             gemv_prenorm: !off(crate::env::CUDA_GEMV_PRENORM),
+            gemv_deep: !off(crate::env::CUDA_GEMV_DEEP),
             prenorm_xg: stream.alloc_zeros::<f32>(1).map_err(dev_err)?,
             prenorm_parts: stream.alloc_zeros::<f32>(1).map_err(dev_err)?,
             prenormed: None,
             prenorm_taken: 0,
+            deep_taken: 0,
             skinny: !off(crate::env::CUDA_SKINNY) && dev.arch.0 >= 9,
             norm_cast: !off(crate::env::CUDA_NORM_CAST),
             silu_rows4: !off(crate::env::CUDA_SILU_ROWS4),
@@ -887,10 +894,22 @@ impl CudaBackend {
         self.prenorm_taken
     }
 
+    /// How many GEMVs with more loads per row in flight ([`Self::set_gemv_deep`]) were
+    /// launched from the host, for tests.
+    pub fn deep_gemvs(&self) -> u64 {
+        self.deep_taken
+    }
+
     /// One-token GEMVs with software-pipelined loads (default: on unless
     /// `DISAGG_CUDA_GEMV_PIPE=0`).
     pub fn set_gemv_pipe(&mut self, on: bool) {
         self.set_switch(on, |b| &mut b.gemv_pipe);
+    }
+
+    /// One-token GEMVs whose grid leaves room keep more loads per row in flight
+    /// (default: on unless `DISAGG_CUDA_GEMV_DEEP=0`).
+    pub fn set_gemv_deep(&mut self, on: bool) {
+        self.set_switch(on, |b| &mut b.gemv_deep);
     }
 
     /// GEMMs of 2–8 tokens on the skinny kernel (default: on, on sm_90, unless
@@ -1341,13 +1360,18 @@ impl CudaBackend {
         // Plain, Norm: a warp per two outputs (NormRope: the two of one rotation pair);
         // NormSilu: a warp per output (its gate and up rows).
         let warps = if matches!(kind, Gemv::NormSilu) { n_out } else { n_out.div_ceil(2) };
+        let blocks = warps.div_ceil(super::GEMV_WARPS);
         let cfg = LaunchConfig {
-            grid_dim: (warps.div_ceil(super::GEMV_WARPS) as u32, 1, 1),
+            grid_dim: (blocks as u32, 1, 1),
             block_dim: (32 * super::GEMV_WARPS as u32, 1, 1),
             shared_mem_bytes: 0,
         };
         let (n, k, acc) = (n_out as i32, *cols as i32, i32::from(accumulate));
-        let name = match () {
+        // With the deep switch: the residual GEMV at four loads per row in flight where its
+        // grid fits two blocks per SM, the prenormed QKV + RoPE at three where three fit.
+        let name = match kind {
+            Gemv::PlainStats(_) if self.gemv_deep && blocks <= 2 * self.n_sms => super::GEMV_STATS_U4_M1,
+            Gemv::NormRope(_) if pre && self.gemv_deep && blocks <= 3 * self.n_sms => super::GEMV_PNORM_ROPE_U3_M1,
             _ if pre => pnorm,
             _ if n_tokens == 1 && !self.gemv_pipe => flat,
             _ => names[n_tokens - 1],
@@ -1387,6 +1411,9 @@ impl CudaBackend {
         unsafe { b.launch(cfg, self.pdl) }.expect("CUDA: GEMV");
         if pre {
             self.prenorm_taken += 1;
+        }
+        if name == super::GEMV_STATS_U4_M1 || name == super::GEMV_PNORM_ROPE_U3_M1 {
+            self.deep_taken += 1;
         }
     }
 

@@ -72,6 +72,8 @@ const KERNELS: &[&str] = &[
     "rope_write_kv_pairs_f32",
     GEMV_NORM_ROPE_M1,
     GEMV_STATS_M1,
+    GEMV_STATS_U4_M1,
+    GEMV_PNORM_ROPE_U3_M1,
     "attention_f16",
     "attention_f32",
     "attention_split_f16",
@@ -157,6 +159,10 @@ pub(crate) const GEMV_NORM_ROPE_M1: &str = "gemv_norm_rope_bf16_m1";
 /// that take them (NORM_PART) in place of [`GEMV_NORM_BF16`], [`GEMV_NORM_SILU_BF16`] and
 /// [`GEMV_NORM_ROPE_M1`].
 pub(crate) const GEMV_STATS_M1: &str = "gemv_stats_bf16_m1";
+/// [`GEMV_STATS_M1`] with four loads per row in flight at two blocks per SM, and the
+/// prenormed QKV GEMV with RoPE with three at three (`DISAGG_CUDA_GEMV_DEEP`).
+pub(crate) const GEMV_STATS_U4_M1: &str = "gemv_stats_u4_bf16_m1";
+pub(crate) const GEMV_PNORM_ROPE_U3_M1: &str = "gemv_pnorm_rope_u3_bf16_m1";
 pub(crate) const GEMV_PNORM_M1: [&str; 3] =
     ["gemv_pnorm_bf16_m1", "gemv_pnorm_silu_bf16_m1", "gemv_pnorm_rope_bf16_m1"];
 

@@ -2033,8 +2033,9 @@ KM_KERNEL(flash_decode_km_f16_d128, 128)
 // W; each lane loads 8 weights (16 bytes) per row per step, GEMV_UNROLL steps at a time
 // so that enough bytes are in flight, and reads x (f32, L1-resident since every warp of
 // the SM reads it) directly: no bf16 copy of the activations is made. U is how many
-// 16-byte loads per row a lane has in flight (4 was measured no faster than 2). Sums are f32,
-// reduced across the warp in a fixed order. Two fusions (the decode step's neighbours):
+// 16-byte loads per row a lane has in flight (4 was measured no faster than 2 at four
+// blocks per SM; grids of at most two or three blocks per SM take the deep kernels
+// below, which keep 4 or 3). Sums are f32, reduced across the warp in a fixed order. Two fusions (the decode step's neighbours):
 //   NORM: x is the residual stream, normalised by RMSNorm (as rms_norm_rows does): with
 //         NORM_BLOCK the block first computes each token's scale and multiplies x by
 //         scale · nw[k] as it reads it. With NORM_PART (one token) the kernel that wrote
@@ -2326,6 +2327,15 @@ extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 4) gemv_stats_bf16
     gemv_bf16_impl<1, NORM_NONE, false, 2, true, EPI_STATS>(w, x, nw, eps, n_out, k, out, accumulate, RopeKv{},
                                                              NormStats{g, xg, parts});
 }
+// The same with four 16-byte loads per row in flight (U = 4) at two blocks per SM (up to
+// 128 registers: no spills), for residual GEMVs whose grid is at most two blocks per SM (o and
+// down at 4,096 outputs: 256 blocks), which at U = 2 keep only half the SM's loads in flight.
+// Each lane adds its columns in the same order: the same bits.
+extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 2) gemv_stats_u4_bf16_m1(GEMV_ARGS, const float* g,
+                                                                                      float* xg, float* parts) {
+    gemv_bf16_impl<1, NORM_NONE, false, 4, true, EPI_STATS>(w, x, nw, eps, n_out, k, out, accumulate, RopeKv{},
+                                                             NormStats{g, xg, parts});
+}
 extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 4) gemv_pnorm_bf16_m1(GEMV_ARGS) {
     gemv_bf16_impl<1, NORM_PART, false, 2, true>(w, x, nw, eps, n_out, k, out, accumulate);
 }
@@ -2334,15 +2344,18 @@ extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 4) gemv_pnorm_silu
 }
 // One token's QKV with RMSNorm, RoPE and the f16 KV write in the epilogue (pipelined, as
 // gemv_norm_bf16_m1): the decode step's rope_write_kv launch folded into the GEMV.
-#define GEMV_ROPE_KERNEL(NAME, NORM) \
-    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 4) NAME( \
+#define GEMV_ROPE_KERNEL(NAME, NORM, U, PER_SM) \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, PER_SM) NAME( \
         GEMV_ARGS, const int* pos, const float* inv_freq, const long long* slots, int n_heads, int n_kv, int hd, \
         int interleaved, int block_size, unsigned short* cache, long long half) { \
         const RopeKv rk{pos, inv_freq, slots, n_heads, n_kv, hd, interleaved, block_size, cache, half}; \
-        gemv_bf16_impl<1, NORM, false, 2, true, EPI_ROPE>(w, x, nw, eps, n_out, k, out, accumulate, rk); \
+        gemv_bf16_impl<1, NORM, false, U, true, EPI_ROPE>(w, x, nw, eps, n_out, k, out, accumulate, rk); \
     }
-GEMV_ROPE_KERNEL(gemv_norm_rope_bf16_m1, NORM_BLOCK)
-GEMV_ROPE_KERNEL(gemv_pnorm_rope_bf16_m1, NORM_PART)
+GEMV_ROPE_KERNEL(gemv_norm_rope_bf16_m1, NORM_BLOCK, 2, 4)
+GEMV_ROPE_KERNEL(gemv_pnorm_rope_bf16_m1, NORM_PART, 2, 4)
+// Three loads per row in flight at three blocks per SM (QKV at 6,144 rows: 384 blocks, under
+// three per SM on an H200), the same bits.
+GEMV_ROPE_KERNEL(gemv_pnorm_rope_u3_bf16_m1, NORM_PART, 3, 3)
 #define GEMV_FLAT_KERNELS(M) GEMV_KERNELS(M, false, (GEMV_WARPS * 32), )
 GEMV_FLAT_KERNELS(2)
 GEMV_FLAT_KERNELS(3)
