@@ -257,10 +257,12 @@ pub const CUDA_FLASH_WARP_SPEC: &str = "DISAGG_CUDA_FLASH_WARP_SPEC";
 pub const CUDA_FLASH_PP_TURNS: &str = "DISAGG_CUDA_FLASH_PP_TURNS";
 
 /// `0`: one-token GEMVs keep two 16-byte loads per row in flight everywhere, instead of
-/// more where their grid leaves the SMs room: four in residual GEMVs of at most two
-/// blocks per SM (o and down at Llama-3-8B's 4,096 outputs), three in the prenormed QKV
-/// GEMV with RoPE at up to three (the same bits; batch 1 −2% on the H200, PERF.md);
-/// for A/B runs.
+/// more where their grid leaves the SMs room and each lane has two whole groups of them:
+/// four in the residual GEMVs that leave the next norm's inputs, at most two blocks per
+/// SM (o and down at Llama-3-8B's 4,096 outputs), three in the prenormed QKV GEMV with
+/// RoPE at up to three (the same bits; Llama-3-8B batch 1 −2% on the H200, PERF.md).
+/// Only the prenormed path has them (nothing changes with `DISAGG_CUDA_GEMV_PRENORM=0` or
+/// `DISAGG_CUDA_GEMV_PIPE=0`). For A/B runs.
 pub const CUDA_GEMV_DEEP: &str = "DISAGG_CUDA_GEMV_DEEP";
 
 /// `0`: the CUDA SiLU·gate runs one element per thread over the flat index (a 64-bit

@@ -739,7 +739,9 @@ fn qkv_gemv_with_rope_equals_the_separate_ops() {
 /// 1e-5 of the largest |value| (f16 cache values: 2e-3). The prenormed path must have run
 /// three times with the switch on, never with it off. The prenormed chain again with two
 /// loads per row in flight everywhere (`set_gemv_deep(false)`; by default its three
-/// residual GEMVs keep four, its QKV three) gives every value's bits of the first.
+/// residual GEMVs, over ff = 2,304 columns (two groups of four loads and a tail), keep four
+/// and, at 4,096 wide, its QKV three, where the GPU's SMs leave room) gives every value's
+/// bits of the first.
 fn prenormed_gemvs_match_the_gemvs_that_norm_themselves() {
     use kernels::quant::GgmlType;
     use kernels::{AttnShape, Backend, KvDtype, KvShape, Rope, StepBatch, WeightPart};
@@ -750,7 +752,7 @@ fn prenormed_gemvs_match_the_gemvs_that_norm_themselves() {
         a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0f32, worst32) / top
     };
     for (n_heads, n_kv, hd, hidden) in [(9usize, 3usize, 64usize, 576usize), (32, 8, 128, 4096)] {
-        let (ff, vocab) = (1536usize, 1000usize);
+        let (ff, vocab) = (2304usize, 1000usize);
         let attn = AttnShape { n_heads, n_kv_heads: n_kv, head_dim: hd, scale: 1.0 };
         let q_rows = attn.qkv_dim();
         let (wgu, wd, wq, wh) =
@@ -818,9 +820,16 @@ fn prenormed_gemvs_match_the_gemvs_that_norm_themselves() {
             be.norm_matmul(&sel, &dn[3], eps, 1, &mut h, &head, &mut logits);
             let lg = host(&mut be, &logits, vocab);
             assert_eq!(be.prenormed_gemvs(), if prenorm { 3 } else { 0 }, "prenormed GEMVs, switch {prenorm}");
-            // Deep: the three residual GEMVs that leave the norm inputs and the prenormed
-            // QKV GEMV (none without prenorm: those kernels do not run then).
-            let deep_want = if deep && prenorm { 4 } else { 0 };
+            // Deep: the three residual GEMVs that leave the norm inputs (hidden / 16 blocks
+            // over ff columns) and the prenormed QKV GEMV (q_rows / 16 over hidden) where
+            // they fit; none without prenorm (those kernels do not run then).
+            let sms = be.sm_count();
+            let fits = 3 * u64::from(kernels::cuda::deep_gemv_fits(hidden / 16, ff, 4, sms))
+                + u64::from(kernels::cuda::deep_gemv_fits(q_rows / 16, hidden, 3, sms));
+            // (At 576 wide the residual GEMVs' 36 blocks fit any GPU of 18 SMs or more, and
+            // 576 columns are too few for the QKV's: the deep kernels always run here.)
+            assert!(hidden != 576 || fits == 3, "the deep kernels' coverage: {fits} of 4 fit");
+            let deep_want = if deep && prenorm { fits } else { 0 };
             assert_eq!(be.deep_gemvs(), deep_want, "deep GEMVs, switches {prenorm} {deep}");
             runs.push((x1, x2, q, cache, x3, lg));
         }

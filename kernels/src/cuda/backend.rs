@@ -536,6 +536,17 @@ fn attn_splits_by_waves(units: usize, chunks: usize, slots: usize, max_splits: u
         .unwrap_or(1)
 }
 
+/// Whether a one-token GEMV of `blocks` blocks over `k` columns takes the deep kernel with
+/// `u` loads per row in flight (four: `__launch_bounds__(256, 2)`; three: `(256, 3)`): its
+/// grid fits that many blocks per SM (which is all the deep kernel may have; the classic
+/// one has four), and every lane has at least two whole groups of `u` loads, so the first
+/// goes out before the kernel waits for its input and the pipelined loop runs (below that,
+/// e.g. SmolLM2's 576 columns, the deep kernel would leave most loads to its tail loop).
+pub fn deep_gemv_fits(blocks: usize, k: usize, u: usize, n_sms: usize) -> bool {
+    let per_sm = if u == 4 { 2 } else { 3 };
+    blocks <= per_sm * n_sms && k >= 2 * u * 32 * 8
+}
+
 impl CudaBackend {
     /// Whether `DISAGG_CUDA_WEIGHTS` asks for bf16 weights (the default) or f32.
     pub fn bf16_weights_from_env() -> Result<bool, KernelError> {
@@ -898,6 +909,11 @@ impl CudaBackend {
     /// launched from the host, for tests.
     pub fn deep_gemvs(&self) -> u64 {
         self.deep_taken
+    }
+
+    /// The GPU's streaming multiprocessors.
+    pub fn sm_count(&self) -> usize {
+        self.n_sms
     }
 
     /// One-token GEMVs with software-pipelined loads (default: on unless
@@ -1368,10 +1384,15 @@ impl CudaBackend {
         };
         let (n, k, acc) = (n_out as i32, *cols as i32, i32::from(accumulate));
         // With the deep switch: the residual GEMV at four loads per row in flight where its
-        // grid fits two blocks per SM, the prenormed QKV + RoPE at three where three fit.
+        // grid fits two blocks per SM, the prenormed QKV + RoPE at three where three fit
+        // (see `deep_gemv_fits`).
         let name = match kind {
-            Gemv::PlainStats(_) if self.gemv_deep && blocks <= 2 * self.n_sms => super::GEMV_STATS_U4_M1,
-            Gemv::NormRope(_) if pre && self.gemv_deep && blocks <= 3 * self.n_sms => super::GEMV_PNORM_ROPE_U3_M1,
+            Gemv::PlainStats(_) if self.gemv_deep && deep_gemv_fits(blocks, *cols, 4, self.n_sms) => {
+                super::GEMV_STATS_U4_M1
+            }
+            Gemv::NormRope(_) if pre && self.gemv_deep && deep_gemv_fits(blocks, *cols, 3, self.n_sms) => {
+                super::GEMV_PNORM_ROPE_U3_M1
+            }
             _ if pre => pnorm,
             _ if n_tokens == 1 && !self.gemv_pipe => flat,
             _ => names[n_tokens - 1],

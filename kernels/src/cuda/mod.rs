@@ -14,7 +14,7 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-pub use backend::{CudaBackend, CudaKv, CudaLinear};
+pub use backend::{deep_gemv_fits, CudaBackend, CudaKv, CudaLinear};
 
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
@@ -159,9 +159,11 @@ pub(crate) const GEMV_NORM_ROPE_M1: &str = "gemv_norm_rope_bf16_m1";
 /// that take them (NORM_PART) in place of [`GEMV_NORM_BF16`], [`GEMV_NORM_SILU_BF16`] and
 /// [`GEMV_NORM_ROPE_M1`].
 pub(crate) const GEMV_STATS_M1: &str = "gemv_stats_bf16_m1";
-/// [`GEMV_STATS_M1`] with four loads per row in flight at two blocks per SM, and the
-/// prenormed QKV GEMV with RoPE with three at three (`DISAGG_CUDA_GEMV_DEEP`).
+/// [`GEMV_STATS_M1`] with four loads per row in flight at two blocks per SM
+/// (`DISAGG_CUDA_GEMV_DEEP`; [`deep_gemv_fits`]).
 pub(crate) const GEMV_STATS_U4_M1: &str = "gemv_stats_u4_bf16_m1";
+/// `gemv_pnorm_rope_bf16_m1` (the prenormed QKV GEMV with RoPE) with three loads per row
+/// in flight at three blocks per SM (`DISAGG_CUDA_GEMV_DEEP`; [`deep_gemv_fits`]).
 pub(crate) const GEMV_PNORM_ROPE_U3_M1: &str = "gemv_pnorm_rope_u3_bf16_m1";
 pub(crate) const GEMV_PNORM_M1: [&str; 3] =
     ["gemv_pnorm_bf16_m1", "gemv_pnorm_silu_bf16_m1", "gemv_pnorm_rope_bf16_m1"];
