@@ -2035,7 +2035,8 @@ KM_KERNEL(flash_decode_km_f16_d128, 128)
 // the SM reads it) directly: no bf16 copy of the activations is made. U is how many
 // 16-byte loads per row a lane has in flight (4 was measured no faster than 2 at four
 // blocks per SM; grids of at most two or three blocks per SM take the deep kernels
-// below, which keep 4 or 3). Sums are f32, reduced across the warp in a fixed order. Two fusions (the decode step's neighbours):
+// below, which keep 4 or 3). Sums are f32, reduced across the warp in a fixed order.
+// Two fusions (the decode step's neighbours):
 //   NORM: x is the residual stream, normalised by RMSNorm (as rms_norm_rows does): with
 //         NORM_BLOCK the block first computes each token's scale and multiplies x by
 //         scale · nw[k] as it reads it. With NORM_PART (one token) the kernel that wrote
@@ -2322,20 +2323,18 @@ GEMV_KERNELS(1, true, (GEMV_WARPS * 32, 4), )
 GEMV_KERNELS(1, false, (GEMV_WARPS * 32), _flat)
 // One token: the residual GEMV that leaves the next GEMV's norm inputs (EPI_STATS), and the
 // GEMVs that take them (NORM_PART; DISAGG_CUDA_GEMV_PRENORM=0 for the block's norm).
-extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 4) gemv_stats_bf16_m1(GEMV_ARGS, const float* g,
-                                                                                   float* xg, float* parts) {
-    gemv_bf16_impl<1, NORM_NONE, false, 2, true, EPI_STATS>(w, x, nw, eps, n_out, k, out, accumulate, RopeKv{},
-                                                             NormStats{g, xg, parts});
-}
+#define GEMV_STATS_KERNEL(NAME, U, PER_SM) \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, PER_SM) NAME(GEMV_ARGS, const float* g, float* xg, \
+                                                                               float* parts) { \
+        gemv_bf16_impl<1, NORM_NONE, false, U, true, EPI_STATS>(w, x, nw, eps, n_out, k, out, accumulate, RopeKv{}, \
+                                                                 NormStats{g, xg, parts}); \
+    }
+GEMV_STATS_KERNEL(gemv_stats_bf16_m1, 2, 4)
 // The same with four 16-byte loads per row in flight (U = 4) at two blocks per SM (up to
 // 128 registers: no spills), for residual GEMVs whose grid is at most two blocks per SM (o and
 // down at 4,096 outputs: 256 blocks), which at U = 2 keep only half the SM's loads in flight.
 // Each lane adds its columns in the same order: the same bits.
-extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 2) gemv_stats_u4_bf16_m1(GEMV_ARGS, const float* g,
-                                                                                      float* xg, float* parts) {
-    gemv_bf16_impl<1, NORM_NONE, false, 4, true, EPI_STATS>(w, x, nw, eps, n_out, k, out, accumulate, RopeKv{},
-                                                             NormStats{g, xg, parts});
-}
+GEMV_STATS_KERNEL(gemv_stats_u4_bf16_m1, 4, 2)
 extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 4) gemv_pnorm_bf16_m1(GEMV_ARGS) {
     gemv_bf16_impl<1, NORM_PART, false, 2, true>(w, x, nw, eps, n_out, k, out, accumulate);
 }
