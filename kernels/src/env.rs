@@ -240,13 +240,6 @@ pub const CUDA_KM_EARLY: &str = "DISAGG_CUDA_KM_EARLY";
 /// instead of sixteen 16-byte cp.async per thread; for A/B runs.
 pub const CUDA_KM_BULK: &str = "DISAGG_CUDA_KM_BULK";
 
-/// `0`: a CUDA decode step with more (sequence, KV head) items than resident blocks of the
-/// keys-on-M kernel launches a block per item, in waves, instead of a grid of resident
-/// blocks that each take items in turn through one ring of tiles (the next item's first
-/// tiles loading while the item before finishes), and takes the keys-on-M kernel only up
-/// to two waves of items (past them, the flash kernel's decode form); for A/B runs.
-pub const CUDA_KM_PERSIST: &str = "DISAGG_CUDA_KM_PERSIST";
-
 /// `0`: the CUDA flash and keys-on-M attention kernels rescale their output accumulators
 /// on every key tile instead of only when one of the warp's row maxima rose (a product
 /// with 1 skipped: the same bits); for A/B runs.

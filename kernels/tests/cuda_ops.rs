@@ -567,35 +567,22 @@ fn rope_write_kv_matches_cpu() {
 /// the attention: the attention's output and every byte of the f16 cache, for both pair
 /// layouts, 32/8 heads at head_dim 128 and 9/3 at 64, unsplit and split into 64-key
 /// chunks, over sequences whose new key lies in the kernel's first loads (contexts of 4
-/// and 100 keys) and past them (700, 1,000); and the switch decides which ran. With
-/// more (sequence, KV head) items than resident blocks (about 1.5 waves of them, contexts
-/// of 1–3 tiles among longer ones), the grid of resident blocks taking items in turn
-/// (`DISAGG_CUDA_KM_PERSIST`) gives the same bits as a block per item, with RoPE in the
-/// kernel and before it, and it runs exactly when its switch is on.
+/// and 100 keys) and past them (700, 1,000); and the switch decides which ran.
 fn attention_with_rope_equals_the_separate_ops() {
     use kernels::quant::GgmlType;
     use kernels::{AttnShape, Backend, KvDtype, KvShape, Rope, StepBatch, WeightPart};
     let (eps, hidden, bs) = (1e-5f32, 256usize, 16usize);
-    for ((n_heads, n_kv, hd), many) in
-        [(32usize, 8usize, 128usize), (9, 3, 64)].into_iter().flat_map(|s| [(s, false), (s, true)])
-    {
+    for (n_heads, n_kv, hd) in [(32usize, 8usize, 128usize), (9, 3, 64)] {
         let attn = AttnShape { n_heads, n_kv_heads: n_kv, head_dim: hd, scale: 1.0 / (hd as f32).sqrt() };
         let rows = attn.qkv_dim();
         let w: Vec<u8> = data(rows * hidden, 61).iter().flat_map(|x| x.to_le_bytes()).collect();
         let nw = data(hidden, 63);
         let inv_freq: Vec<f32> = (0..hd / 2).map(|i| 500000f32.powf(-2.0 * i as f32 / hd as f32)).collect();
-        let mut be = kernels::cuda::CudaBackend::new(0, true).expect("cuda:0 opens");
-        // Four sequences, one new token each at positions 3, 99, 699, 999; or (many) ~1.5
-        // times the resident blocks' worth of items; disjoint tables.
-        let pos: Vec<usize> = if many {
-            let n_seq = 3 * be.km_slots(hd) / (2 * n_kv) + 1;
-            (0..n_seq).map(|i| [3usize, 99, 699, 999, 40, 70, 130][i % 7] + (i / 7) % 5).collect()
-        } else {
-            vec![3, 99, 699, 999]
-        };
+        // Four sequences, one new token each at positions 3, 99, 699, 999; disjoint tables.
+        let pos = [3usize, 99, 699, 999];
         let mut tables = Vec::new();
         let mut next = 0u32;
-        for &p in &pos {
+        for p in pos {
             let nb = (p + 1).div_ceil(bs) as u32;
             tables.push((next..next + nb).rev().collect::<Vec<u32>>());
             next += nb;
@@ -623,6 +610,7 @@ fn attention_with_rope_equals_the_separate_ops() {
             .iter()
             .flat_map(|v| half::f16::from_f32(*v).to_le_bytes())
             .collect();
+        let mut be = kernels::cuda::CudaBackend::new(0, true).expect("cuda:0 opens");
         be.set_flash(true);
         be.set_decode_km(true);
         let lin = be.linear(&[WeightPart { ty: GgmlType::F32, rows, cols: hidden, bytes: &w }]).unwrap();
@@ -632,27 +620,16 @@ fn attention_with_rope_equals_the_separate_ops() {
         let tokens = vec![0u32; n];
         for interleaved in [false, true] {
             let rope = Rope { interleaved, inv_freq: inv_freq.clone() };
-            for chunk in if many { &[0usize][..] } else { &[0, 64] } {
-                let chunk = *chunk;
+            for chunk in [0usize, 64] {
                 let mut runs: Vec<(Vec<f32>, Vec<u8>)> = Vec::new();
-                // (fused, persistent): fused with and without RoPE in the kernel; with many
-                // items also the block per item, against which the persistent grid's bits
-                // are compared (runs 2 and 3 against 0 and 1).
-                let forms: &[(bool, bool)] = if many {
-                    &[(true, true), (false, true), (true, false), (false, false)]
-                } else {
-                    &[(true, true), (false, true)]
-                };
-                for &(fused, persist) in forms {
+                for fused in [true, false] {
                     be.set_attn_rope(fused);
                     be.set_attn_chunk(chunk);
-                    be.set_km_persist(persist);
                     let mut kv = be.kv_cache(shape).unwrap();
                     be.kv_import(&mut kv, 0, &blocks, &past);
                     be.begin_step(&tokens, &batch, &rope, &attn, &[]);
                     assert!(be.step_flash_kernel().starts_with("flash_decode_km"), "{}", be.step_flash_kernel());
                     assert_eq!((chunk > 0, be.attention_takes_rope(&kv, 0, &attn)), (be.step_splits() > 1, fused));
-                    assert_eq!(be.step_persist() > 0, many && persist, "{} items", n * n_kv);
                     be.norm_qkv_rope(&dx, &dnw, eps, &mut dh, &lin, &mut dqkv, 0, &batch, &rope, &attn, &mut kv);
                     be.attention(&dqkv, 0, &batch, &attn, &mut kv, &mut out);
                     let mut o = vec![0f32; n * attn.q_dim()];
@@ -660,18 +637,6 @@ fn attention_with_rope_equals_the_separate_ops() {
                     let mut cache = Vec::new();
                     be.kv_export(&kv, 0, &blocks, &mut cache);
                     runs.push((o, cache));
-                }
-                for (i, j) in [(2usize, 0usize), (3, 1)] {
-                    let Some((one, grid)) = runs.get(i).zip(runs.get(j)) else { continue };
-                    let diff = one.0.iter().zip(&grid.0).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
-                    let cache_diff = one.1.iter().zip(&grid.1).filter(|(a, b)| a != b).count();
-                    println!(
-                        "attention, {n} sequences, {n_heads}/{n_kv} heads d{hd}, RoPE in the kernel {}: resident \
-                         grid against a block per item: {diff} of {} outputs and {cache_diff} cache bytes differ",
-                        i == 2,
-                        one.0.len()
-                    );
-                    assert_eq!((diff, cache_diff), (0, 0), "the persistent grid against a block per item");
                 }
                 let (on, off) = (&runs[0], &runs[1]);
                 let diff = on.0.iter().zip(&off.0).filter(|(a, b)| a.to_bits() != b.to_bits()).count();

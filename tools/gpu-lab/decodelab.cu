@@ -24,12 +24,11 @@
 #include "graph_time.h"
 
 // The keys-on-M kernel of ops.cu (`flash_decode_km_impl`, the engine's at 3 stages) with
-// 2–4 stages of K/V tiles; P: its resident grid taking the items in turn (the engine's
-// `flash_decode_km_grid_*`).
-template <int STAGES, bool P = false>
-__global__ void __launch_bounds__(128) decode_km_f16_d128(FLASH_ARGS, int n_tiles) {
-    flash_decode_km_impl<128, STAGES, P>(qkv, cache, half, tiles, tables, n_heads, n_kv, block_size, scale, max_ctx,
-                                      out, part, flags, nullptr, nullptr, 0, n_tiles);
+// 2–4 stages of K/V tiles.
+template <int STAGES>
+__global__ void __launch_bounds__(128) decode_km_f16_d128(FLASH_ARGS) {
+    flash_decode_km_impl<128, STAGES>(qkv, cache, half, tiles, tables, n_heads, n_kv, block_size, scale, max_ctx,
+                                      out, part, flags, nullptr, nullptr, 0);
 }
 
 // Plain f32 reference: one block per (sequence, query head), scores in shared memory.
@@ -76,8 +75,6 @@ static unsigned short f32_to_f16_host(float f) {
 
 typedef void (*AttnFn)(const float*, const unsigned short*, long long, const int*, const unsigned int*, int, int, int,
                        float, const int*, float*, float*, int);
-typedef void (*KmFn)(const float*, const unsigned short*, long long, const int*, const unsigned int*, int, int, int,
-                     float, const int*, float*, float*, int, int);
 
 int main(int argc, char** argv) {
     const int B = argc > 1 ? atoi(argv[1]) : 64, CTX = argc > 2 ? atoi(argv[2]) : 1024;
@@ -162,8 +159,7 @@ int main(int argc, char** argv) {
         CK(cudaFree(dst));
     }
     // Keys on M, 2–4 stages, tiles by cp.async and by bulk copies (FLASH_BULK).
-    KmFn km[3] = {decode_km_f16_d128<2>, decode_km_f16_d128<3>, decode_km_f16_d128<4>};
-    KmFn kmg[3] = {decode_km_f16_d128<2, true>, decode_km_f16_d128<3, true>, decode_km_f16_d128<4, true>};
+    AttnFn km[3] = {decode_km_f16_d128<2>, decode_km_f16_d128<3>, decode_km_f16_d128<4>};
     for (int si = 0; si < 3; si++)
     for (int kf : {0, FLASH_BULK}) {
         const int smem = KM_SMEM_BYTES(128, si + 2);
@@ -173,7 +169,7 @@ int main(int argc, char** argv) {
         for (int sp : SPLITS) {
             if (one && (only[0] != si + 2 || only[1] != (kf != 0) || only[2] != sp)) continue;
             auto f = [&]() {
-                km[si]<<<dim3(B, NKV, sp), 128, smem, st>>>(qkv, cache, half, dtiles, dtables, NH, NKV, BS, scale, dmax, out, part, kf, B);
+                km[si]<<<dim3(B, NKV, sp), 128, smem, st>>>(qkv, cache, half, dtiles, dtables, NH, NKV, BS, scale, dmax, out, part, kf);
                 if (sp > 1) attention_merge<<<dim3(B, NH), 128, 0, st>>>(part, sp, NH, HD, out, 0);
             };
             CK(cudaMemset(out, 0, on * 4));
@@ -181,28 +177,5 @@ int main(int argc, char** argv) {
             const double e = err();
             report(name, sp, time(f), e);
         }
-        // The resident grid (unsplit) taking the items in turn; its bits against the
-        // one-item blocks'.
-        // (KM_ONLY="stages bulk 0": this run alone.)
-        if (one && (only[0] != si + 2 || only[1] != (kf != 0) || only[2] != 0)) continue;
-        int sms = 0; CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-        const int items = B * NKV, slots = occ * sms, g = (items + (items + slots - 1) / slots - 1) / ((items + slots - 1) / slots);
-        if (items <= slots) continue;
-        std::vector<float> once(on);
-        CK(cudaMemset(out, 0, on * 4));
-        km[si]<<<dim3(B, NKV, 1), 128, smem, st>>>(qkv, cache, half, dtiles, dtables, NH, NKV, BS, scale, dmax, out, part, kf, B);
-        CK(cudaStreamSynchronize(st));
-        CK(cudaMemcpy(once.data(), out, on * 4, cudaMemcpyDeviceToHost));
-        CK(cudaFuncSetAttribute(kmg[si], cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-        auto f = [&]() {
-            kmg[si]<<<dim3(g, 1, 1), 128, smem, st>>>(qkv, cache, half, dtiles, dtables, NH, NKV, BS, scale, dmax, out, part, kf, B);
-        };
-        CK(cudaMemset(out, 0, on * 4));
-        f(); CK(cudaStreamSynchronize(st)); CK(cudaGetLastError());
-        const double e = err();
-        size_t diff = 0; for (size_t i = 0; i < on; i++) diff += memcmp(&hout[i], &once[i], 4) != 0;
-        snprintf(name, sizeof name, "  persistent, %d blocks", g);
-        report(name, 1, time(f), e);
-        printf("    %zu of %zu outputs differ from the one-item blocks'\n", diff, on);
     }
 }

@@ -478,11 +478,6 @@ pub struct CudaBackend {
     km_early: bool,
     /// The keys-on-M kernel loads its tiles by bulk copies (`DISAGG_CUDA_KM_BULK=1`; sm_90).
     km_bulk: bool,
-    /// Past a wave of (sequence, KV head) items, the keys-on-M kernel runs as resident
-    /// blocks taking items in turn (`DISAGG_CUDA_KM_PERSIST=0`: a block per item, and
-    /// the kernel only up to two waves); this step's grid of such blocks (0: not).
-    km_persist: bool,
-    step_persist: usize,
     /// The attention kernels skip rescaling O by 1 (`DISAGG_CUDA_FLASH_LAZY_RESCALE=0`: never).
     flash_lazy_rescale: bool,
     /// Prefill steps at head_dim 128 take the warp-specialized flash kernel
@@ -521,16 +516,6 @@ fn km_kernel(head_dim: usize) -> &'static str {
         "flash_decode_km_f16_d64"
     } else {
         "flash_decode_km_f16_d128"
-    }
-}
-
-/// The keys-on-M kernel's resident-grid form: blocks taking (sequence, KV head) items in
-/// turn (ops.cu `flash_decode_km_impl`'s PERSIST).
-fn km_grid_kernel(head_dim: usize) -> &'static str {
-    if head_dim == 64 {
-        "flash_decode_km_grid_f16_d64"
-    } else {
-        "flash_decode_km_grid_f16_d128"
     }
 }
 
@@ -648,8 +633,6 @@ impl CudaBackend {
             step_cluster: false,
             km_early: !off(crate::env::CUDA_KM_EARLY),
             km_bulk: std::env::var(crate::env::CUDA_KM_BULK).is_ok_and(|v| v == "1") && dev.arch.0 >= 9,
-            km_persist: !off(crate::env::CUDA_KM_PERSIST),
-            step_persist: 0,
             flash_lazy_rescale: !off(crate::env::CUDA_FLASH_LAZY_RESCALE),
             flash_warp_spec: !off(crate::env::CUDA_FLASH_WARP_SPEC),
             flash_pp_turns: std::env::var(crate::env::CUDA_FLASH_PP_TURNS).is_ok_and(|v| v == "1"),
@@ -933,13 +916,6 @@ impl CudaBackend {
         self.n_sms
     }
 
-    /// How many blocks of the keys-on-M decode kernel at `head_dim` are resident at once
-    /// (its blocks per SM × SMs): past them a step's items take a grid of resident blocks
-    /// ([`Self::step_persist`]).
-    pub fn km_slots(&self, head_dim: usize) -> usize {
-        self.n_sms * self.flash_blocks_per_sm.get(km_kernel(head_dim)).copied().unwrap_or(1)
-    }
-
     /// One-token GEMVs with software-pipelined loads (default: on unless
     /// `DISAGG_CUDA_GEMV_PIPE=0`).
     pub fn set_gemv_pipe(&mut self, on: bool) {
@@ -1005,18 +981,6 @@ impl CudaBackend {
     /// unless `DISAGG_CUDA_KM_EARLY=0`).
     pub fn set_km_early(&mut self, on: bool) {
         self.set_switch(on, |b| &mut b.km_early);
-    }
-
-    /// The keys-on-M kernel's resident blocks taking items in turn past a wave of items
-    /// (default: on unless `DISAGG_CUDA_KM_PERSIST=0`).
-    pub fn set_km_persist(&mut self, on: bool) {
-        self.set_switch(on, |b| &mut b.km_persist);
-    }
-
-    /// This step's keys-on-M grid of resident blocks taking items in turn (0: a block
-    /// per item; set by `begin_step`).
-    pub fn step_persist(&self) -> usize {
-        self.step_persist
     }
 
     /// The attention kernels rescale O only when a warp's row maxima rose (default: on
@@ -1698,14 +1662,8 @@ impl CudaBackend {
         match &mut kv.layers[layer] {
             KvBuf::F16(c) if self.step_flash => {
                 let name = self.step_flash_kernel;
-                // The resident grid: step_persist blocks take the (tile, KV head) items in turn.
-                let grid = if self.step_persist > 0 {
-                    (self.step_persist as u32, 1, 1)
-                } else {
-                    (self.n_fa_tiles as u32, attn.n_kv_heads as u32, splits as u32)
-                };
                 let cfg = LaunchConfig {
-                    grid_dim: grid,
+                    grid_dim: (self.n_fa_tiles as u32, attn.n_kv_heads as u32, splits as u32),
                     block_dim: (super::flash_block_threads(name) as u32, 1, 1),
                     shared_mem_bytes: super::flash_smem_bytes(name, attn.head_dim) as u32,
                 };
@@ -1736,11 +1694,10 @@ impl CudaBackend {
                 let km = super::is_km_kernel(name);
                 assert!(km || rope.is_none(), "RoPE in the attention: the keys-on-M kernel only");
                 let il = i32::from(rope.is_some_and(|(_, il)| il));
-                let n_tiles = self.n_fa_tiles as i32;
                 if km {
                     // FLASH_ROPE: q rotated as read; k and v of each row stored at its slot
                     // (the cache is written through this launch, as rope_write_kv would).
-                    b.arg(&self.inv_freq).arg(&self.slots).arg(&il).arg(&n_tiles);
+                    b.arg(&self.inv_freq).arg(&self.slots).arg(&il);
                 }
                 assert!(km || !cluster, "clusters: the keys-on-M kernel only");
                 if cluster {
@@ -1932,10 +1889,8 @@ impl CudaBackend {
             // measured faster than the decode form at batches 32 and 64 of Llama-3-8B (1 and
             // 2 waves of 8 KV heads' blocks), level at 128, 2–3% slower at 256 (8 waves;
             // docs/PERF.md).
-            let km_slots = self.km_slots(attn.head_dim);
-            let km = group <= 8
-                && tiles.iter().all(|t| t[1] == 1)
-                && (self.km_persist || tiles.len() * attn.n_kv_heads <= 2 * km_slots);
+            let km_slots = self.flash_blocks_per_sm.get(km_kernel(attn.head_dim)).copied().unwrap_or(1) * self.n_sms;
+            let km = group <= 8 && tiles.iter().all(|t| t[1] == 1) && tiles.len() * attn.n_kv_heads <= 2 * km_slots;
             self.step_flash_kernel = self.flash_kernel(attn.head_dim, self.step_decode, km);
             let per_sm = self.flash_blocks_per_sm.get(self.step_flash_kernel).copied().unwrap_or(1);
             (tiles.len() * attn.n_kv_heads, per_sm)
@@ -1946,19 +1901,6 @@ impl CudaBackend {
         let cluster = if km && self.attn_cluster { self.dev.km_cluster_max } else { 0 };
         self.step_splits = self.attn_splits(units, per_sm, batch.n_tokens * attn.n_heads, cluster);
         self.step_cluster = self.step_splits > 1 && self.step_splits <= cluster;
-        // More items than resident blocks, unsplit: a grid of resident blocks, each taking
-        // the same number of items (±1).
-        let km_slots = self.km_slots(attn.head_dim);
-        let grid = km_grid_kernel(attn.head_dim);
-        self.step_persist = if km && self.km_persist && self.step_splits == 1 && units > km_slots {
-            let slots = self.n_sms * self.flash_blocks_per_sm.get(grid).copied().unwrap_or(1);
-            units.div_ceil(units.div_ceil(slots))
-        } else {
-            0
-        };
-        if self.step_persist > 0 {
-            self.step_flash_kernel = grid;
-        }
         // (The same token and logit counts can be one token of each sequence or several
         // of fewer: the keys-on-M kernel's bit keeps their graphs apart.)
         let kernel =

@@ -174,7 +174,7 @@ pub(crate) const GEMV_FLAT_M1: [&str; 3] =
     ["gemv_bf16_m1_flat", "gemv_norm_bf16_m1_flat", "gemv_norm_silu_bf16_m1_flat"];
 
 /// The flash-attention kernels and their head_dim.
-pub(crate) const FLASH_KERNELS: [(&str, usize); 24] = [
+pub(crate) const FLASH_KERNELS: [(&str, usize); 22] = [
     ("flash_attn_f16_d64", 64),
     ("flash_attn_f16_d128", 128),
     ("flash_decode_f16_d64", 64),
@@ -197,8 +197,6 @@ pub(crate) const FLASH_KERNELS: [(&str, usize); 24] = [
     ("flash_attn_pp_f16_d128", 128),
     ("flash_decode_km_f16_d64", 64),
     ("flash_decode_km_f16_d128", 128),
-    ("flash_decode_km_grid_f16_d64", 64),
-    ("flash_decode_km_grid_f16_d128", 128),
 ];
 
 /// Whether `kernel` is one of the keys-on-M decode kernels (`flash_decode_km_*`).

@@ -1778,69 +1778,28 @@ __device__ void cluster_merge(const float* cpart, int grp, int splits, int z, fl
 // it (one launch per layer fewer): it rotates the group's q as it reads them (the same
 // cos/sin and rotation, so the same bits), and the block whose keys end at the row's own
 // position rotates k and stores k and v at the row's slot before it loads that key.
-// PERSIST (`flash_decode_km_grid_*`; unsplit, more (row, KV head) items than resident
-// blocks): the grid is G = gridDim.x blocks, and block b takes one item of each round of G of the n_tiles ·
-// n_kv (item i: tile i / n_kv, KV head i % n_kv; the tiles come longest first), item
-// r·G + b in even rounds and r·G + G − 1 − b in odd ones (so the long and the short even
-// out), one after another through one ring of stages: the next item's first tiles are asked for while the item before computes its
-// last ones and merges its warps' parts (in the stage it has just freed), so a block's
-// end does not empty its SM's loads as a wave of one-item blocks does. Each item's
-// arithmetic is a one-item block's: the same bits.
-template <int HD, int STAGES, bool PERSIST>
+template <int HD, int STAGES>
 __device__ void flash_decode_km_impl(const float* qkv, const unsigned short* cache, long long half, const int* tiles,
                                      const unsigned int* tables, int n_heads, int n_kv, int block_size, float scale,
                                      const int* max_ctx, float* out, float* part, int flags, const float* inv_freq,
-                                     const long long* slots, int interleaved, int n_tiles) {
+                                     const long long* slots, int interleaved) {
     static_assert(HD % 16 == 0 && (HD + 4) * 4 * 8 * 4 + 256 + 8 * (HD + 2) * 4 <= KM_SMEM_BYTES(HD, STAGES),
                   "the parts fit the stages");
     constexpr int KS = HD / 16, DT = HD / 16, CH = HD / 8, KPP = 128 / CH, PASSES = KM_KEYS / KPP, ST = HD + 8;
     static_assert(128 % CH == 0 && KM_KEYS % KPP == 0, "whole passes of the 128 threads");
     constexpr unsigned KBYTES = KM_KEYS * ST * 2, STAGE_BYTES = 2 * KBYTES;
-    static_assert((HD + 4) * 4 * 8 * 4 + 256 <= STAGE_BYTES, "a persistent block's parts fit one stage");
     extern __shared__ __align__(16) unsigned char km_smem[];
     const unsigned base = smem_u32(km_smem);
-    const int grp = n_heads / n_kv, z = blockIdx.z, splits = gridDim.z;
+    const int* tile = tiles + 4 * blockIdx.x;
+    const int row0 = tile[0], pos0 = tile[2];
+    const unsigned int* table = tables + tile[3];
+    const int kvh = blockIdx.y, grp = n_heads / n_kv, z = blockIdx.z, splits = gridDim.z;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
     const int w = (n_heads + 2 * n_kv) * HD;
     const float qs = scale * 1.4426950408889634f;
     const bool rope = (flags & FLASH_ROPE) != 0, bulk = (flags & FLASH_BULK) != 0;
-    // This block's items: its own (tile, KV head, split), or (PERSIST) one of each
-    // round of gridDim.x (tile, KV head) items; all rounds but the last are whole.
-    const int n_all = n_tiles * n_kv, nb = gridDim.x, rounds = (n_all + nb - 1) / nb;
-    auto item_index = [&](int n) { return n * nb + ((n & 1) ? nb - 1 - (int)blockIdx.x : (int)blockIdx.x); };
-    const int n_items = PERSIST ? rounds - 1 + (item_index(rounds - 1) < n_all) : 1;
-    struct Item {
-        int row0, pos0, kvh, k0, k1, ntiles;
-        const unsigned int* table;
-    };
-    auto item_at = [&](int n) {
-        Item m;
-        int ti = blockIdx.x;
-        m.kvh = blockIdx.y;
-        if (PERSIST) {
-            const int it = item_index(n);
-            ti = it / n_kv;
-            m.kvh = it % n_kv;
-        }
-        const int* tile = tiles + 4 * ti;
-        m.row0 = tile[0], m.pos0 = tile[2];
-        m.table = tables + tile[3];
-        m.k0 = 0, m.k1 = m.pos0 + 1;
-        if (splits > 1) {
-            const int chunk = ((max_ctx[0] + splits - 1) / splits + FA_KEYS - 1) / FA_KEYS * FA_KEYS;
-            m.k0 = z * chunk;
-            m.k1 = min(m.k1, m.k0 + chunk);
-        }
-        m.ntiles = m.k1 > m.k0 ? (m.k1 - m.k0 + KM_KEYS - 1) / KM_KEYS : 0;
-        return m;
-    };
-    // Whether an item's block writes its row's k and v (RoPE): the one holding that key.
-    auto writes_kv = [&](const Item& m) { return rope && m.k0 <= m.pos0 && m.pos0 < m.k1; };
     constexpr int HH = HD / 2;
-    // The RoPE cos/sin of item n at [n % RB]: the loader fills an item's as it starts
-    // asking for its tiles, at most STAGES items ahead of the one whose q is read.
-    constexpr int RB = STAGES + 1;
-    __shared__ float rope_c[RB][HH], rope_s[RB][HH];
+    __shared__ float rope_c[HH], rope_s[HH];
     // FLASH_BULK: a stage's barrier counts its tile's bytes in.
     __shared__ __align__(8) unsigned long long km_bar[STAGES];
     const unsigned bar0 = smem_u32(km_bar);
@@ -1851,54 +1810,61 @@ __device__ void flash_decode_km_impl(const float* qkv, const unsigned short* cac
         }
         __syncthreads();
     }
-    // Thread j fills pair j's (write_kv reads its own; q_at all, after a barrier).
-    auto rope_tables = [&](const Item& m, int rb) {
-        for (int j = threadIdx.x; j < HH; j += blockDim.x) rope_cs((float)m.pos0, inv_freq[j], rope_c[rb][j], rope_s[rb][j]);
-    };
     if (rope) {
-        rope_tables(item_at(0), 0);
+        for (int j = threadIdx.x; j < HH; j += blockDim.x) rope_cs((float)pos0, inv_freq[j], rope_c[j], rope_s[j]);
         __syncthreads();
     }
     // Pair j's dims (a, b), as rope_write_kv_pairs pairs them.
     auto pair_a = [&](int j) { return interleaved ? 2 * j : j; };
     auto pair_b = [&](int j) { return interleaved ? 2 * j + 1 : j + HH; };
-    // Dim c of a q head (rotated with RoPE here, by the tables at rb).
-    auto q_at = [&](const float* q, int c, int rb) {
+    // Dim c of a q head (rotated with RoPE here).
+    auto q_at = [&](const float* q, int c) {
         if (!rope) return q[c];
         const int j = interleaved ? c >> 1 : (c < HH ? c : c - HH);
         float x0 = q[pair_a(j)], x1 = q[pair_b(j)];
-        rope_apply(rope_c[rb][j], rope_s[rb][j], x0, x1);
+        rope_apply(rope_c[j], rope_s[j], x0, x1);
         return c == pair_a(j) ? x0 : x1;
     };
+    // O^T accumulators: o[dt][0] dim 16dt + g, head 2t4; [1] head 2t4 + 1; [2], [3] dim + 8.
+    float o[DT][4];
+#pragma unroll
+    for (int d = 0; d < DT; d++) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.f;
+    float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.f, l1 = 0.f;  // heads 2t4, 2t4 + 1 (this warp's keys)
+    int k0 = 0, k1 = pos0 + 1;
+    if (splits > 1) {
+        const int chunk = ((max_ctx[0] + splits - 1) / splits + FA_KEYS - 1) / FA_KEYS * FA_KEYS;
+        k0 = z * chunk;
+        k1 = min(k1, k0 + chunk);
+    }
     // Lean loads: a thread keeps one 16-byte column and steps over keys.
     const int my_c = (threadIdx.x % CH) * 8, my_key = threadIdx.x / CH;
     const bool bs_pow2 = (block_size & (block_size - 1)) == 0;
     const int bs_shift = __ffs(block_size) - 1;
+    const unsigned short* head_src = cache + (size_t)kvh * block_size * HD;  // this KV head's rows
+    const unsigned short* my_src = head_src + my_c;
     const size_t blk_stride = (size_t)n_kv * block_size * HD;
-    auto load_tile = [&](const Item& m, int kb, int st) {
-        const unsigned short* head_src = cache + (size_t)m.kvh * block_size * HD;  // this KV head's rows
-        if (kb < m.k1 && bulk) {
+    auto load_tile = [&](int kb, int st) {
+        if (kb < k1 && bulk) {
             // Thread t copies key t % 64's K (t < 64) or V row: keys past the end copy
             // the last key again (finite values; their scores are masked).
             static_assert(2 * KM_KEYS == 128, "a key row per thread");
             const unsigned bar = bar0 + 8 * st;
             if (threadIdx.x == 0) mbar_arrive_expect_tx(bar, 2 * KM_KEYS * HD * 2);
-            const int r = threadIdx.x % KM_KEYS, j = min(kb + r, m.k1 - 1);
+            const int r = threadIdx.x % KM_KEYS, j = min(kb + r, k1 - 1);
             const int bi = bs_pow2 ? j >> bs_shift : j / block_size;
-            const unsigned short* src = head_src + m.table[bi] * blk_stride + (size_t)(j - bi * block_size) * HD +
-                                        (threadIdx.x < KM_KEYS ? 0 : half);
+            const unsigned short* src =
+                head_src + table[bi] * blk_stride + (size_t)(j - bi * block_size) * HD + (threadIdx.x < KM_KEYS ? 0 : half);
             bulk_copy_g2s(base + st * STAGE_BYTES + (threadIdx.x / KM_KEYS) * KBYTES + r * ST * 2, src, HD * 2, bar);
-        } else if (kb < m.k1) {
-            const unsigned short* my_src = head_src + my_c;
+        } else if (kb < k1) {
             const unsigned at = base + st * STAGE_BYTES + (my_key * ST + my_c) * 2;
 #pragma unroll
             for (int p = 0; p < PASSES; p++) {
                 const int j = kb + my_key + p * KPP;
                 const unsigned short* src = cache;
                 int bytes = 0;
-                if (j < m.k1) {
+                if (j < k1) {
                     const int bi = bs_pow2 ? j >> bs_shift : j / block_size;
-                    src = my_src + m.table[bi] * blk_stride + (size_t)(j - bi * block_size) * HD;
+                    src = my_src + table[bi] * blk_stride + (size_t)(j - bi * block_size) * HD;
                     bytes = 16;
                 }
                 cp_async16_at(at + p * KPP * ST * 2, src, bytes);
@@ -1907,203 +1873,159 @@ __device__ void flash_decode_km_impl(const float* qkv, const unsigned short* cac
         }
         if (!bulk) cp_async_commit();
     };
-    // RoPE: an item's row's k (rotated) and v into the cache, by the block holding its key.
-    auto write_kv = [&](const Item& m, int rb) {
-        const long long slot = slots[m.row0];
+    const int ntiles = k1 > k0 ? (k1 - k0 + KM_KEYS - 1) / KM_KEYS : 0;
+    // RoPE: the row's k (rotated) and v into the cache, by the block holding its key.
+    const bool writes_kv = rope && k0 <= pos0 && pos0 < k1;
+    auto write_kv = [&]() {
+        const long long slot = slots[row0];
         const long long blk = slot / block_size, off = slot % block_size;
-        const size_t at = (size_t)(((blk * n_kv + m.kvh) * block_size + off) * HD);
-        const float* k = qkv + (size_t)m.row0 * w + (size_t)(n_heads + m.kvh) * HD;
+        const size_t at = (size_t)(((blk * n_kv + kvh) * block_size + off) * HD);
+        const float* k = qkv + (size_t)row0 * w + (size_t)(n_heads + kvh) * HD;
         const float* v = k + (size_t)n_kv * HD;
         unsigned short* c = const_cast<unsigned short*>(cache);
         for (int j = threadIdx.x; j < HH; j += blockDim.x) {
             float x0 = k[pair_a(j)], x1 = k[pair_b(j)];
-            rope_apply(rope_c[rb][j], rope_s[rb][j], x0, x1);
+            rope_apply(rope_c[j], rope_s[j], x0, x1);
             kv_store(c, at + pair_a(j), x0);
             kv_store(c, at + pair_b(j), x1);
         }
         for (int d = threadIdx.x; d < HD; d += blockDim.x) kv_store(c, (size_t)half + at + d, v[d]);
         if (bulk) fence_proxy_async_global();  // the bulk copies of the tile read them
     };
-    // The loader: the next tile to ask for is item li's tile lt, the block's unit lu (its
-    // stage lu % STAGES); past the last item it commits empty groups, so the waits count
-    // alike. Starting an item after the first, it fills the item's RoPE tables and writes
-    // its row's k and v, then a barrier orders them before any of its loads.
-    Item L = item_at(0);
-    int li = 0, lt = 0, lu = 0;
-    auto load_next = [&]() {
-        load_tile(L, li < n_items ? L.k0 + lt * KM_KEYS : L.k1, lu % STAGES);
-        lu++;
-        if (li < n_items && ++lt >= L.ntiles) {
-            lt = 0;
-            if (++li < n_items && PERSIST) {
-                L = item_at(li);
-                if (rope) {
-                    rope_tables(L, li % RB);
-                    if (writes_kv(L)) write_kv(L, li % RB);
-                }
-                __syncthreads();
-            }
-        }
-    };
     // With FLASH_EARLY the first tiles of keys before the row's own (written by earlier
     // steps) are asked for before waiting for the kernel before, which wrote q (and,
     // without FLASH_ROPE, the row's k and v).
+    int pre = 0;
     if (flags & FLASH_EARLY)
-        while (lu < STAGES - 1 && li == 0 && L.k0 + (lt + 1) * KM_KEYS <= L.pos0) load_next();
+        for (; pre < STAGES - 1 && k0 + (pre + 1) * KM_KEYS <= pos0; pre++) load_tile(k0 + pre * KM_KEYS, pre);
     pdl_wait();
     // Q^T as B fragments (k = dims, n = heads): b0 = dims 16ks + 2t4, +1 of head g; b1 = +8.
     // Columns past the group are zero (never written).
     unsigned qf[KS][2];
-    auto load_q = [&](const Item& m, int rb) {
+    {
         const bool real = g < grp;
-        const float* q = qkv + (size_t)m.row0 * w + (m.kvh * grp + (real ? g : 0)) * HD;
+        const float* q = qkv + (size_t)row0 * w + (kvh * grp + (real ? g : 0)) * HD;
 #pragma unroll
         for (int ks = 0; ks < KS; ks++) {
             const int c0 = 16 * ks + 2 * t4;
-            qf[ks][0] = real ? pack_f16x2(q_at(q, c0, rb) * qs, q_at(q, c0 + 1, rb) * qs) : 0u;
-            qf[ks][1] = real ? pack_f16x2(q_at(q, c0 + 8, rb) * qs, q_at(q, c0 + 9, rb) * qs) : 0u;
+            qf[ks][0] = real ? pack_f16x2(q_at(q, c0) * qs, q_at(q, c0 + 1) * qs) : 0u;
+            qf[ks][1] = real ? pack_f16x2(q_at(q, c0 + 8) * qs, q_at(q, c0 + 9) * qs) : 0u;
         }
-    };
-    // The consumer: item ci's tile ct.
-    Item C = item_at(0);
-    int ci = 0, ct = 0;
-    load_q(C, 0);
-    // The first item's key is in its last tile: in the first loads, write it before them;
-    // else the loop loads it after its first barrier, which orders the write before the load.
-    if (writes_kv(C) && C.ntiles < STAGES) {
-        write_kv(C, 0);
+    }
+    // The key's tile is the last: in the first loads, write it before them; else the
+    // loop loads it after its first barrier, which orders the write before the load.
+    if (writes_kv && ntiles < STAGES) {
+        write_kv();
         __syncthreads();
     }
-    while (lu < STAGES - 1) load_next();
-    if (writes_kv(C) && C.ntiles >= STAGES) write_kv(C, 0);
-    // O^T accumulators: o[dt][0] dim 16dt + g, head 2t4; [1] head 2t4 + 1; [2], [3] dim + 8.
-    float o[DT][4];
-#pragma unroll
-    for (int d = 0; d < DT; d++) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.f;
-    float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.f, l1 = 0.f;  // heads 2t4, 2t4 + 1 (this warp's keys)
-    const bool bf16 = (flags & FLASH_OUT_BF16) != 0, cluster = (flags & FLASH_CLUSTER) != 0 && splits > 1;
-    for (int u = 0;; u++) {
+    for (int i = pre; i < STAGES - 1; i++) load_tile(k0 + i * KM_KEYS, i);
+    if (writes_kv && ntiles >= STAGES) write_kv();
+    for (int i = 0; i < ntiles; i++) {
         if (bulk)
-            mbar_wait(bar0 + 8 * (u % STAGES), (u / STAGES) & 1);
+            mbar_wait(bar0 + 8 * (i % STAGES), (i / STAGES) & 1);
         else
             cp_async_wait<STAGES - 2>();
-        __syncthreads();  // unit u staged by all; unit u − 1's stage free
-        if (PERSIST && ct == 0 && ci > 0) load_q(C, ci % RB);
-        load_next();
-        const int kw = C.k0 + ct * KM_KEYS + 16 * warp;  // this warp's first key
-        if (kw < C.k1) {
-            const unsigned ks_at = base + (u % STAGES) * STAGE_BYTES, vs_at = ks_at + KBYTES;
-            // S^T (16 keys × 8 heads) = K · Q^T: A = K rows by ldmatrix.
-            float s[4] = {0.f, 0.f, 0.f, 0.f};
-            const unsigned a_row = ks_at + ((16 * warp + (lane & 15)) * ST + 8 * (lane >> 4)) * 2;
+        __syncthreads();  // tile i staged by all; tile i − 1's stage free
+        load_tile(k0 + (i + STAGES - 1) * KM_KEYS, (i + STAGES - 1) % STAGES);
+        const int kw = k0 + i * KM_KEYS + 16 * warp;  // this warp's first key
+        if (kw >= k1) continue;
+        const unsigned ks_at = base + (i % STAGES) * STAGE_BYTES, vs_at = ks_at + KBYTES;
+        // S^T (16 keys × 8 heads) = K · Q^T: A = K rows by ldmatrix.
+        float s[4] = {0.f, 0.f, 0.f, 0.f};
+        const unsigned a_row = ks_at + ((16 * warp + (lane & 15)) * ST + 8 * (lane >> 4)) * 2;
 #pragma unroll
-            for (int ks = 0; ks < KS; ks++) {
-                unsigned a[4];
-                ldsm_x4_at<false>(a[0], a[1], a[2], a[3], a_row + 32 * ks);
-                mma_f16_16816(s, a, qf[ks][0], qf[ks][1]);
-            }
-            // s[0]: key kw + g, head 2t4; s[1]: head 2t4 + 1; s[2], s[3]: key kw + g + 8.
-            if (kw + 16 > C.k1) {
-                if (kw + g >= C.k1) s[0] = s[1] = NEG_INF;
-                if (kw + g + 8 >= C.k1) s[2] = s[3] = NEG_INF;
-            }
-            float x0 = fmaxf(s[0], s[2]), x1 = fmaxf(s[1], s[3]);
-#pragma unroll
-            for (int off = 4; off < 32; off <<= 1) {
-                x0 = fmaxf(x0, __shfl_xor_sync(0xffffffffu, x0, off));
-                x1 = fmaxf(x1, __shfl_xor_sync(0xffffffffu, x1, off));
-            }
-            // Key kw is real, so the new maxima are finite.
-            const float n0 = fmaxf(m0, x0), n1 = fmaxf(m1, x1);
-            const float c0 = fa_exp2<true>(m0 - n0), c1 = fa_exp2<true>(m1 - n1);
-            m0 = n0, m1 = n1;
-            const float p0 = fa_exp2<true>(s[0] - n0), p1 = fa_exp2<true>(s[1] - n1);
-            const float p2 = fa_exp2<true>(s[2] - n0), p3 = fa_exp2<true>(s[3] - n1);
-            l0 = l0 * c0 + p0 + p2;
-            l1 = l1 * c1 + p1 + p3;
-            if (!(flags & FLASH_LAZY_RESCALE) || !__all_sync(0xffffffffu, c0 == 1.f && c1 == 1.f))
-#pragma unroll
-                for (int d = 0; d < DT; d++) {
-                    o[d][0] *= c0, o[d][1] *= c1, o[d][2] *= c0, o[d][3] *= c1;
-                }
-            // P^T as B fragments (k = keys, n = heads): the transposes of the 8×8 matrices
-            // (keys 0–7 | 8–15) × heads that S^T's accumulators hold.
-            const unsigned b0 = movmatrix_trans(pack_f16x2(p0, p1)), b1 = movmatrix_trans(pack_f16x2(p2, p3));
-            // O^T (dims × heads) += V^T · P^T: A = V^T by ldmatrix.trans of the V rows.
-            const unsigned v_row =
-                vs_at + ((16 * warp + (lane & 7) + ((lane >> 4) << 3)) * ST + 8 * ((lane >> 3) & 1)) * 2;
-#pragma unroll
-            for (int d = 0; d < DT; d++) {
-                unsigned a[4];
-                ldsm_x4_at<true>(a[0], a[1], a[2], a[3], v_row + 32 * d);
-                mma_f16_16816(o[d], a, b0, b1);
-            }
+        for (int ks = 0; ks < KS; ks++) {
+            unsigned a[4];
+            ldsm_x4_at<false>(a[0], a[1], a[2], a[3], a_row + 32 * ks);
+            mma_f16_16816(s, a, qf[ks][0], qf[ks][1]);
         }
-        if (++ct < C.ntiles) continue;
-        // Item ci's last tile: its warps' parts merged to its output.
-        // This warp's sums over its keys: add the lanes of each head column.
+        // s[0]: key kw + g, head 2t4; s[1]: head 2t4 + 1; s[2], s[3]: key kw + g + 8.
+        if (kw + 16 > k1) {
+            if (kw + g >= k1) s[0] = s[1] = NEG_INF;
+            if (kw + g + 8 >= k1) s[2] = s[3] = NEG_INF;
+        }
+        float x0 = fmaxf(s[0], s[2]), x1 = fmaxf(s[1], s[3]);
 #pragma unroll
         for (int off = 4; off < 32; off <<= 1) {
-            l0 += __shfl_xor_sync(0xffffffffu, l0, off);
-            l1 += __shfl_xor_sync(0xffffffffu, l1, off);
+            x0 = fmaxf(x0, __shfl_xor_sync(0xffffffffu, x0, off));
+            x1 = fmaxf(x1, __shfl_xor_sync(0xffffffffu, x1, off));
         }
-        // The warps' parts go to the stages (one item), or to this unit's stage, which no
-        // load in flight writes (PERSIST: the next items' tiles are in the others).
-        if (!PERSIST && !bulk) cp_async_wait<0>();
-        __syncthreads();  // the stage(s) done with
-        constexpr int RS = HD + 4;
-        float* ro = reinterpret_cast<float*>(km_smem + (PERSIST ? (u % STAGES) * STAGE_BYTES : 0));  // [warp][head][RS]
-        float* ml = ro + 4 * 8 * RS;                                                                  // [warp][head][2]
-        float* mine = ro + warp * 8 * RS;
+        // Key kw is real, so the new maxima are finite.
+        const float n0 = fmaxf(m0, x0), n1 = fmaxf(m1, x1);
+        const float c0 = fa_exp2<true>(m0 - n0), c1 = fa_exp2<true>(m1 - n1);
+        m0 = n0, m1 = n1;
+        const float p0 = fa_exp2<true>(s[0] - n0), p1 = fa_exp2<true>(s[1] - n1);
+        const float p2 = fa_exp2<true>(s[2] - n0), p3 = fa_exp2<true>(s[3] - n1);
+        l0 = l0 * c0 + p0 + p2;
+        l1 = l1 * c1 + p1 + p3;
+        if (!(flags & FLASH_LAZY_RESCALE) || !__all_sync(0xffffffffu, c0 == 1.f && c1 == 1.f))
+#pragma unroll
+            for (int d = 0; d < DT; d++) {
+                o[d][0] *= c0, o[d][1] *= c1, o[d][2] *= c0, o[d][3] *= c1;
+            }
+        // P^T as B fragments (k = keys, n = heads): the transposes of the 8×8 matrices
+        // (keys 0–7 | 8–15) × heads that S^T's accumulators hold.
+        const unsigned b0 = movmatrix_trans(pack_f16x2(p0, p1)), b1 = movmatrix_trans(pack_f16x2(p2, p3));
+        // O^T (dims × heads) += V^T · P^T: A = V^T by ldmatrix.trans of the V rows.
+        const unsigned v_row = vs_at + ((16 * warp + (lane & 7) + ((lane >> 4) << 3)) * ST + 8 * ((lane >> 3) & 1)) * 2;
 #pragma unroll
         for (int d = 0; d < DT; d++) {
-            mine[(2 * t4) * RS + 16 * d + g] = o[d][0];
-            mine[(2 * t4 + 1) * RS + 16 * d + g] = o[d][1];
-            mine[(2 * t4) * RS + 16 * d + g + 8] = o[d][2];
-            mine[(2 * t4 + 1) * RS + 16 * d + g + 8] = o[d][3];
+            unsigned a[4];
+            ldsm_x4_at<true>(a[0], a[1], a[2], a[3], v_row + 32 * d);
+            mma_f16_16816(o[d], a, b0, b1);
         }
-        if (g == 0) {
-            ml[(warp * 8 + 2 * t4) * 2] = m0;
-            ml[(warp * 8 + 2 * t4) * 2 + 1] = l0;
-            ml[(warp * 8 + 2 * t4 + 1) * 2] = m1;
-            ml[(warp * 8 + 2 * t4 + 1) * 2 + 1] = l1;
-        }
-        __syncthreads();
-        // The four warps' parts merged, four columns of one head per thread: to `out`, to the
-        // split's partial for attention_merge, or, in a cluster, to this block's shared memory.
-        float* cpart = ml + 4 * 8 * 2;  // [head][M, L, sums]: the cluster's partials, one per block
-        constexpr int C4 = HD / 4;
-        for (int i = threadIdx.x; i < grp * C4; i += blockDim.x) {
-            const int hh = i / C4, c = (i % C4) * 4;
-            const size_t th = (size_t)C.row0 * n_heads + C.kvh * grp + hh;  // (token, head)
-            float* pp = splits == 1 ? nullptr : cluster ? cpart + hh * (HD + 2) : part + (th * splits + z) * (HD + 2);
-            merge_warp_parts<HD, true>(ml, ro, 8, RS, hh, c, out, th * HD + c, pp, bf16);
-        }
-        if (cluster) cluster_merge<HD>(cpart, grp, splits, z, out, ((size_t)C.row0 * n_heads + C.kvh * grp) * HD, bf16);
-        // The next item (its parts' stage is reloaded only after the next barrier).
-        if (!PERSIST || ++ci >= n_items) break;
-        C = item_at(ci);
-        ct = 0;
-#pragma unroll
-        for (int d = 0; d < DT; d++) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.f;
-        m0 = m1 = NEG_INF, l0 = l1 = 0.f;
     }
+    // This warp's sums over its keys: add the lanes of each head column.
+#pragma unroll
+    for (int off = 4; off < 32; off <<= 1) {
+        l0 += __shfl_xor_sync(0xffffffffu, l0, off);
+        l1 += __shfl_xor_sync(0xffffffffu, l1, off);
+    }
+    if (!bulk) cp_async_wait<0>();
+    __syncthreads();  // the stages are done with: the warps' parts go there
+    constexpr int RS = HD + 4;
+    float* ro = reinterpret_cast<float*>(km_smem);  // [warp][head][RS]
+    float* ml = ro + 4 * 8 * RS;                    // [warp][head][2]
+    float* mine = ro + warp * 8 * RS;
+#pragma unroll
+    for (int d = 0; d < DT; d++) {
+        mine[(2 * t4) * RS + 16 * d + g] = o[d][0];
+        mine[(2 * t4 + 1) * RS + 16 * d + g] = o[d][1];
+        mine[(2 * t4) * RS + 16 * d + g + 8] = o[d][2];
+        mine[(2 * t4 + 1) * RS + 16 * d + g + 8] = o[d][3];
+    }
+    if (g == 0) {
+        ml[(warp * 8 + 2 * t4) * 2] = m0;
+        ml[(warp * 8 + 2 * t4) * 2 + 1] = l0;
+        ml[(warp * 8 + 2 * t4 + 1) * 2] = m1;
+        ml[(warp * 8 + 2 * t4 + 1) * 2 + 1] = l1;
+    }
+    __syncthreads();
+    // The four warps' parts merged, four columns of one head per thread: to `out`, to the
+    // split's partial for attention_merge, or, in a cluster, to this block's shared memory.
+    const bool bf16 = (flags & FLASH_OUT_BF16) != 0, cluster = (flags & FLASH_CLUSTER) != 0 && splits > 1;
+    float* cpart = ml + 4 * 8 * 2;  // [head][M, L, sums]: the cluster's partials, one per block
+    constexpr int C4 = HD / 4;
+    for (int i = threadIdx.x; i < grp * C4; i += blockDim.x) {
+        const int hh = i / C4, c = (i % C4) * 4;
+        const size_t th = (size_t)row0 * n_heads + kvh * grp + hh;  // (token, head)
+        float* pp = splits == 1 ? nullptr : cluster ? cpart + hh * (HD + 2) : part + (th * splits + z) * (HD + 2);
+        merge_warp_parts<HD, true>(ml, ro, 8, RS, hh, c, out, th * HD + c, pp, bf16);
+    }
+    if (cluster) cluster_merge<HD>(cpart, grp, splits, z, out, ((size_t)row0 * n_heads + kvh * grp) * HD, bf16);
 }
 
 // Three stages: two blocks per SM at head_dim 128 (the lab's best at batch 64; two
 // stages fit three blocks but were slower, four fit one).
 #define KM_STAGES 3
-#define KM_KERNEL(NAME, HD, PERSIST) \
+#define KM_KERNEL(NAME, HD) \
     extern "C" __global__ void __launch_bounds__(128) NAME(FLASH_ARGS, const float* inv_freq, const long long* slots, \
-                                                           int interleaved, int n_tiles) { \
-        flash_decode_km_impl<HD, KM_STAGES, PERSIST>(qkv, cache, half, tiles, tables, n_heads, n_kv, block_size, \
-                                                     scale, max_ctx, out, part, flags, inv_freq, slots, interleaved, \
-                                                     n_tiles); \
+                                                           int interleaved) { \
+        flash_decode_km_impl<HD, KM_STAGES>(qkv, cache, half, tiles, tables, n_heads, n_kv, block_size, scale, \
+                                            max_ctx, out, part, flags, inv_freq, slots, interleaved); \
     }
-KM_KERNEL(flash_decode_km_f16_d64, 64, false)
-KM_KERNEL(flash_decode_km_f16_d128, 128, false)
-KM_KERNEL(flash_decode_km_grid_f16_d64, 64, true)
-KM_KERNEL(flash_decode_km_grid_f16_d128, 128, true)
+KM_KERNEL(flash_decode_km_f16_d64, 64)
+KM_KERNEL(flash_decode_km_f16_d128, 128)
 
 // ---- Small-batch GEMM (decode): out[m][n] (+)= Σ_k x[m][k] · W[n][k] ----
 // W: bf16 [rows][k] row-major (k a multiple of 8), x: f32 [M][k], out: f32 [M][n_out].
