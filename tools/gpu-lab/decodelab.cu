@@ -31,6 +31,64 @@ __global__ void __launch_bounds__(128) decode_km_f16_d128(FLASH_ARGS) {
                                       out, part, flags, nullptr, nullptr, 0);
 }
 
+// The keys-on-M kernel's tile loads alone (twenty-eighth session): its grid, its three
+// stages of padded 64-key K and V tiles (two blocks per SM), its cp.async pattern (a
+// thread keeps one 16-byte column and steps over keys, a block-table read per key) and its
+// wait and barrier per tile, but no arithmetic: each tile is touched by one shared load per
+// thread, then the block spins `spin` clock cycles (a stand-in for a tile's MMAs and
+// softmax) before the next. What the load structure reaches, and how a tile's work adds.
+template <int STAGES>
+__global__ void __launch_bounds__(128) km_loads(const unsigned short* cache, long long half, const int* tiles,
+                                                const unsigned int* tables, int n_kv, int block_size, int spin,
+                                                unsigned* sink) {
+    constexpr int HD = 128, CH = HD / 8, KPP = 128 / CH, PASSES = KM_KEYS / KPP, ST = HD + 8;
+    constexpr unsigned KBYTES = KM_KEYS * ST * 2, STAGE_BYTES = 2 * KBYTES;
+    extern __shared__ __align__(16) unsigned char km_lab_smem[];
+    const unsigned base = smem_u32(km_lab_smem);
+    const int* tile = tiles + 4 * blockIdx.x;
+    const unsigned int* table = tables + tile[3];
+    const int k1 = tile[2] + 1, kvh = blockIdx.y;
+    const int my_c = (threadIdx.x % CH) * 8, my_key = threadIdx.x / CH;
+    const unsigned short* my_src = cache + (size_t)kvh * block_size * HD + my_c;
+    const size_t blk_stride = (size_t)n_kv * block_size * HD;
+    const int bs_shift = __ffs(block_size) - 1;
+    auto load_tile = [&](int kb, int st) {
+        if (kb < k1) {
+            const unsigned at = base + st * STAGE_BYTES + (my_key * ST + my_c) * 2;
+#pragma unroll
+            for (int p = 0; p < PASSES; p++) {
+                const int j = kb + my_key + p * KPP;
+                const unsigned short* src = cache;
+                int bytes = 0;
+                if (j < k1) {
+                    const int bi = j >> bs_shift;
+                    src = my_src + table[bi] * blk_stride + (size_t)(j - bi * block_size) * HD;
+                    bytes = 16;
+                }
+                cp_async16_at(at + p * KPP * ST * 2, src, bytes);
+                cp_async16_at(at + KBYTES + p * KPP * ST * 2, bytes ? src + half : cache, bytes);
+            }
+        }
+        cp_async_commit();
+    };
+    const int ntiles = (k1 + KM_KEYS - 1) / KM_KEYS;
+    for (int i = 0; i < STAGES - 1; i++) load_tile(i * KM_KEYS, i);
+    unsigned acc = 0;
+    for (int i = 0; i < ntiles; i++) {
+        cp_async_wait<STAGES - 2>();
+        __syncthreads();
+        load_tile((i + STAGES - 1) * KM_KEYS, (i + STAGES - 1) % STAGES);
+        unsigned v;
+        asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(base + (i % STAGES) * STAGE_BYTES + threadIdx.x * 4));
+        acc ^= v;
+        if (spin > 0) {
+            const long long t0 = clock64();
+            while (clock64() - t0 < spin) acc += 1;
+        }
+    }
+    if (acc == 0x9e3779b9u) sink[0] = acc;
+}
+
 // Plain f32 reference: one block per (sequence, query head), scores in shared memory.
 __global__ void decode_ref(const float* qkv, const unsigned short* cache, long long half, const int* tiles,
                            const unsigned int* tables, int n_heads, int n_kv, int block_size, float scale, float* out) {
@@ -135,6 +193,26 @@ int main(int argc, char** argv) {
     auto report = [&](const char* name, int splits, float us, double e) {
         printf("  %-26s splits %d: %8.2f us  %6.0f GB/s  err %.2e%s\n", name, splits, us, gb / us * 1e6, e, e > 5e-3 ? " BAD" : "");
     };
+    // KM_LOADS=1: the keys-on-M kernel's loads alone (km_loads), the engine's kernel
+    // beside them, then exit.
+    if (getenv("KM_LOADS")) {
+        unsigned* sink; CK(cudaMalloc(&sink, 4));
+        const int smem = KM_SMEM_BYTES(128, 3);
+        CK(cudaFuncSetAttribute(km_loads<3>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+        CK(cudaFuncSetAttribute(decode_km_f16_d128<3>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+        for (int round = 0; round < 2; round++) {
+            auto g = [&]() { decode_km_f16_d128<3><<<dim3(B, NKV, 1), 128, smem, st>>>(qkv, cache, half, dtiles, dtables, NH, NKV, BS, scale, dmax, out, part, 0); };
+            g(); CK(cudaStreamSynchronize(st));
+            report("keys-on-M 3 st (engine)", 1, time(g), err());
+            for (int spin : {0, 250, 500, 1000, 2000}) {
+                auto f = [&]() { km_loads<3><<<dim3(B, NKV), 128, smem, st>>>(cache, half, dtiles, dtables, NKV, BS, spin, sink); };
+                f(); CK(cudaStreamSynchronize(st)); CK(cudaGetLastError());
+                char name[64]; snprintf(name, sizeof name, "loads alone, spin %d", spin);
+                report(name, 1, time(f), 0.0);
+            }
+        }
+        return 0;
+    }
     // The engine's kernel.
     AttnFn eng = flash_decode_sa_f16_d128;
     CK(cudaFuncSetAttribute(eng, cudaFuncAttributeMaxDynamicSharedMemorySize, FA_SMEM_BYTES(128)));
