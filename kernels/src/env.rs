@@ -240,11 +240,6 @@ pub const CUDA_KM_EARLY: &str = "DISAGG_CUDA_KM_EARLY";
 /// instead of sixteen 16-byte cp.async per thread; for A/B runs.
 pub const CUDA_KM_BULK: &str = "DISAGG_CUDA_KM_BULK";
 
-/// `1`: the keys-on-M decode kernel (cp.async tiles) copies each tile's V as a group of its
-/// own, each warp the rows of its own keys, and waits for them only after its scores and
-/// softmax (instead of waiting for K and V together); for A/B runs.
-pub const CUDA_KM_SPLIT_V: &str = "DISAGG_CUDA_KM_SPLIT_V";
-
 /// `0`: the CUDA flash and keys-on-M attention kernels rescale their output accumulators
 /// on every key tile instead of only when one of the warp's row maxima rose (a product
 /// with 1 skipped: the same bits); for A/B runs.

@@ -216,7 +216,6 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
                 cluster: bool,
                 early: bool,
                 bulk: bool,
-                split_v: bool,
                 lazy: bool,
                 pp: bool,
                 turns: bool,
@@ -236,7 +235,6 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
                 cluster: true,
                 early: true,
                 bulk: true,
-                split_v: true,
                 lazy: true,
                 pp: true,
                 turns: false,
@@ -248,7 +246,6 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
                 Flash { cluster: false, ..all },
                 Flash { early: false, ..all },
                 Flash { bulk: false, ..all },
-                Flash { bulk: false, split_v: false, ..all },
                 Flash { lazy: false, ..all },
                 sa,
                 Flash { ldsm: false, ..sa },
@@ -265,8 +262,8 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
             ];
             let decode = seqs.iter().all(|s| s.1 == 1);
             let mut lazy_ref: Vec<(usize, Vec<u32>)> = Vec::new();
-            // ((early tiles, bulk copies, V apart), merged in clusters, splits, the outputs)
-            type Merged = ((bool, bool, bool), bool, usize, Vec<f32>);
+            // ((early tiles, bulk copies), merged in clusters, splits, the outputs)
+            type Merged = ((bool, bool), bool, usize, Vec<f32>);
             let mut merged: Vec<Merged> = Vec::new();
             for (f, chunk) in cases.iter().flat_map(|f| [(f, 0), (f, 64)]) {
                 let flash = f.on;
@@ -284,7 +281,6 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
                 be.set_attn_cluster(f.cluster);
                 be.set_km_early(f.early);
                 be.set_km_bulk(f.bulk);
-                be.set_km_split_v(f.split_v);
                 be.set_flash_lazy_rescale(f.lazy);
                 be.set_flash_warp_spec(f.pp);
                 be.set_flash_pp_turns(f.turns);
@@ -339,7 +335,7 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
                             be.step_cluster()
                         ));
                     }
-                    merged.push(((f.early, f.bulk, f.split_v), be.step_cluster(), be.step_splits(), got.clone()));
+                    merged.push(((f.early, f.bulk), be.step_cluster(), be.step_splits(), got.clone()));
                 }
                 if err.is_nan() || err >= if flash { 5e-3 } else { 1e-4 } {
                     failed.push(format!(
@@ -350,21 +346,19 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
                 }
             }
             // The cluster merge against attention_merge, the first tiles before the wait
-            // against after it, bulk copies against cp.async (V waited for apart from K and
-            // with it): the same splits, the same bits.
-            if let [((true, true, true), true, s1, a), rest @ ..] = &merged[..] {
-                for ((early, bulk, split_v), cluster, s2, b) in rest {
+            // against after it, bulk copies against cp.async: the same splits, the same bits.
+            if let [((true, true), true, s1, a), rest @ ..] = &merged[..] {
+                for ((early, bulk), cluster, s2, b) in rest {
                     let diff = a.iter().zip(b).filter(|(x, y)| x.to_bits() != y.to_bits()).count();
                     println!(
                         "{n_heads}/{n_kv} heads: against clusters, early tiles and bulk copies ({s1} splits), \
-                         clusters {cluster}, early tiles {early}, bulk copies {bulk}, V apart {split_v} ({s2} \
-                         splits): {diff} of {} outputs differ",
+                         clusters {cluster}, early tiles {early}, bulk copies {bulk} ({s2} splits): {diff} of {} \
+                         outputs differ",
                         a.len()
                     );
                     if s1 != s2 || diff > 0 {
                         failed.push(format!(
-                            "{n_heads}/{n_kv} heads: clusters {cluster}, early {early}, bulk {bulk}, V apart {split_v}: \
-                             {diff} differ"
+                            "{n_heads}/{n_kv} heads: clusters {cluster}, early {early}, bulk {bulk}: {diff} differ"
                         ));
                     }
                 }

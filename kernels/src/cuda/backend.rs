@@ -478,8 +478,6 @@ pub struct CudaBackend {
     km_early: bool,
     /// The keys-on-M kernel loads its tiles by bulk copies (`DISAGG_CUDA_KM_BULK=1`; sm_90).
     km_bulk: bool,
-    /// The keys-on-M kernel waits for a tile's V apart from its K (`DISAGG_CUDA_KM_SPLIT_V=1`).
-    km_split_v: bool,
     /// The attention kernels skip rescaling O by 1 (`DISAGG_CUDA_FLASH_LAZY_RESCALE=0`: never).
     flash_lazy_rescale: bool,
     /// Prefill steps at head_dim 128 take the warp-specialized flash kernel
@@ -635,7 +633,6 @@ impl CudaBackend {
             step_cluster: false,
             km_early: !off(crate::env::CUDA_KM_EARLY),
             km_bulk: std::env::var(crate::env::CUDA_KM_BULK).is_ok_and(|v| v == "1") && dev.arch.0 >= 9,
-            km_split_v: std::env::var(crate::env::CUDA_KM_SPLIT_V).is_ok_and(|v| v == "1"),
             flash_lazy_rescale: !off(crate::env::CUDA_FLASH_LAZY_RESCALE),
             flash_warp_spec: !off(crate::env::CUDA_FLASH_WARP_SPEC),
             flash_pp_turns: std::env::var(crate::env::CUDA_FLASH_PP_TURNS).is_ok_and(|v| v == "1"),
@@ -1002,12 +999,6 @@ impl CudaBackend {
     /// off unless `DISAGG_CUDA_FLASH_PP_TURNS=1`).
     pub fn set_flash_pp_turns(&mut self, on: bool) {
         self.set_switch(on, |b| &mut b.flash_pp_turns);
-    }
-
-    /// The keys-on-M kernel's V of each tile waited for apart from its K, each warp's rows
-    /// (default: off unless `DISAGG_CUDA_KM_SPLIT_V=1`; bulk copies take precedence).
-    pub fn set_km_split_v(&mut self, on: bool) {
-        self.set_switch(on, |b| &mut b.km_split_v);
     }
 
     /// The keys-on-M kernel's tiles by bulk copies (default: off unless
@@ -1693,8 +1684,7 @@ impl CudaBackend {
                     | (self.km_early as i32) << 7
                     | (self.km_bulk as i32) << 8
                     | (self.flash_lazy_rescale as i32) << 9
-                    | (self.flash_pp_turns as i32) << 10
-                    | (self.km_split_v as i32) << 11;
+                    | (self.flash_pp_turns as i32) << 10;
                 if bf16_out && (!split || cluster) {
                     b.arg(&mut self.x_bf16);
                 } else {

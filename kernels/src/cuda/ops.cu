@@ -822,7 +822,6 @@ __device__ __forceinline__ void wgmma_rs(float* d, const unsigned* a, unsigned l
 #define FLASH_BULK 256      // keys on M: tiles loaded by bulk copies, a key row per thread (else cp.async)
 #define FLASH_LAZY_RESCALE 512  // O rescaled only when a warp's row maxima rose (× 1 skipped: the same bits)
 #define FLASH_PP_TURNS 1024     // warp-specialized: the consumers take turns at the tensor cores (else free)
-#define FLASH_KM_SPLIT_V 2048   // keys on M, cp.async: V a group of its own, by the warp that reads it (else with K)
 // 2^x for the online softmax. FX: the bare MUFU instruction, inputs and results below
 // 2^-126 flushed to zero (x ≤ 0 here, and P is rounded to f16 anyway, whose smallest
 // subnormal is 2^-24); else exp2f, which scales around the MUFU for f32 subnormals.
@@ -1799,7 +1798,6 @@ __device__ void flash_decode_km_impl(const float* qkv, const unsigned short* cac
     const int w = (n_heads + 2 * n_kv) * HD;
     const float qs = scale * 1.4426950408889634f;
     const bool rope = (flags & FLASH_ROPE) != 0, bulk = (flags & FLASH_BULK) != 0;
-    const bool split_v = (flags & FLASH_KM_SPLIT_V) != 0 && !bulk;
     constexpr int HH = HD / 2;
     __shared__ float rope_c[HH], rope_s[HH];
     // FLASH_BULK: a stage's barrier counts its tile's bytes in.
@@ -1857,39 +1855,6 @@ __device__ void flash_decode_km_impl(const float* qkv, const unsigned short* cac
             const unsigned short* src =
                 head_src + table[bi] * blk_stride + (size_t)(j - bi * block_size) * HD + (threadIdx.x < KM_KEYS ? 0 : half);
             bulk_copy_g2s(base + st * STAGE_BYTES + (threadIdx.x / KM_KEYS) * KBYTES + r * ST * 2, src, HD * 2, bar);
-        } else if (kb < k1 && split_v) {
-            // K as below, one group; then V, a group of its own, each warp copying the rows
-            // of its own 16 keys (lane: row lane / CH + q · 32 / CH, 16-byte column lane % CH),
-            // so a warp waits for its V rows alone, after its S and softmax.
-            const unsigned at = base + st * STAGE_BYTES + (my_key * ST + my_c) * 2;
-#pragma unroll
-            for (int p = 0; p < PASSES; p++) {
-                const int j = kb + my_key + p * KPP;
-                const unsigned short* src = cache;
-                int bytes = 0;
-                if (j < k1) {
-                    const int bi = bs_pow2 ? j >> bs_shift : j / block_size;
-                    src = my_src + table[bi] * blk_stride + (size_t)(j - bi * block_size) * HD;
-                    bytes = 16;
-                }
-                cp_async16_at(at + p * KPP * ST * 2, src, bytes);
-            }
-            cp_async_commit();
-            constexpr int VRPP = 32 / CH;  // V rows per pass of a warp
-            static_assert(32 % CH == 0 && 16 % VRPP == 0, "whole rows per warp pass");
-            const int vc = (lane % CH) * 8;
-#pragma unroll
-            for (int q = 0; q < 16 / VRPP; q++) {
-                const int r = 16 * warp + lane / CH + q * VRPP, j = kb + r;
-                const unsigned short* src = cache;
-                int bytes = 0;
-                if (j < k1) {
-                    const int bi = bs_pow2 ? j >> bs_shift : j / block_size;
-                    src = head_src + table[bi] * blk_stride + (size_t)(j - bi * block_size) * HD + vc + half;
-                    bytes = 16;
-                }
-                cp_async16_at(base + st * STAGE_BYTES + KBYTES + (r * ST + vc) * 2, src, bytes);
-            }
         } else if (kb < k1) {
             const unsigned at = base + st * STAGE_BYTES + (my_key * ST + my_c) * 2;
 #pragma unroll
@@ -1905,8 +1870,6 @@ __device__ void flash_decode_km_impl(const float* qkv, const unsigned short* cac
                 cp_async16_at(at + p * KPP * ST * 2, src, bytes);
                 cp_async16_at(at + KBYTES + p * KPP * ST * 2, bytes ? src + half : cache, bytes);
             }
-        } else if (split_v) {
-            cp_async_commit();  // (past the keys: the empty K group, then the V group below)
         }
         if (!bulk) cp_async_commit();
     };
@@ -1960,8 +1923,6 @@ __device__ void flash_decode_km_impl(const float* qkv, const unsigned short* cac
     for (int i = 0; i < ntiles; i++) {
         if (bulk)
             mbar_wait(bar0 + 8 * (i % STAGES), (i / STAGES) & 1);
-        else if (split_v)
-            cp_async_wait<2 * (STAGES - 1) - 1>();  // tile i's K (its V may still be coming)
         else
             cp_async_wait<STAGES - 2>();
         __syncthreads();  // tile i staged by all; tile i − 1's stage free
@@ -2005,10 +1966,6 @@ __device__ void flash_decode_km_impl(const float* qkv, const unsigned short* cac
         // P^T as B fragments (k = keys, n = heads): the transposes of the 8×8 matrices
         // (keys 0–7 | 8–15) × heads that S^T's accumulators hold.
         const unsigned b0 = movmatrix_trans(pack_f16x2(p0, p1)), b1 = movmatrix_trans(pack_f16x2(p2, p3));
-        if (split_v) {
-            cp_async_wait<2 * (STAGES - 1)>();  // this warp's V rows of tile i
-            __syncwarp();
-        }
         // O^T (dims × heads) += V^T · P^T: A = V^T by ldmatrix.trans of the V rows.
         const unsigned v_row = vs_at + ((16 * warp + (lane & 7) + ((lane >> 4) << 3)) * ST + 8 * ((lane >> 3) & 1)) * 2;
 #pragma unroll
