@@ -204,22 +204,6 @@ int main(int argc, char** argv) {
             auto g = [&]() { decode_km_f16_d128<3><<<dim3(B, NKV, 1), 128, smem, st>>>(qkv, cache, half, dtiles, dtables, NH, NKV, BS, scale, dmax, out, part, 0); };
             g(); CK(cudaStreamSynchronize(st));
             report("keys-on-M 3 st (engine)", 1, time(g), err());
-            // KM_AHEAD="d …": the engine's kernel with its tiles asked of L2 d tiles ahead
-            // (FLASH_L2_AHEAD; d + 8: per 128-byte line instead of a bulk prefetch a row).
-            if (const char* a = getenv("KM_AHEAD")) {
-                for (const char* c = a; *c;) {
-                    char* e; const int d = (int)strtol(c, &e, 10);
-                    if (e == c) break;
-                    c = e;
-                    const int fl = ((d & 7) << FLASH_L2_AHEAD_SHIFT) | (d >= 8 ? FLASH_L2_LINES : 0);
-                    auto h = [&]() { decode_km_f16_d128<3><<<dim3(B, NKV, 1), 128, smem, st>>>(qkv, cache, half, dtiles, dtables, NH, NKV, BS, scale, dmax, out, part, fl); };
-                    CK(cudaMemset(out, 0, on * 4));
-                    h(); CK(cudaStreamSynchronize(st)); CK(cudaGetLastError());
-                    char name[64]; snprintf(name, sizeof name, "engine, L2 %d ahead%s", d & 7, d >= 8 ? " lines" : "");
-                    report(name, 1, time(h), err());
-                }
-                continue;
-            }
             for (int spin : {0, 250, 500, 1000, 2000}) {
                 auto f = [&]() { km_loads<3><<<dim3(B, NKV), 128, smem, st>>>(cache, half, dtiles, dtables, NKV, BS, spin, sink); };
                 f(); CK(cudaStreamSynchronize(st)); CK(cudaGetLastError());

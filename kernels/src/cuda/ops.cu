@@ -672,17 +672,6 @@ __device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
             : "memory");
 #endif
 }
-// `bytes` (a multiple of 16, 16-byte aligned) from global memory into L2, no completion
-// tracked (sm_90); before, one prefetch.global.L2 per 128-byte line.
-__device__ __forceinline__ void prefetch_l2(const void* src, unsigned bytes, bool lines) {
-#if __CUDA_ARCH__ >= 900
-    if (!lines) {
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src), "r"(bytes) : "memory");
-        return;
-    }
-#endif
-    for (unsigned o = 0; o < bytes; o += 128) asm volatile("prefetch.global.L2 [%0];\n" ::"l"((const char*)src + o));
-}
 __device__ __forceinline__ void bulk_copy_g2s(unsigned dst, const void* src, unsigned bytes, unsigned bar) {
 #if __CUDA_ARCH__ >= 900
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
@@ -833,12 +822,6 @@ __device__ __forceinline__ void wgmma_rs(float* d, const unsigned* a, unsigned l
 #define FLASH_BULK 256      // keys on M: tiles loaded by bulk copies, a key row per thread (else cp.async)
 #define FLASH_LAZY_RESCALE 512  // O rescaled only when a warp's row maxima rose (× 1 skipped: the same bits)
 #define FLASH_PP_TURNS 1024     // warp-specialized: the consumers take turns at the tensor cores (else free)
-// Keys on M: each tile's K and V rows asked of L2 this many tiles before its own loads
-// (bits 12–14; 0: never), so more of the block's bytes are on their way from DRAM than
-// its shared-memory stages hold.
-#define FLASH_L2_AHEAD_SHIFT 12
-#define FLASH_L2_AHEAD_MASK 7
-#define FLASH_L2_LINES 32768    // that prefetch per 128-byte line (prefetch.global.L2; else one bulk prefetch a row)
 // 2^x for the online softmax. FX: the bare MUFU instruction, inputs and results below
 // 2^-126 flushed to zero (x ≤ 0 here, and P is rounded to f16 anyway, whose smallest
 // subnormal is 2^-24); else exp2f, which scales around the MUFU for f32 subnormals.
@@ -1890,18 +1873,6 @@ __device__ void flash_decode_km_impl(const float* qkv, const unsigned short* cac
         }
         if (!bulk) cp_async_commit();
     };
-    // FLASH_L2_AHEAD: thread t asks L2 for key t % 64's K (t < 64) or V row of tile kb.
-    const int ahead = (flags >> FLASH_L2_AHEAD_SHIFT) & FLASH_L2_AHEAD_MASK;
-    const bool pf_lines = (flags & FLASH_L2_LINES) != 0;
-    auto prefetch_tile = [&](int kb) {
-        const int j = kb + threadIdx.x % KM_KEYS;
-        if (j < k1) {
-            const int bi = bs_pow2 ? j >> bs_shift : j / block_size;
-            const unsigned short* src = head_src + table[bi] * blk_stride + (size_t)(j - bi * block_size) * HD +
-                                        (threadIdx.x < KM_KEYS ? 0 : half);
-            prefetch_l2(src, HD * 2, pf_lines);
-        }
-    };
     const int ntiles = k1 > k0 ? (k1 - k0 + KM_KEYS - 1) / KM_KEYS : 0;
     // RoPE: the row's k (rotated) and v into the cache, by the block holding its key.
     const bool writes_kv = rope && k0 <= pos0 && pos0 < k1;
@@ -1948,9 +1919,6 @@ __device__ void flash_decode_km_impl(const float* qkv, const unsigned short* cac
         __syncthreads();
     }
     for (int i = pre; i < STAGES - 1; i++) load_tile(k0 + i * KM_KEYS, i);
-    // The tiles past the stages, as far ahead as asked (L2 sees the row's own k and v
-    // written whenever they land: it is where global writes go).
-    for (int i = STAGES - 1; i < STAGES - 1 + ahead; i++) prefetch_tile(k0 + i * KM_KEYS);
     if (writes_kv && ntiles >= STAGES) write_kv();
     for (int i = 0; i < ntiles; i++) {
         if (bulk)
@@ -1959,7 +1927,6 @@ __device__ void flash_decode_km_impl(const float* qkv, const unsigned short* cac
             cp_async_wait<STAGES - 2>();
         __syncthreads();  // tile i staged by all; tile i − 1's stage free
         load_tile(k0 + (i + STAGES - 1) * KM_KEYS, (i + STAGES - 1) % STAGES);
-        if (ahead) prefetch_tile(k0 + (i + STAGES - 1 + ahead) * KM_KEYS);
         const int kw = k0 + i * KM_KEYS + 16 * warp;  // this warp's first key
         if (kw >= k1) continue;
         const unsigned ks_at = base + (i % STAGES) * STAGE_BYTES, vs_at = ks_at + KBYTES;
