@@ -265,13 +265,6 @@ pub const CUDA_FLASH_PP_TURNS: &str = "DISAGG_CUDA_FLASH_PP_TURNS";
 /// `DISAGG_CUDA_GEMV_PIPE=0`). For A/B runs.
 pub const CUDA_GEMV_DEEP: &str = "DISAGG_CUDA_GEMV_DEEP";
 
-/// `0`: a CUDA down projection over 9–128 tokens (past the skinny GEMM) is one cuBLAS
-/// GEMM that adds into the residual, and the next RMSNorm is its own launch, instead of
-/// cuBLAS GEMMs over 2 or 4 slices of K into partials and one kernel that adds them and
-/// the residual and writes the next norm's bf16 output (where a slice keeps ≥ 3,584
-/// columns: Llama-3-8B's 14,336); for A/B runs.
-pub const CUDA_SPLITK_NORM: &str = "DISAGG_CUDA_SPLITK_NORM";
-
 /// `0`: the CUDA SiLU·gate runs one element per thread over the flat index (a 64-bit
 /// division each) instead of 4 columns per thread on a (columns, rows) grid; for A/B runs.
 pub const CUDA_SILU_ROWS4: &str = "DISAGG_CUDA_SILU_ROWS4";

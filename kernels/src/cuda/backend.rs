@@ -444,18 +444,6 @@ pub struct CudaBackend {
     prenormed: Option<(u64, u64, usize)>,
     /// GEMVs that took them.
     prenorm_taken: u64,
-    /// `DISAGG_CUDA_SPLITK_NORM`: the down projection past the skinny GEMM split over K
-    /// here, finished by one kernel with the residual add and the next RMSNorm (see
-    /// [`Self::residual_gemm`]).
-    splitk_norm: bool,
-    /// Its partials (splits × tokens × rows), grown on first use.
-    splitk_part: CudaSlice<f32>,
-    /// What that kernel left in the bf16 GEMM scratch: the RMSNorm of x, as (x's device
-    /// address, the norm weight's, the width, tokens, eps bits); taken by the norm it
-    /// stands for, cleared when the scratch or x may be written otherwise.
-    normed_bf16: Option<(u64, u64, usize, usize, u32)>,
-    /// Norms skipped because it was there (tests).
-    normed_taken: u64,
     /// How many deep GEMVs (`gemv_deep`) were launched from the host (tests).
     deep_taken: u64,
     /// `DISAGG_CUDA_SKINNY` (sm_90): GEMMs of 2–8 tokens on the skinny kernel (see
@@ -521,10 +509,6 @@ const ATTN_PART_ROWS_PER_SM: usize = 256;
 /// in long prefills on GPUs with slow f64, so those keep the block-per-token kernel (on
 /// the H200 prefill 8k measured 395.9 TFLOP/s with it, 393.3 with the pairs).
 const ROPE_PAIRS_MAX_TOKENS: usize = 1024;
-
-/// The narrowest K slice a split-K residual GEMM takes (`CudaBackend::splitk_splits`):
-/// Llama-3-8B's down projection (14,336) in 4.
-const SPLITK_MIN_COLS: usize = 3584;
 
 /// The keys-on-M decode kernel for `head_dim` (64 or 128).
 fn km_kernel(head_dim: usize) -> &'static str {
@@ -637,10 +621,6 @@ impl CudaBackend {
             prenorm_parts: stream.alloc_zeros::<f32>(1).map_err(dev_err)?,
             prenormed: None,
             prenorm_taken: 0,
-            splitk_norm: !off(crate::env::CUDA_SPLITK_NORM),
-            splitk_part: stream.alloc_zeros::<f32>(1).map_err(dev_err)?,
-            normed_bf16: None,
-            normed_taken: 0,
             deep_taken: 0,
             skinny: !off(crate::env::CUDA_SKINNY) && dev.arch.0 >= 9,
             norm_cast: !off(crate::env::CUDA_NORM_CAST),
@@ -923,19 +903,6 @@ impl CudaBackend {
     /// know which path they checked.
     pub fn prenormed_gemvs(&self) -> u64 {
         self.prenorm_taken
-    }
-
-    /// The down projection past the skinny GEMM split over K, finished by one kernel with
-    /// the residual add and the next RMSNorm (default: on unless
-    /// `DISAGG_CUDA_SPLITK_NORM=0`).
-    pub fn set_splitk_norm(&mut self, on: bool) {
-        self.set_switch(on, |b| &mut b.splitk_norm);
-    }
-
-    /// How many RMSNorms launched from the host were skipped because the split-K residual
-    /// kernel before them had written them, for tests.
-    pub fn splitk_norms(&self) -> u64 {
-        self.normed_taken
     }
 
     /// How many GEMVs with more loads per row in flight ([`Self::set_gemv_deep`]) were
@@ -1388,7 +1355,6 @@ impl CudaBackend {
             && self.gemv_pipe
             && self.prenormed == Some((x.device_ptr(&st).0, norm.device_ptr(&st).0, *cols));
         self.prenormed = None;
-        self.normed_bf16 = None;
         let (rows_out, names, flat, pnorm) = match kind {
             Gemv::Plain => (n_out, &super::GEMV_BF16[..], super::GEMV_FLAT_M1[0], ""),
             Gemv::Norm => (n_out, &super::GEMV_NORM_BF16[..], super::GEMV_FLAT_M1[1], super::GEMV_PNORM_M1[0]),
@@ -1514,8 +1480,6 @@ impl CudaBackend {
 
     /// Grows the bf16 GEMM input scratch to `len` values (dropping captured graphs).
     fn grow_x_bf16(&mut self, len: usize) {
-        // (Every writer of the scratch but the split-K residual kernel comes here first.)
-        self.normed_bf16 = None;
         if self.x_bf16.len() < len {
             self.buffers_moving();
             let st = self.dev.stream().clone();
@@ -1543,7 +1507,6 @@ impl CudaBackend {
         assert!(self.x_bf16.len() >= n_tokens * cols && out.len() >= n_tokens * rows, "bf16 GEMM buffers");
         assert!(!c_bf16 || !(accumulate || self.takes_skinny(*cols, n_tokens)), "bf16 GEMM output: cuBLAS, C = A·B");
         self.prenormed = None;
-        self.normed_bf16 = None;
         let st = self.dev.stream().clone();
         if self.takes_skinny(*cols, n_tokens) {
             // Key splits: the most (≤ 8, ≤ the 64-column slabs) that keep the blocks within
@@ -1601,127 +1564,6 @@ impl CudaBackend {
         .expect("cuBLAS: bf16 GEMM");
     }
 
-    /// Key slices for [`Self::residual_gemm`] of `w` over `n_tokens` (1: unsplit): past
-    /// the GEMV and the skinny GEMM, 4 up to 64 tokens and 2 up to 128 (splitklab: the
-    /// down projection at 16 / 64 / 128 tokens), fewer where a slice would be narrower
-    /// than 3,584 columns or not a whole number of 64-column slabs.
-    fn splitk_splits(&self, w: &CudaLinear, n_tokens: usize) -> usize {
-        let (rows, cols) = (w.rows(), w.cols());
-        if !self.splitk_norm
-            || !matches!(w, CudaLinear::Bf16 { .. })
-            || self.takes_gemv(w, n_tokens)
-            || self.takes_skinny(cols, n_tokens)
-            || !rows.is_multiple_of(4)
-            || rows > 8192
-            || n_tokens > 128
-        {
-            return 1;
-        }
-        let mut s = if n_tokens <= 64 { 4 } else { 2 };
-        while s > 1 && !(cols.is_multiple_of(64 * s) && cols / s >= SPLITK_MIN_COLS) {
-            s /= 2;
-        }
-        s
-    }
-
-    /// x += W · (the bf16 GEMM scratch) past the GEMV, x being the residual stream, and
-    /// with `next_norm` (its weight and eps) a hint that RMSNorm of x comes next. Where
-    /// [`Self::splitk_splits`] splits K, the slices are one strided-batched cuBLAS GEMM
-    /// into partials (cuBLAS' own split-K would add a reduction launch) and one kernel adds
-    /// them and the residual, and writes the next norm's bf16 output, which
-    /// `rms_norm_to_bf16` then takes instead of launching (splitklab, 64 tokens: down +
-    /// norm 36.6 against 40.0 µs). Else one GEMM accumulating into x.
-    fn residual_gemm(
-        &mut self,
-        w: &CudaLinear,
-        n_tokens: usize,
-        x: &mut CudaSlice<f32>,
-        next_norm: Option<(&CudaSlice<f32>, f32)>,
-    ) {
-        let splits = self.splitk_splits(w, n_tokens);
-        let t = self.tic();
-        if splits == 1 {
-            self.gemm_bf16_scratch(w, n_tokens, x, true);
-            self.toc(gemm_op_name(t.is_some(), w), t);
-            return;
-        }
-        let op = gemm_op_name(t.is_some(), w);
-        let CudaLinear::Bf16 { w, rows, cols } = w else { unreachable!("checked by splitk_splits") };
-        let (rows, cols) = (*rows, *cols);
-        let need = splits * n_tokens * rows;
-        assert!(self.x_bf16.len() >= n_tokens * cols.max(rows) && x.len() >= n_tokens * rows, "split-K GEMM buffers");
-        let st = self.dev.stream().clone();
-        if self.splitk_part.len() < need {
-            self.buffers_moving();
-            self.splitk_part = st.alloc_zeros::<f32>(need.next_power_of_two()).expect("CUDA: split-K partials");
-        }
-        self.prenormed = None;
-        self.normed_bf16 = None;
-        let kc = cols / splits;
-        let (alpha, beta) = (1f32, 0f32);
-        let pstride = (n_tokens * rows) as i64;
-        {
-            let (a, _ga) = w.device_ptr(&st);
-            let (b, _gb) = self.x_bf16.device_ptr(&st);
-            let (c, _gc) = self.splitk_part.device_ptr_mut(&st);
-            // SAFETY: A is W (rows × cols bf16, row-major: column-major cols × rows for
-            // op T), slice s its columns s·kc…, B the scratch's n_tokens rows of `cols`
-            // bf16, slice s the same columns, C the partials, slice s at s · pstride (f32,
-            // `need` ≤ their length); kc a multiple of 64 keeps every slice 16-byte aligned.
-            unsafe {
-                blas::gemm_strided_batched_ex(
-                    *self.blas.handle(),
-                    cublasOperation_t::CUBLAS_OP_T,
-                    cublasOperation_t::CUBLAS_OP_N,
-                    rows as i32,
-                    n_tokens as i32,
-                    kc as i32,
-                    &alpha as *const f32 as *const _,
-                    a as *const _,
-                    cudaDataType::CUDA_R_16BF,
-                    cols as i32,
-                    kc as i64,
-                    b as *const _,
-                    cudaDataType::CUDA_R_16BF,
-                    cols as i32,
-                    kc as i64,
-                    &beta as *const f32 as *const _,
-                    c as *mut _,
-                    cudaDataType::CUDA_R_32F,
-                    rows as i32,
-                    pstride,
-                    splits as i32,
-                    cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                    cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-                )
-            }
-            .expect("cuBLAS: split-K GEMM");
-        }
-        self.toc(op, t);
-        let t = self.tic();
-        let (g, eps) = match next_norm {
-            Some((g, eps)) if g.len() == rows => (Some(g), eps),
-            _ => (None, 0.0),
-        };
-        let (s32, d, norm) = (splits as i32, rows as i32, i32::from(g.is_some()));
-        let cfg = LaunchConfig { grid_dim: (n_tokens as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
-        let mut b = Launch::new(&st, self.dev.func("splitk_residual_norm_bf16"));
-        b.arg(&self.splitk_part).arg(&s32).arg(&pstride).arg(&mut *x);
-        match g {
-            Some(g) => b.arg(g),
-            None => b.arg(&self.splitk_part),
-        };
-        b.arg(&eps).arg(&d).arg(&mut self.x_bf16).arg(&norm);
-        // SAFETY: the partials hold `splits` slices of n_tokens rows of `rows` f32, x and
-        // the scratch n_tokens rows of `rows` (checked above); rows a multiple of 4, ≤ 8192
-        // (splitk_splits), the kernel's shape; the norm weight `rows` wide when read.
-        unsafe { b.launch(cfg, self.pdl) }.expect("CUDA: split-K residual + norm");
-        if let Some(g) = g {
-            self.normed_bf16 = Some((x.device_ptr(&st).0, g.device_ptr(&st).0, rows, n_tokens, eps.to_bits()));
-        }
-        self.toc("splitk_residual_norm", t);
-    }
-
     /// RMSNorm of `n_tokens` rows straight into the bf16 GEMM scratch (no f32 copy, no
     /// cast) when the fused kernel takes the width (a multiple of 4, ≤ 8192).
     fn rms_norm_to_bf16(&mut self, x: &CudaSlice<f32>, norm: &CudaSlice<f32>, eps: f32, n_tokens: usize) -> bool {
@@ -1730,13 +1572,6 @@ impl CudaBackend {
             return false;
         }
         assert!(x.len() >= n_tokens * dim, "RMSNorm to bf16: x holds {} values, not {n_tokens} rows of {dim}", x.len());
-        let st = self.dev.stream().clone();
-        let key = (x.device_ptr(&st).0, norm.device_ptr(&st).0, dim, n_tokens, eps.to_bits());
-        if self.normed_bf16.take() == Some(key) {
-            // The split-K residual kernel wrote exactly this (residual_gemm).
-            self.normed_taken += 1;
-            return true;
-        }
         let t = self.tic();
         self.grow_x_bf16(n_tokens * dim);
         let st = self.dev.stream().clone();
@@ -2327,7 +2162,6 @@ impl Backend for CudaBackend {
         assert!(self.rope_pending.is_none(), "CUDA: RoPE left to an attention that never ran");
         let t = self.tic();
         self.prenormed = None;
-        self.normed_bf16 = None;
         self.prepare_step(tokens, batch, rope, attn, logit_rows);
         self.toc("step_metadata_upload", t);
     }
@@ -2667,7 +2501,9 @@ impl Backend for CudaBackend {
             .silu_mul_to_bf16(gu, gu_bf16, n_tokens, ff, &mut self.x_bf16, self.pdl)
             .expect("CUDA: SiLU·gate to bf16");
         self.toc("silu_mul_bf16", t);
-        self.residual_gemm(down, n_tokens, x, next_norm.map(|g| (g, eps)));
+        let t = self.tic();
+        self.gemm_bf16_scratch(down, n_tokens, x, true);
+        self.toc(gemm_op_name(t.is_some(), down), t);
     }
 
     fn gather_rows(&mut self, x: &CudaSlice<f32>, rows: &[u32], dim: usize, out: &mut CudaSlice<f32>) {

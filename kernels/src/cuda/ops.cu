@@ -114,32 +114,6 @@ __device__ __forceinline__ void kv_store(float* p, size_t i, float v) { p[i] = v
 // row, each thread's float4s (dim a multiple of 4, ≤ 8192) loaded at once and kept in
 // registers for the second pass. Rounding: f32 as rms_norm_rows, then to bf16.
 #define NORM_BF16_VEC 8
-// The second half, shared: v holds this thread's float4s of the row (element e is float4
-// e · 256 + threadIdx.x), s the sum of their squares; writes the row's bf16 output.
-__device__ __forceinline__ void norm_row_bf16(const float4 (&v)[NORM_BF16_VEC], float s, const float* w, float eps,
-                                              int dim, unsigned short* out_row) {
-    const int n4 = dim / 4;
-    __shared__ float part[8];
-    for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffff, s, off);
-    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = s;
-    __syncthreads();
-    float t = 0.f;
-#pragma unroll
-    for (int i = 0; i < 8; i++) t += part[i];
-    const float scale = rsqrtf(t / dim + eps);
-    const float4* w4 = reinterpret_cast<const float4*>(w);
-    uint2* o = reinterpret_cast<uint2*>(out_row);
-#pragma unroll
-    for (int e = 0; e < NORM_BF16_VEC; e++) {
-        const int i = e * 256 + threadIdx.x;
-        if (i < n4) {
-            const float4 g = w4[i];
-            const unsigned a = f32_to_bf16(v[e].x * scale * g.x), b = f32_to_bf16(v[e].y * scale * g.y);
-            const unsigned c = f32_to_bf16(v[e].z * scale * g.z), d = f32_to_bf16(v[e].w * scale * g.w);
-            o[i] = make_uint2(a | (b << 16), c | (d << 16));
-        }
-    }
-}
 extern "C" __global__ void __launch_bounds__(256) rms_norm_bf16_rows(const float* x, const float* w, float eps, int dim,
                                                                      unsigned short* out) {
     pdl_wait();
@@ -153,38 +127,26 @@ extern "C" __global__ void __launch_bounds__(256) rms_norm_bf16_rows(const float
         v[e] = i < n4 ? xr[i] : make_float4(0.f, 0.f, 0.f, 0.f);
         s += v[e].x * v[e].x + v[e].y * v[e].y + v[e].z * v[e].z + v[e].w * v[e].w;
     }
-    norm_row_bf16(v, s, w, eps, dim, out + (size_t)blockIdx.x * dim);
-}
-
-// A residual GEMM split over K by the caller, finished: x[row] += Σ_s part[s][row] (the
-// partials in split order, each `pstride` values apart), and with `norm` the RMSNorm of
-// the new row (weight w) to bf16 into `out`, as rms_norm_bf16_rows would write it from x:
-// one launch for the split-K reduction, the residual add and the next norm. Same shape
-// limits as rms_norm_bf16_rows (a block of 256 per row).
-extern "C" __global__ void __launch_bounds__(256) splitk_residual_norm_bf16(const float* part, int splits,
-                                                                            long long pstride, float* x, const float* w,
-                                                                            float eps, int dim, unsigned short* out,
-                                                                            int norm) {
-    pdl_wait();
-    float4* xr = reinterpret_cast<float4*>(x + (size_t)blockIdx.x * dim);
-    const int n4 = dim / 4;
-    float4 v[NORM_BF16_VEC];
-    float s = 0.f;
+    __shared__ float part[8];
+    for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffff, s, off);
+    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = s;
+    __syncthreads();
+    float t = 0.f;
+#pragma unroll
+    for (int i = 0; i < 8; i++) t += part[i];
+    const float scale = rsqrtf(t / dim + eps);
+    const float4* w4 = reinterpret_cast<const float4*>(w);
+    uint2* o = reinterpret_cast<uint2*>(out + (size_t)blockIdx.x * dim);
 #pragma unroll
     for (int e = 0; e < NORM_BF16_VEC; e++) {
         const int i = e * 256 + threadIdx.x;
-        v[e] = make_float4(0.f, 0.f, 0.f, 0.f);
         if (i < n4) {
-            v[e] = xr[i];
-            for (int k = 0; k < splits; k++) {
-                const float4 p = reinterpret_cast<const float4*>(part + k * pstride + (size_t)blockIdx.x * dim)[i];
-                v[e].x += p.x, v[e].y += p.y, v[e].z += p.z, v[e].w += p.w;
-            }
-            xr[i] = v[e];
+            const float4 g = w4[i];
+            const unsigned a = f32_to_bf16(v[e].x * scale * g.x), b = f32_to_bf16(v[e].y * scale * g.y);
+            const unsigned c = f32_to_bf16(v[e].z * scale * g.z), d = f32_to_bf16(v[e].w * scale * g.w);
+            o[i] = make_uint2(a | (b << 16), c | (d << 16));
         }
-        s += v[e].x * v[e].x + v[e].y * v[e].y + v[e].z * v[e].z + v[e].w * v[e].w;
     }
-    if (norm) norm_row_bf16(v, s, w, eps, dim, out + (size_t)blockIdx.x * dim);
 }
 
 extern "C" __global__ void embed_rows_bf16(const unsigned short* table, const unsigned int* ids, int dim, int n, float* out) {
