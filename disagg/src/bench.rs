@@ -50,6 +50,12 @@ pub struct EngineBenchArgs {
     /// falls into the timed runs, as it did before this flag existed.
     #[arg(long)]
     no_warmup: bool,
+    /// Time the prefill before the decode batches, as before this flag existed. By
+    /// default it comes after them, in the peers' order (`../shared/tools/vllm-peer`:
+    /// decode batches 1, 16, 64, then the 8k prefill): on the H200 a batch-1 decode timed
+    /// right after 8k prefills ran 1.5–2% slower than the same batch timed later.
+    #[arg(long)]
+    prefill_first: bool,
     /// Print JSON (the only output format; accepted for symmetry with other commands).
     #[arg(long)]
     json: bool,
@@ -137,16 +143,21 @@ fn bench_core<B: Backend>(
     run_batch(&mut core, &mut next_id, vec![(prompt(64, 99, vocab), greedy(8))])?;
 
     // Prefill: one prompt of `prompt_tokens` in one step; time that step (after an
-    // untimed one, unless --no-warmup).
-    if !a.no_warmup {
-        run_batch(&mut core, &mut next_id, vec![(prompt(a.prompt_tokens, 98, vocab), greedy(1))])?;
-    }
-    let mut prefill = Vec::new();
-    for r in 0..a.repeat {
-        let p = prompt(a.prompt_tokens, r as u64, vocab);
-        let t = run_batch(&mut core, &mut next_id, vec![(p, greedy(1))])?;
-        prefill.push(a.prompt_tokens as f64 / t.first_step_s);
-    }
+    // untimed one, unless --no-warmup). Before the decode batches with --prefill-first,
+    // else after them.
+    let time_prefill = |core: &mut engine::scheduler::EngineCore<B>, next_id: &mut u64| -> anyhow::Result<Vec<f64>> {
+        if !a.no_warmup {
+            run_batch(core, next_id, vec![(prompt(a.prompt_tokens, 98, vocab), greedy(1))])?;
+        }
+        let mut prefill = Vec::new();
+        for r in 0..a.repeat {
+            let p = prompt(a.prompt_tokens, r as u64, vocab);
+            let t = run_batch(core, next_id, vec![(p, greedy(1))])?;
+            prefill.push(a.prompt_tokens as f64 / t.first_step_s);
+        }
+        Ok(prefill)
+    };
+    let mut prefill = if a.prefill_first { time_prefill(&mut core, &mut next_id)? } else { Vec::new() };
     // Decode: `b` sequences with a `context`-token prompt, `gen_tokens` each; time the
     // steps in which all `b` decode (none prefilling, none finished yet).
     let mut decode = Vec::new();
@@ -193,6 +204,9 @@ fn bench_core<B: Backend>(
             "op_us_per_step": ops.iter().map(|(op, (s, n))| json!({"op": op, "us": s * 1e6 / op_steps.max(1) as f64, "calls_per_step": *n as f64 / op_steps.max(1) as f64})).collect::<Vec<_>>(),
         }));
     }
+    if !a.prefill_first {
+        prefill = time_prefill(&mut core, &mut next_id)?;
+    }
     let w_bytes = core.model.weight_bytes as f64;
     let b1 = decode.iter().find(|d| d["batch"] == 1).map(|d| d["ms_per_step"].as_f64().unwrap_or(0.0));
     // KV read per decode step at batch 1: the average context over the measured steps.
@@ -238,6 +252,7 @@ fn bench_core<B: Backend>(
         "op_profile": profile,
         "repeat": a.repeat,
         "warmup": !a.no_warmup,
+        "prefill_first": a.prefill_first,
         "stats": core.stats(),
     });
     println!("{}", serde_json::to_string_pretty(&out)?);

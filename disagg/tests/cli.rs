@@ -205,3 +205,39 @@ fn bench_serve_accounts_for_every_request() {
         assert!(f(&level["cpu_us_per_token"]["gateway"]) > 0.0, "the gateway ran: {}", level["cpu_us_per_token"]);
     }
 }
+
+#[test]
+fn bench_engine_times_prefill_and_decode_in_either_order() {
+    // By default the prefill is timed after the decode batches (the peers' order);
+    // --prefill-first times it before them. Both report every batch and the prefill.
+    for first in [false, true] {
+        let mut args = vec![
+            "bench",
+            "engine",
+            "--batch",
+            "1,2",
+            "--gen-tokens",
+            "4",
+            "--context",
+            "16",
+            "--prompt-tokens",
+            "32",
+            "--repeat",
+            "1",
+            "--json",
+        ];
+        if first {
+            args.push("--prefill-first");
+        }
+        let (code, out, err) = disagg(&args);
+        assert_eq!(code, 0, "{err}");
+        let v: serde_json::Value = serde_json::from_str(out.trim()).expect("one JSON object");
+        assert_eq!(v["prefill_first"], first, "{v}");
+        assert_eq!(v["prefill"]["prompt_tokens"], 32, "{v}");
+        assert!(v["prefill"]["tokens_per_s"].as_f64().is_some_and(|t| t > 0.0), "{v}");
+        let decode = v["decode"].as_array().expect("decode batches");
+        let batches: Vec<u64> = decode.iter().map(|d| d["batch"].as_u64().unwrap()).collect();
+        assert_eq!(batches, [1, 2], "{v}");
+        assert!(decode.iter().all(|d| d["ms_per_step"].as_f64().is_some_and(|m| m > 0.0 && m.is_finite())), "{v}");
+    }
+}
