@@ -6,7 +6,7 @@
 //             launch: `rms_norm_bf16_rows`);
 //   batched   cublasGemmStridedBatchedEx over S slices of K (partials, β = 0), then one
 //             kernel that adds the partials and the residual and, for o and down, writes the
-//             sum and its RMSNorm in bf16 (the launch the engine's norm is today);
+//             sum and its RMSNorm in bf16 (in place of the norm's own launch);
 //   alone     each GEMM without its epilogue kernel.
 // The sums are checked against the plain way (the order of the additions differs).
 // Not part of the build; on the GPU machine:
