@@ -256,11 +256,6 @@ pub const CUDA_FLASH_WARP_SPEC: &str = "DISAGG_CUDA_FLASH_WARP_SPEC";
 /// their MMAs whenever ready; measured level on the H200 (docs/PERF.md), for A/B runs.
 pub const CUDA_FLASH_PP_TURNS: &str = "DISAGG_CUDA_FLASH_PP_TURNS";
 
-/// `0`: the warp-specialized flash kernel's consumers wait for a tile's P·V before the
-/// next tile's softmax (where ptxas places the wait unless told otherwise) instead of
-/// after it; the same arithmetic, for A/B runs.
-pub const CUDA_FLASH_PP_OVERLAP: &str = "DISAGG_CUDA_FLASH_PP_OVERLAP";
-
 /// `0`: the warp-specialized flash kernel's producer computes its copies' addresses by
 /// the general loop (with a division path) instead of the lean one for power-of-two
 /// cache blocks; the same copies, for A/B runs.

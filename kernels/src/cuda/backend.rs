@@ -487,9 +487,6 @@ pub struct CudaBackend {
     /// Its consumer warpgroups take turns at the tensor cores (`DISAGG_CUDA_FLASH_PP_TURNS=1`;
     /// else each issues whenever ready).
     flash_pp_turns: bool,
-    /// Its consumers wait for a tile's P·V only after the next tile's softmax
-    /// (`DISAGG_CUDA_FLASH_PP_OVERLAP=0`: where ptxas puts the wait, before it).
-    flash_pp_overlap: bool,
     /// Its producer copies by the lean loop where cache blocks are a power of two
     /// (`DISAGG_CUDA_FLASH_PP_LEAN=0`: the general loop).
     flash_pp_lean: bool,
@@ -642,7 +639,6 @@ impl CudaBackend {
             flash_lazy_rescale: !off(crate::env::CUDA_FLASH_LAZY_RESCALE),
             flash_warp_spec: !off(crate::env::CUDA_FLASH_WARP_SPEC),
             flash_pp_turns: std::env::var(crate::env::CUDA_FLASH_PP_TURNS).is_ok_and(|v| v == "1"),
-            flash_pp_overlap: !off(crate::env::CUDA_FLASH_PP_OVERLAP),
             flash_pp_lean: !off(crate::env::CUDA_FLASH_PP_LEAN),
             step_pp: false,
             rope_pending: None,
@@ -860,12 +856,8 @@ impl CudaBackend {
             ("fx", true, false) => "flash_decode_fx_f16_d128",
             (_, false, true) => "flash_attn_sa_f16_d64",
             (_, true, true) => "flash_decode_sa_f16_d64",
-            (_, false, false) if self.step_pp => match (self.flash_pp_overlap, self.flash_pp_lean) {
-                (true, true) => "flash_attn_pp_f16_d128",
-                (true, false) => "flash_attn_ppo_f16_d128",
-                (false, true) => "flash_attn_ppl_f16_d128",
-                (false, false) => "flash_attn_ppw_f16_d128",
-            },
+            (_, false, false) if self.step_pp && self.flash_pp_lean => "flash_attn_pp_f16_d128",
+            (_, false, false) if self.step_pp => "flash_attn_ppg_f16_d128",
             (_, false, false) if self.flash_wgmma && self.flash_occ3 => "flash_attn_wg3_f16_d128",
             (_, false, false) if self.flash_wgmma => "flash_attn_wg_f16_d128",
             (_, false, false) if self.flash_occ3 => "flash_attn_sa3_f16_d128",
@@ -1012,12 +1004,6 @@ impl CudaBackend {
     /// off unless `DISAGG_CUDA_FLASH_PP_TURNS=1`).
     pub fn set_flash_pp_turns(&mut self, on: bool) {
         self.set_switch(on, |b| &mut b.flash_pp_turns);
-    }
-
-    /// The warp-specialized kernel's consumers compute a tile's softmax while the last
-    /// tile's P·V runs (default: on unless `DISAGG_CUDA_FLASH_PP_OVERLAP=0`).
-    pub fn set_flash_pp_overlap(&mut self, on: bool) {
-        self.set_switch(on, |b| &mut b.flash_pp_overlap);
     }
 
     /// The warp-specialized kernel's producer takes the lean copy loop for power-of-two

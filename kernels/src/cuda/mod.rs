@@ -174,7 +174,7 @@ pub(crate) const GEMV_FLAT_M1: [&str; 3] =
     ["gemv_bf16_m1_flat", "gemv_norm_bf16_m1_flat", "gemv_norm_silu_bf16_m1_flat"];
 
 /// The flash-attention kernels and their head_dim.
-pub(crate) const FLASH_KERNELS: [(&str, usize); 25] = [
+pub(crate) const FLASH_KERNELS: [(&str, usize); 23] = [
     ("flash_attn_f16_d64", 64),
     ("flash_attn_f16_d128", 128),
     ("flash_decode_f16_d64", 64),
@@ -195,9 +195,7 @@ pub(crate) const FLASH_KERNELS: [(&str, usize); 25] = [
     ("flash_attn_wg_f16_d128", 128),
     ("flash_attn_wg3_f16_d128", 128),
     ("flash_attn_pp_f16_d128", 128),
-    ("flash_attn_ppw_f16_d128", 128),
-    ("flash_attn_ppo_f16_d128", 128),
-    ("flash_attn_ppl_f16_d128", 128),
+    ("flash_attn_ppg_f16_d128", 128),
     ("flash_decode_km_f16_d64", 64),
     ("flash_decode_km_f16_d128", 128),
 ];
@@ -230,7 +228,7 @@ pub(crate) fn flash_block_threads(kernel: &str) -> usize {
 /// and mbarriers (`PP_SMEM_BYTES`).
 pub(crate) fn flash_smem_bytes(kernel: &str, head_dim: usize) -> usize {
     if is_pp_kernel(kernel) {
-        return 3 * 2 * 128 * head_dim * 2 + 1024 + 32 * 3; // = PP_SMEM_BYTES
+        return 3 * 2 * 128 * head_dim * 2 + 1024 + 16 * 3; // = PP_SMEM_BYTES
     }
     let stages = if is_km_kernel(kernel) { 3 } else { 2 };
     stages * 2 * 64 * (head_dim + 8) * 2

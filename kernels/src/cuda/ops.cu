@@ -1393,7 +1393,10 @@ FLASH_KERNEL(flash_attn_wg3_f16_d128, 128, false, true, 3, (128, 3))
 // 64–127), share every tile, so a block reads the keys once for 128 rows (the
 // one-warpgroup kernel: once per 64), and arrive on the stage's "empty" mbarrier when
 // done with it. A consumer issues S = Q·Kᵀ of tile n together with O += P·V of tile
-// n − 1 and computes tile n's softmax while that P·V runs. With FLASH_PP_TURNS the two
+// n − 1, then tile n's softmax. (The source waits for that P·V after the softmax, but
+// ptxas moves the wait to its start, ahead of the stage's release; pinning it after the
+// softmax, with K and V on barriers of their own so K's half could be released early,
+// measured slower: docs/PERF.md, thirtieth session.) With FLASH_PP_TURNS the two
 // consumers also take turns at the tensor cores (named barriers 1 and 2, FA3's
 // ping-pong); measured level, so off by default. The producer hands its registers to
 // the consumers (setmaxnreg: 40 and 232, within the 168 × 384 the block is launched
@@ -1404,8 +1407,8 @@ FLASH_KERNEL(flash_attn_wg3_f16_d128, 128, false, true, 3, (128, 3))
 #define PP_STAGES 3
 #define PP_TILE_BYTES (PP_KEYS * 128 * 2)  // one K or V tile, head_dim 128, f16
 // (mod.rs' flash_smem_bytes gives the same: the ring, the 1024-byte alignment's slack,
-// the full and empty mbarriers of K and of V.)
-#define PP_SMEM_BYTES (PP_STAGES * 2 * PP_TILE_BYTES + 1024 + 32 * PP_STAGES)
+// the full and empty mbarriers.)
+#define PP_SMEM_BYTES (PP_STAGES * 2 * PP_TILE_BYTES + 1024 + 16 * PP_STAGES)
 // An arrival on the mbarrier once all this thread's earlier cp.async copies are in (the
 // barrier's expected count includes it).
 __device__ __forceinline__ void cp_async_mbar_arrive(unsigned bar) {
@@ -1447,20 +1450,14 @@ __device__ __forceinline__ void wg_wait1(float* acc) {
 #endif
 }
 
-// OVERLAP: a consumer's wait for tile n − 1's P·V takes tile n's row sums as an input
-// (a predicate on them, never false for finite sums), so ptxas cannot move it above the
-// softmax. Without it ptxas placed the wait at the softmax's start (the SASS: the
-// P·V's WARPGROUP.DEPBAR before the row maxima), and each consumer's softmax ran after
-// its own P·V instead of beside it. Since that holds the stage longer, K and V have
-// their own barriers: K's half of a stage is released once its S is done, V's once its
-// P·V is. Same arithmetic either way.
-// The lean producer's copies of one 128-key tile (power-of-two cache blocks): WHAT 0 K
-// only, 1 V only, 2 both. `at` is the thread's place in the stage's K half (V's is
-// PP_TILE_BYTES on). Per pass one block-table read and one 64-bit product; keys past k1
-// read as zeros (no table read). The general producer below computes the same
-// addresses with a division path that the compiler kept in line.
+// The lean producer's copies of one 128-key tile's K and V (power-of-two cache blocks).
+// `at` is the thread's place in the stage's K half (V's is PP_TILE_BYTES on). Per pass
+// one block-table read and one 64-bit multiply-add; a whole tile needs no mask or select;
+// keys past k1 read as zeros (no table read). The general loop in flash_pp_impl computes
+// the same addresses for any block size, but the compiler kept its division path in line
+// for every pass: ncu counted 732 instructions per tile for each producer warp there,
+// more than a consumer warp's 588.
 // (`blk_stride`, one cache block's elements over all KV heads, fits 32 bits.)
-template <int WHAT>
 __device__ __forceinline__ void pp_copy_lean(unsigned at, const unsigned short* my_src, const unsigned int* table, int kb,
                                              int k1, int my_key, int bs_shift, unsigned blk_stride, long long half,
                                              const unsigned short* cache) {
@@ -1472,16 +1469,15 @@ __device__ __forceinline__ void pp_copy_lean(unsigned at, const unsigned short* 
             const unsigned j = kb + my_key + p * KPP;
             const unsigned blk = __ldg(table + (j >> bs_shift));
             const unsigned short* src = my_src + ((unsigned long long)blk * blk_stride + ((j & mask) << 7));
-            if (WHAT != 1) cp_async16_at(at + p * 1024, src, 16);
-            if (WHAT != 0) cp_async16_at(at + PP_TILE_BYTES + p * 1024, src + half, 16);
+            cp_async16_at(at + p * 1024, src, 16);
+            cp_async16_at(at + PP_TILE_BYTES + p * 1024, src + half, 16);
         }
         return;
     }
-    const bool full = false;
 #pragma unroll
     for (int p = 0; p < PASSES; p++) {
         const int j = kb + my_key + p * KPP;
-        const bool ok = full || j < k1;
+        const bool ok = j < k1;
         const unsigned short* src = cache;
         if (ok) {
             const unsigned blk = __ldg(table + ((unsigned)j >> bs_shift));
@@ -1489,13 +1485,13 @@ __device__ __forceinline__ void pp_copy_lean(unsigned at, const unsigned short* 
             src = my_src + ((unsigned long long)blk * blk_stride + (((unsigned)j & mask) << 7));
         }
         const int bytes = ok ? 16 : 0;
-        if (WHAT != 1) cp_async16_at(at + p * 1024, src, bytes);
-        if (WHAT != 0) cp_async16_at(at + PP_TILE_BYTES + p * 1024, ok ? src + half : cache, bytes);
+        cp_async16_at(at + p * 1024, src, bytes);
+        cp_async16_at(at + PP_TILE_BYTES + p * 1024, ok ? src + half : cache, bytes);
     }
 }
 
 // LEAN: the producer's copies by pp_copy_lean where the cache blocks are a power of two.
-template <bool OVERLAP, bool LEAN>
+template <bool LEAN>
 __device__ __forceinline__ void flash_pp_impl(FLASH_ARGS) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     constexpr int HD = 128;
@@ -1506,11 +1502,10 @@ __device__ __forceinline__ void flash_pp_impl(FLASH_ARGS) {
     extern __shared__ __align__(1024) unsigned char pp_smem[];
     // The tiles on a 1024-byte boundary (the 128-byte swizzle's repeat), in the layout of
     // flash_attn_impl's WG form with 128-key halves: K at stage·2·KV_BYTES, V after it;
-    // then full[s] and empty[s] mbarriers (OVERLAP: K's), then V's full and empty.
+    // then full[s] and empty[s] mbarriers.
     const unsigned kvs_at = ((unsigned)__cvta_generic_to_shared(pp_smem) + 1023u) & ~1023u;
     const unsigned full_at = kvs_at + PP_STAGES * 2 * KV_BYTES, empty_at = full_at + 8 * PP_STAGES;
-    const unsigned vfull_at = empty_at + 8 * PP_STAGES, vempty_at = vfull_at + 8 * PP_STAGES;
-    static_assert(PP_STAGES * 2 * PP_TILE_BYTES + 1008 + 32 * PP_STAGES <= PP_SMEM_BYTES, "the ring and barriers fit");
+    static_assert(PP_STAGES * 2 * PP_TILE_BYTES + 1008 + 16 * PP_STAGES <= PP_SMEM_BYTES, "the ring and barriers fit");
     const int* tile = tiles + 4 * blockIdx.x;
     const int row0 = tile[0], ntok = tile[1], pos0 = tile[2];
     const unsigned int* table = tables + tile[3];
@@ -1526,8 +1521,6 @@ __device__ __forceinline__ void flash_pp_impl(FLASH_ARGS) {
         for (int s = 0; s < PP_STAGES; s++) {
             mbar_init(full_at + 8 * s, 128);   // the producer's threads, each once its copies are in
             mbar_init(empty_at + 8 * s, 256);  // the consumers' threads, once done with the stage
-            mbar_init(vfull_at + 8 * s, 128);
-            mbar_init(vempty_at + 8 * s, 256);
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
@@ -1547,63 +1540,12 @@ __device__ __forceinline__ void flash_pp_impl(FLASH_ARGS) {
         const unsigned short* my_src = cache + (size_t)kvh * block_size * HD + my_c;
         const size_t blk_stride = (size_t)n_kv * block_size * HD;
         if (LEAN && bs_pow2) {
-            for (int n = 0; n <= n_tiles; n++) {
-                if constexpr (OVERLAP) {
-                    if (n < n_tiles) {
-                        const int s = n % PP_STAGES;
-                        mbar_wait(empty_at + 8 * s, ((n / PP_STAGES) & 1) ^ 1);
-                        pp_copy_lean<0>(kvs_at + s * 2 * KV_BYTES + my_off, my_src, table, k0 + n * PP_KEYS, k1, my_key,
-                                        bs_shift, (unsigned)blk_stride, half, cache);
-                        cp_async_mbar_arrive(full_at + 8 * s);
-                    }
-                    if (n > 0) {
-                        const int s = (n - 1) % PP_STAGES;
-                        mbar_wait(vempty_at + 8 * s, (((n - 1) / PP_STAGES) & 1) ^ 1);
-                        pp_copy_lean<1>(kvs_at + s * 2 * KV_BYTES + my_off, my_src, table, k0 + (n - 1) * PP_KEYS, k1,
-                                        my_key, bs_shift, (unsigned)blk_stride, half, cache);
-                        cp_async_mbar_arrive(vfull_at + 8 * s);
-                    }
-                } else if (n < n_tiles) {
-                    const int s = n % PP_STAGES;
-                    mbar_wait(empty_at + 8 * s, ((n / PP_STAGES) & 1) ^ 1);
-                    pp_copy_lean<2>(kvs_at + s * 2 * KV_BYTES + my_off, my_src, table, k0 + n * PP_KEYS, k1, my_key,
-                                    bs_shift, (unsigned)blk_stride, half, cache);
-                    cp_async_mbar_arrive(full_at + 8 * s);
-                }
-            }
-            asm volatile("cp.async.wait_all;\n" ::: "memory");
-            return;
-        }
-        if constexpr (OVERLAP) {
-            // K of tile n, then V of tile n − 1: the order the consumers use them in, each
-            // half of a stage on its own barriers, so K's half is refilled as soon as its
-            // S is done, while V's waits for its P·V.
-            auto copy_half = [&](int n, int v) {
-                const int s = n % PP_STAGES, kb = k0 + n * PP_KEYS;
-                mbar_wait((v ? vempty_at : empty_at) + 8 * s, ((n / PP_STAGES) & 1) ^ 1);
-                const unsigned at = kvs_at + s * 2 * KV_BYTES + v * KV_BYTES + my_off;
-                const unsigned short* prev = nullptr;
-#pragma unroll
-                for (int p = 0; p < PASSES; p++) {
-                    const int j = kb + my_key + p * KPP;
-                    const unsigned short* src = nullptr;
-                    if (j < k1) {
-                        if (pair && (p & 1)) {
-                            src = prev + KPP * HD;
-                        } else {
-                            const int bi = bs_pow2 ? j >> bs_shift : j / block_size;
-                            src = my_src + table[bi] * blk_stride + (size_t)(j - bi * block_size) * HD;
-                        }
-                    }
-                    prev = src;
-                    const int bytes = src ? 16 : 0;
-                    cp_async16_at(at + p * 1024, bytes ? src + v * half : cache, bytes);
-                }
-                cp_async_mbar_arrive((v ? vfull_at : full_at) + 8 * s);
-            };
-            for (int n = 0; n <= n_tiles; n++) {
-                if (n < n_tiles) copy_half(n, 0);
-                if (n > 0) copy_half(n - 1, 1);
+            for (int n = 0; n < n_tiles; n++) {
+                const int s = n % PP_STAGES;
+                mbar_wait(empty_at + 8 * s, ((n / PP_STAGES) & 1) ^ 1);
+                pp_copy_lean(kvs_at + s * 2 * KV_BYTES + my_off, my_src, table, k0 + n * PP_KEYS, k1, my_key, bs_shift,
+                             (unsigned)blk_stride, half, cache);
+                cp_async_mbar_arrive(full_at + 8 * s);
             }
             asm volatile("cp.async.wait_all;\n" ::: "memory");
             return;
@@ -1752,7 +1694,6 @@ __device__ __forceinline__ void flash_pp_impl(FLASH_ARGS) {
         issue_s(0);
         if (turns) named_bar_arrive(other, 256);
         wg_wait<NT * 4>(&s[0][0]);
-        if constexpr (OVERLAP) mbar_arrive(empty_at);  // K of tile 0 is done with
         float a0, a1;
         softmax(k0, a0, a1);
         pack_p();
@@ -1760,7 +1701,6 @@ __device__ __forceinline__ void flash_pp_impl(FLASH_ARGS) {
         for (int n = 1; n < n_tiles; n++) {
             const int st = n % PP_STAGES, prev = (n - 1) % PP_STAGES;
             mbar_wait(full_at + 8 * st, (n / PP_STAGES) & 1);
-            if constexpr (OVERLAP) mbar_wait(vfull_at + 8 * prev, ((n - 1) / PP_STAGES) & 1);
             fence_proxy_async();
             if (turns) named_bar_sync(mine, 256);
             wg_pin<DT * 4>(&o[0][0]);
@@ -1770,24 +1710,14 @@ __device__ __forceinline__ void flash_pp_impl(FLASH_ARGS) {
             issue_pv(prev);
             if (turns) named_bar_arrive(other, 256);
             wg_wait1<NT * 4>(&s[0][0]);
-            if constexpr (OVERLAP) mbar_arrive(empty_at + 8 * st);  // K of tile n is done with
             softmax(k0 + n * PP_KEYS, a0, a1);
-            if constexpr (OVERLAP)
-                asm volatile(
-                    "{\n.reg .pred p;\nsetp.ne.b32 p, %0, 0x7fffffff;\n@p wgmma.wait_group.sync.aligned 0;\n}\n" ::"r"(
-                        __float_as_uint(l0 + l1))
-                    : "memory");
-            wg_wait<DT * 4>(&o[0][0]);  // (the wait itself where the predicate was false)
-            mbar_arrive((OVERLAP ? vempty_at : empty_at) + 8 * prev);
+            wg_wait<DT * 4>(&o[0][0]);
+            mbar_arrive(empty_at + 8 * prev);
             rescale(a0, a1);
             pack_p();
         }
         // The last turn: P·V of the last tile.
         const int last = (n_tiles - 1) % PP_STAGES;
-        if constexpr (OVERLAP) {
-            mbar_wait(vfull_at + 8 * last, ((n_tiles - 1) / PP_STAGES) & 1);
-            fence_proxy_async();
-        }
         if (turns) named_bar_sync(mine, 256);
         wg_pin<DT * 4>(&o[0][0]);
         wg_pin_u<NT * 2>(&pf[0][0]);
@@ -1795,7 +1725,7 @@ __device__ __forceinline__ void flash_pp_impl(FLASH_ARGS) {
         issue_pv(last);
         if (turns) named_bar_arrive(other, 256);
         wg_wait<DT * 4>(&o[0][0]);
-        mbar_arrive((OVERLAP ? vempty_at : empty_at) + 8 * last);
+        mbar_arrive(empty_at + 8 * last);
     }
     if (turns && c == 0) named_bar_sync(1, 256);  // consumer 1's last arrival
     l0 += __shfl_xor_sync(0xffffffff, l0, 1);
@@ -1808,15 +1738,13 @@ __device__ __forceinline__ void flash_pp_impl(FLASH_ARGS) {
     __trap();
 #endif
 }
-#define PP_KERNEL(NAME, OVERLAP, LEAN) \
+#define PP_KERNEL(NAME, LEAN) \
     extern "C" __global__ void __launch_bounds__(384, 1) NAME(FLASH_ARGS) { \
         pdl_wait(); \
-        flash_pp_impl<OVERLAP, LEAN>(FLASH_CALL); \
+        flash_pp_impl<LEAN>(FLASH_CALL); \
     }
-PP_KERNEL(flash_attn_pp_f16_d128, true, true)
-PP_KERNEL(flash_attn_ppo_f16_d128, true, false)   // DISAGG_CUDA_FLASH_PP_LEAN=0
-PP_KERNEL(flash_attn_ppl_f16_d128, false, true)   // DISAGG_CUDA_FLASH_PP_OVERLAP=0
-PP_KERNEL(flash_attn_ppw_f16_d128, false, false)  // both 0
+PP_KERNEL(flash_attn_pp_f16_d128, true)
+PP_KERNEL(flash_attn_ppg_f16_d128, false)  // the general producer loop (DISAGG_CUDA_FLASH_PP_LEAN=0)
 
 // ---- Decode attention with the keys as the MMA's M ("KM") ----
 // One query token per tile (decode), the query heads of one KV head (group ≤ 8) as the
