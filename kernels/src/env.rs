@@ -261,6 +261,11 @@ pub const CUDA_FLASH_PP_TURNS: &str = "DISAGG_CUDA_FLASH_PP_TURNS";
 /// cache blocks; the same copies, for A/B runs.
 pub const CUDA_FLASH_PP_LEAN: &str = "DISAGG_CUDA_FLASH_PP_LEAN";
 
+/// `0`: on a step of the warp-specialized flash kernel, RoPE rotates q and k before the
+/// attention (q written back and read again) instead of k alone, with the kernel rotating
+/// q as it loads it; the same bits, for A/B runs.
+pub const CUDA_PP_ROPE: &str = "DISAGG_CUDA_PP_ROPE";
+
 /// `0`: one-token GEMVs keep two 16-byte loads per row in flight everywhere, instead of
 /// more where their grid leaves the SMs room and each lane has two whole groups of them:
 /// four in the residual GEMVs that leave the next norm's inputs, at most two blocks per

@@ -587,33 +587,37 @@ fn rope_write_kv_matches_cpu() {
 /// the attention: the attention's output and every byte of the f16 cache, for both pair
 /// layouts, 32/8 heads at head_dim 128 and 9/3 at 64, unsplit and split into 64-key
 /// chunks, over sequences whose new key lies in the kernel's first loads (contexts of 4
-/// and 100 keys) and past them (700, 1,000); and the switch decides which ran.
+/// and 100 keys) and past them (700, 1,000); and the switch decides which ran. Likewise a
+/// prefill step on the warp-specialized kernel (32/8 heads, head_dim 128) whose q the
+/// kernel rotates as it loads it, after `rope_write_k` rotated and stored only k: 171 new
+/// rows from position 0 (a partial last tile) and 40 after a past of 300 keys.
 fn attention_with_rope_equals_the_separate_ops() {
     use kernels::quant::GgmlType;
     use kernels::{AttnShape, Backend, KvDtype, KvShape, Rope, StepBatch, WeightPart};
     let (eps, hidden, bs) = (1e-5f32, 256usize, 16usize);
-    for (n_heads, n_kv, hd) in [(32usize, 8usize, 128usize), (9, 3, 64)] {
+    for (n_heads, n_kv, hd, prefill) in [(32usize, 8usize, 128usize, false), (9, 3, 64, false), (32, 8, 128, true)] {
         let attn = AttnShape { n_heads, n_kv_heads: n_kv, head_dim: hd, scale: 1.0 / (hd as f32).sqrt() };
         let rows = attn.qkv_dim();
         let w: Vec<u8> = data(rows * hidden, 61).iter().flat_map(|x| x.to_le_bytes()).collect();
         let nw = data(hidden, 63);
         let inv_freq: Vec<f32> = (0..hd / 2).map(|i| 500000f32.powf(-2.0 * i as f32 / hd as f32)).collect();
-        // Four sequences, one new token each at positions 3, 99, 699, 999; disjoint tables.
-        let pos = [3usize, 99, 699, 999];
+        // (first new position, new rows): decode, four sequences with one new token each
+        // at positions 3, 99, 699, 999; or a prefill step. Disjoint tables.
+        let seqs: &[(usize, usize)] =
+            if prefill { &[(0, 171), (300, 40)] } else { &[(3, 1), (99, 1), (699, 1), (999, 1)] };
         let mut tables = Vec::new();
         let mut next = 0u32;
-        for p in pos {
-            let nb = (p + 1).div_ceil(bs) as u32;
+        for &(p, r) in seqs {
+            let nb = (p + r).div_ceil(bs) as u32;
             tables.push((next..next + nb).rev().collect::<Vec<u32>>());
             next += nb;
         }
-        let spans: Vec<kernels::SeqSpan> = pos
-            .iter()
-            .zip(&tables)
-            .enumerate()
-            .map(|(i, (&p, t))| kernels::SeqSpan { rows: i..i + 1, pos0: p, block_table: t })
-            .collect();
-        let n = pos.len();
+        let mut spans: Vec<kernels::SeqSpan> = Vec::new();
+        for (&(p, r), t) in seqs.iter().zip(&tables) {
+            let row0 = spans.last().map_or(0, |s: &kernels::SeqSpan| s.rows.end);
+            spans.push(kernels::SeqSpan { rows: row0..row0 + r, pos0: p, block_table: t });
+        }
+        let n: usize = seqs.iter().map(|s| s.1).sum();
         let batch = StepBatch { n_tokens: n, seqs: &spans, block_size: bs, fed: &[] };
         let x = data(n * hidden, 62);
         let shape = KvShape {
@@ -644,12 +648,20 @@ fn attention_with_rope_equals_the_separate_ops() {
                 let mut runs: Vec<(Vec<f32>, Vec<u8>)> = Vec::new();
                 for fused in [true, false] {
                     be.set_attn_rope(fused);
+                    be.set_pp_rope(fused);
                     be.set_attn_chunk(chunk);
                     let mut kv = be.kv_cache(shape).unwrap();
                     be.kv_import(&mut kv, 0, &blocks, &past);
                     be.begin_step(&tokens, &batch, &rope, &attn, &[]);
-                    assert!(be.step_flash_kernel().starts_with("flash_decode_km"), "{}", be.step_flash_kernel());
-                    assert_eq!((chunk > 0, be.attention_takes_rope(&kv, 0, &attn)), (be.step_splits() > 1, fused));
+                    let kernel = if prefill { "flash_attn_pp" } else { "flash_decode_km" };
+                    assert!(be.step_flash_kernel().starts_with(kernel), "{}", be.step_flash_kernel());
+                    if prefill {
+                        assert_eq!(be.attention_takes_q_rope(&kv, 0), fused);
+                        assert!(!be.attention_takes_rope(&kv, 0, &attn));
+                    } else {
+                        assert_eq!((chunk > 0, be.attention_takes_rope(&kv, 0, &attn)), (be.step_splits() > 1, fused));
+                        assert!(!be.attention_takes_q_rope(&kv, 0));
+                    }
                     be.norm_qkv_rope(&dx, &dnw, eps, &mut dh, &lin, &mut dqkv, 0, &batch, &rope, &attn, &mut kv);
                     be.attention(&dqkv, 0, &batch, &attn, &mut kv, &mut out);
                     let mut o = vec![0f32; n * attn.q_dim()];
@@ -663,8 +675,11 @@ fn attention_with_rope_equals_the_separate_ops() {
                 let cache_diff = on.1.iter().zip(&off.1).filter(|(a, b)| a != b).count();
                 let new_kv = on.1.iter().zip(&past).filter(|(a, b)| a != b).count();
                 println!(
-                    "attention with RoPE, {n_heads}/{n_kv} heads d{hd}, interleaved {interleaved}, chunk {chunk}: \
-                     {diff} of {} outputs and {cache_diff} cache bytes differ; {new_kv} cache bytes new",
+                    "attention with RoPE, {n_heads}/{n_kv} heads d{hd}, {} rows (prefill {prefill}), interleaved \
+                     {interleaved}, chunk {chunk} ({} splits): {diff} of {} outputs and {cache_diff} cache bytes \
+                     differ; {new_kv} cache bytes new",
+                    n,
+                    be.step_splits(),
                     on.0.len()
                 );
                 assert!(on.0.iter().all(|v| v.is_finite()));

@@ -344,6 +344,9 @@ pub struct CudaBackend {
     /// Split-K attention: keys per block (0: off), and the partials' scratch.
     attn_chunk: usize,
     attn_part: CudaSlice<f32>,
+    /// Each token's RoPE cos/sin (head_dim floats: cos, sin per pair) as `rope_write_k`
+    /// writes them for the warp-specialized kernel's q.
+    rope_cs: CudaSlice<f32>,
     n_sms: usize,
     /// Rows sampled on the device (`DISAGG_DEVICE_SAMPLING=0`: logits to the host).
     device_sampling: bool,
@@ -490,6 +493,12 @@ pub struct CudaBackend {
     /// Its producer copies by the lean loop where cache blocks are a power of two
     /// (`DISAGG_CUDA_FLASH_PP_LEAN=0`: the general loop).
     flash_pp_lean: bool,
+    /// On a step of the warp-specialized kernel, RoPE rotates only k before the attention
+    /// and the kernel rotates q as it loads it (`DISAGG_CUDA_PP_ROPE=0`: q too, before).
+    pp_rope: bool,
+    /// Set by `norm_qkv_rope` when it left q's RoPE to the warp-specialized attention of
+    /// its layer: (layer, interleaved pairs).
+    q_rope_pending: Option<(usize, bool)>,
     /// This step's flash tiles are the warp-specialized kernel's (128 rows).
     step_pp: bool,
     /// Set by `norm_qkv_rope` when it left RoPE and the KV write to the attention of its
@@ -640,6 +649,8 @@ impl CudaBackend {
             flash_warp_spec: !off(crate::env::CUDA_FLASH_WARP_SPEC),
             flash_pp_turns: std::env::var(crate::env::CUDA_FLASH_PP_TURNS).is_ok_and(|v| v == "1"),
             flash_pp_lean: !off(crate::env::CUDA_FLASH_PP_LEAN),
+            pp_rope: !off(crate::env::CUDA_PP_ROPE),
+            q_rope_pending: None,
             step_pp: false,
             rope_pending: None,
             flash_blocks_per_sm,
@@ -701,6 +712,7 @@ impl CudaBackend {
                 Err(_) => 64,
             },
             attn_part: z(1)?,
+            rope_cs: z(1)?,
             device_sampling,
             argmax_out: stream.alloc_zeros::<u32>(1).map_err(dev_err)?,
             argmax_split: !off(crate::env::CUDA_ARGMAX_SPLIT),
@@ -1010,6 +1022,21 @@ impl CudaBackend {
     /// cache blocks (default: on unless `DISAGG_CUDA_FLASH_PP_LEAN=0`).
     pub fn set_flash_pp_lean(&mut self, on: bool) {
         self.set_switch(on, |b| &mut b.flash_pp_lean);
+    }
+
+    /// On warp-specialized steps the attention rotates q as it loads it and RoPE before
+    /// it only k (default: on unless `DISAGG_CUDA_PP_ROPE=0`).
+    pub fn set_pp_rope(&mut self, on: bool) {
+        self.set_switch(on, |b| &mut b.pp_rope);
+    }
+
+    /// Whether `norm_qkv_rope` leaves q's RoPE to this step's attention of `layer`
+    /// (warp-specialized kernel, f16 cache, `DISAGG_CUDA_PP_ROPE`).
+    pub fn attention_takes_q_rope(&self, kv: &CudaKv, layer: usize) -> bool {
+        self.pp_rope
+            && self.step_flash
+            && super::is_pp_kernel(self.step_flash_kernel)
+            && matches!(kv.layers.get(layer), Some(KvBuf::F16(_)))
     }
 
     /// The keys-on-M kernel's tiles by bulk copies (default: off unless
@@ -1498,6 +1525,41 @@ impl CudaBackend {
         }
     }
 
+    /// RoPE on k and the KV write of a step whose warp-specialized attention rotates q
+    /// itself (`rope_write_k_f16`): the cache gets what `rope_write_kv` would store, q and
+    /// k stay unrotated in `qkv`, and each token's cos/sin go to `rope_cs` for the
+    /// attention's q.
+    fn rope_write_k(
+        &mut self,
+        qkv: &CudaSlice<f32>,
+        layer: usize,
+        batch: &StepBatch,
+        rope: &Rope,
+        attn: &AttnShape,
+        kv: &mut CudaKv,
+    ) {
+        assert!(attn.head_dim <= 256, "CUDA: RoPE takes head_dim ≤ 256");
+        let t = self.tic();
+        let st = self.dev.stream().clone();
+        let need = batch.n_tokens * attn.head_dim;
+        if self.rope_cs.len() < need {
+            self.buffers_moving();
+            self.rope_cs = st.alloc_zeros::<f32>(need.next_power_of_two()).expect("CUDA: RoPE cos/sin");
+        }
+        let half = kv.half() as i64;
+        let (nh, nkv, hd) = (attn.n_heads as i32, attn.n_kv_heads as i32, attn.head_dim as i32);
+        let (il, bs) = (i32::from(rope.interleaved), batch.block_size as i32);
+        let cfg = LaunchConfig { grid_dim: (batch.n_tokens as u32, 1, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
+        let KvBuf::F16(cache) = &mut kv.layers[layer] else { unreachable!("checked by attention_takes_q_rope") };
+        let mut b = Launch::new(&st, self.dev.func("rope_write_k_f16"));
+        b.arg(qkv).arg(&self.pos).arg(&self.inv_freq).arg(&self.slots);
+        b.arg(&nh).arg(&nkv).arg(&hd).arg(&il).arg(&bs).arg(cache).arg(&half).arg(&mut self.rope_cs);
+        // SAFETY: argument types match the kernel; qkv holds n_tokens rows of q|k|v, the
+        // slots lie in the cache, rope_cs holds n_tokens × head_dim floats.
+        unsafe { b.launch(cfg, self.pdl) }.expect("CUDA: RoPE on k + KV write");
+        self.toc("rope_write_kv", t);
+    }
+
     /// out[n × rows] (+)= x_bf16[n × cols] · Wᵀ on cuBLAS, W bf16: the input already in the
     /// bf16 scratch (cast, or written there by a fused RMSNorm).
     fn gemm_bf16_scratch(&mut self, w: &CudaLinear, n_tokens: usize, out: &mut CudaSlice<f32>, accumulate: bool) {
@@ -1651,6 +1713,11 @@ impl CudaBackend {
         // RoPE and the KV write left by norm_qkv_rope to this kernel (keys on M).
         let rope = self.rope_pending.take();
         assert!(rope.is_none_or(|(l, _)| l == layer), "RoPE left by layer {rope:?}, attention of layer {layer}");
+        let q_rope = self.q_rope_pending.take();
+        assert!(
+            q_rope.is_none_or(|(l, _)| l == layer),
+            "q's RoPE left by layer {q_rope:?}, attention of layer {layer}"
+        );
         if bf16_out {
             assert!(self.x_bf16.len() >= batch.n_tokens * attn.n_heads * attn.head_dim, "bf16 scratch");
         }
@@ -1695,7 +1762,8 @@ impl CudaBackend {
                     | (self.km_early as i32) << 7
                     | (self.km_bulk as i32) << 8
                     | (self.flash_lazy_rescale as i32) << 9
-                    | (self.flash_pp_turns as i32) << 10;
+                    | (self.flash_pp_turns as i32) << 10
+                    | (q_rope.is_some() as i32) << 11;
                 if bf16_out && (!split || cluster) {
                     b.arg(&mut self.x_bf16);
                 } else {
@@ -1704,11 +1772,17 @@ impl CudaBackend {
                 b.arg(&mut self.attn_part).arg(&flags);
                 let km = super::is_km_kernel(name);
                 assert!(km || rope.is_none(), "RoPE in the attention: the keys-on-M kernel only");
-                let il = i32::from(rope.is_some_and(|(_, il)| il));
+                let pp = super::is_pp_kernel(name);
+                assert!(pp || q_rope.is_none(), "q's RoPE in the attention: the warp-specialized kernel only");
+                let il = i32::from(rope.or(q_rope).is_some_and(|(_, il)| il));
                 if km {
                     // FLASH_ROPE: q rotated as read; k and v of each row stored at its slot
                     // (the cache is written through this launch, as rope_write_kv would).
                     b.arg(&self.inv_freq).arg(&self.slots).arg(&il);
+                }
+                if pp {
+                    // FLASH_PP_ROPE_Q: q rotated as loaded, by rope_write_k's cos/sin.
+                    b.arg(&self.rope_cs).arg(&il);
                 }
                 assert!(km || !cluster, "clusters: the keys-on-M kernel only");
                 if cluster {
@@ -2124,6 +2198,10 @@ impl Backend for CudaBackend {
         self.pos = self.zeros(n, "step metadata (positions)")?;
         self.table_off = self.zeros(n, "step metadata (table offsets)")?;
         self.fa_tiles = self.zeros(4 * n, "step metadata (tiles)")?;
+        // RoPE's cos/sin per token for the warp-specialized attention's q (prefill steps).
+        if n > 16 {
+            self.rope_cs = self.zeros(n * lim.attn.head_dim, "RoPE's cos/sin")?;
+        }
         self.tables = self.zeros(lim.max_table_entries.max(1), "step metadata (block tables)")?;
         self.rows = self.zeros(lim.max_seqs.max(1), "step metadata (logit rows)")?;
         self.argmax_out = self.zeros(lim.max_seqs.max(1), "the sampled ids")?;
@@ -2170,7 +2248,10 @@ impl Backend for CudaBackend {
                 || self.deferred.back().is_some_and(|d| batch.fed.iter().all(|f| (f.from as usize) < d.1)),
             "CUDA: fed tokens without a deferred sample of their rows"
         );
-        assert!(self.rope_pending.is_none(), "CUDA: RoPE left to an attention that never ran");
+        assert!(
+            self.rope_pending.is_none() && self.q_rope_pending.is_none(),
+            "CUDA: RoPE left to an attention that never ran"
+        );
         let t = self.tic();
         self.prenormed = None;
         self.prepare_step(tokens, batch, rope, attn, logit_rows);
@@ -2428,6 +2509,10 @@ impl Backend for CudaBackend {
             if batch.n_tokens > 0 && self.attention_takes_rope(kv, layer, attn) {
                 assert!(self.rope_pending.is_none(), "RoPE left to an attention that never ran");
                 self.rope_pending = Some((layer, rope.interleaved));
+            } else if batch.n_tokens > 0 && self.attention_takes_q_rope(kv, layer) {
+                assert!(self.q_rope_pending.is_none(), "RoPE left to an attention that never ran");
+                self.rope_write_k(qkv, layer, batch, rope, attn, kv);
+                self.q_rope_pending = Some((layer, rope.interleaved));
             } else {
                 self.rope_write_kv(qkv, layer, batch, rope, attn, kv);
             }

@@ -313,6 +313,49 @@ extern "C" __global__ void rope_write_kv_pairs_f16(ROPE_ARGS(unsigned short)) {
 extern "C" __global__ void rope_write_kv_pairs_f32(ROPE_ARGS(float)) {
     rope_write_kv_pairs_impl(qkv, pos, inv_freq, slots, n_tokens, n_heads, n_kv, hd, interleaved, block_size, cache, half);
 }
+// A prefill step's RoPE when the warp-specialized attention rotates q as it loads it
+// (FLASH_PP_ROPE_Q): k rotated and stored with v at the token's slot, as rope_write_kv_impl
+// stores them, but q and k left unrotated in `qkv` (nothing reads them there after the
+// attention), so q's bytes are neither read nor written here. Each token's cos/sin (the
+// same rope_cs) go to `cs` (token t's pair j at cs[t·hd + 2j], sin after it) for the
+// attention's q. One block per token.
+// (v is copied before the angles are made, so its loads run under the sincos; the
+// loops are unrolled so that a thread has several loads in flight.)
+extern "C" __global__ void rope_write_k_f16(const float* __restrict__ qkv, const int* pos, const float* inv_freq,
+                                            const long long* slots, int n_heads, int n_kv, int hd, int interleaved,
+                                            int block_size, unsigned short* __restrict__ cache, long long half,
+                                            float* __restrict__ cs) {
+    pdl_wait();
+    const int t = blockIdx.x;
+    const int w = (n_heads + 2 * n_kv) * hd;
+    const float* k = qkv + (size_t)t * w + n_heads * hd;
+    const float* v = k + n_kv * hd;
+    const int hh = hd / 2;
+    __shared__ float c[128], s[128];  // hd ≤ 256
+    const long long slot = slots[t];
+    const long long block = slot / block_size, off = slot % block_size;
+#pragma unroll 4
+    for (int i = threadIdx.x; i < n_kv * hd; i += blockDim.x) {
+        const int h = i / hd, d = i % hd;
+        kv_store(cache, (size_t)half + (size_t)(((block * n_kv + h) * block_size + off) * hd + d), v[i]);
+    }
+    const float p = (float)pos[t];
+    for (int j = threadIdx.x; j < hh; j += blockDim.x) {
+        rope_cs(p, inv_freq[j], c[j], s[j]);
+        reinterpret_cast<float2*>(cs)[(size_t)t * hh + j] = make_float2(c[j], s[j]);
+    }
+    __syncthreads();
+#pragma unroll 4
+    for (int i = threadIdx.x; i < n_kv * hh; i += blockDim.x) {
+        const int h = i / hh, j = i % hh;
+        const int a = interleaved ? 2 * j : j, b = interleaved ? 2 * j + 1 : j + hh;
+        float x0 = k[h * hd + a], x1 = k[h * hd + b];
+        rope_apply(c[j], s[j], x0, x1);
+        const size_t at = (size_t)(((block * n_kv + h) * block_size + off) * hd);
+        kv_store(cache, at + a, x0);
+        kv_store(cache, at + b, x1);
+    }
+}
 #undef ROPE_ARGS
 
 // Causal attention over the paged cache: one block of ATT_WARPS warps per (token, query
@@ -822,6 +865,7 @@ __device__ __forceinline__ void wgmma_rs(float* d, const unsigned* a, unsigned l
 #define FLASH_BULK 256      // keys on M: tiles loaded by bulk copies, a key row per thread (else cp.async)
 #define FLASH_LAZY_RESCALE 512  // O rescaled only when a warp's row maxima rose (× 1 skipped: the same bits)
 #define FLASH_PP_TURNS 1024     // warp-specialized: the consumers take turns at the tensor cores (else free)
+#define FLASH_PP_ROPE_Q 2048    // warp-specialized: q rotated as loaded, by rope_write_k's cos/sin (else rotated before)
 // 2^x for the online softmax. FX: the bare MUFU instruction, inputs and results below
 // 2^-126 flushed to zero (x ≤ 0 here, and P is rounded to f16 anyway, whose smallest
 // subnormal is 2^-24); else exp2f, which scales around the MUFU for f32 subnormals.
@@ -893,6 +937,51 @@ __device__ __forceinline__ void flash_load_q(unsigned (*qf)[4], const float* qa,
         qf[k][1] = pack_f16x2(qb[c0] * qs, qb[c0 + 1] * qs);
         qf[k][2] = pack_f16x2(qa[c1] * qs, qa[c1 + 1] * qs);
         qf[k][3] = pack_f16x2(qb[c1] * qs, qb[c1 + 1] * qs);
+    }
+}
+// flash_load_q with RoPE (FLASH_PP_ROPE_Q): each pair rotated from the unrotated q by
+// its row's cos/sin as rope_write_k wrote them (`csa`, `csb`: the rows' tokens), as
+// rope_write_kv_impl rotates it, then scaled and rounded as flash_load_q does: the same
+// bits. A thread holds both dims of its pairs: (c, c + HD/2) at k-steps k and k + KS/2,
+// or (c, c + 1) when interleaved.
+template <int HD>
+__device__ __forceinline__ void flash_load_q_rope(unsigned (*qf)[4], const float* qa, const float* qb, float qs, int t4,
+                                                  const float* csa, const float* csb, int interleaved) {
+    constexpr int KS = HD / 16, HH = HD / 2;
+    float va[KS][4], vb[KS][4];  // column 16k + 2t4 + {0, 1, 8, 9}[e], rotated
+    auto rot = [&](const float* cs, int j, float& x0, float& x1) {
+        const float2 r = reinterpret_cast<const float2*>(cs)[j];
+        rope_apply(r.x, r.y, x0, x1);
+    };
+    if (interleaved) {
+#pragma unroll
+        for (int k = 0; k < KS; k++)
+#pragma unroll
+            for (int e = 0; e < 4; e += 2) {
+                const int col = 16 * k + 2 * t4 + (e ? 8 : 0);
+                float a0 = qa[col], a1 = qa[col + 1], b0 = qb[col], b1 = qb[col + 1];
+                rot(csa, col >> 1, a0, a1);
+                rot(csb, col >> 1, b0, b1);
+                va[k][e] = a0, va[k][e + 1] = a1, vb[k][e] = b0, vb[k][e + 1] = b1;
+            }
+    } else {
+#pragma unroll
+        for (int k = 0; k < KS / 2; k++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int col = 16 * k + 2 * t4 + (e & 1) + (e & 2) * 4;
+                float a0 = qa[col], a1 = qa[col + HH], b0 = qb[col], b1 = qb[col + HH];
+                rot(csa, col, a0, a1);
+                rot(csb, col, b0, b1);
+                va[k][e] = a0, va[k + KS / 2][e] = a1, vb[k][e] = b0, vb[k + KS / 2][e] = b1;
+            }
+    }
+#pragma unroll
+    for (int k = 0; k < KS; k++) {
+        qf[k][0] = pack_f16x2(va[k][0] * qs, va[k][1] * qs);
+        qf[k][1] = pack_f16x2(vb[k][0] * qs, vb[k][1] * qs);
+        qf[k][2] = pack_f16x2(va[k][2] * qs, va[k][3] * qs);
+        qf[k][3] = pack_f16x2(vb[k][2] * qs, vb[k][3] * qs);
     }
 }
 // The end of a flash block for a thread's two rows (the m16n8 accumulator layout: o[d][0,
@@ -1491,8 +1580,9 @@ __device__ __forceinline__ void pp_copy_lean(unsigned at, const unsigned short* 
 }
 
 // LEAN: the producer's copies by pp_copy_lean where the cache blocks are a power of two.
+// FLASH_PP_ROPE_Q: q rotated as loaded by the cos/sin in `rope_cs` (rope_write_k's).
 template <bool LEAN>
-__device__ __forceinline__ void flash_pp_impl(FLASH_ARGS) {
+__device__ __forceinline__ void flash_pp_impl(FLASH_ARGS, const float* rope_cs, int interleaved) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     constexpr int HD = 128;
     constexpr int KS = HD / 16;       // k-steps of S over head_dim
@@ -1589,7 +1679,14 @@ __device__ __forceinline__ void flash_pp_impl(FLASH_ARGS) {
     const int pa = pos0 + ta, pb = pos0 + tb;
     const float qs = scale * 1.4426950408889634f;
     unsigned qf[KS][4];
-    flash_load_q<HD>(qf, qkv + (size_t)(row0 + ta) * w + ha * HD, qkv + (size_t)(row0 + tb) * w + hb * HD, qs, t4);
+    {
+        const float *qa = qkv + (size_t)(row0 + ta) * w + ha * HD, *qb = qkv + (size_t)(row0 + tb) * w + hb * HD;
+        if (flags & FLASH_PP_ROPE_Q)
+            flash_load_q_rope<HD>(qf, qa, qb, qs, t4, rope_cs + (size_t)(row0 + ta) * HD,
+                                  rope_cs + (size_t)(row0 + tb) * HD, interleaved);
+        else
+            flash_load_q<HD>(qf, qa, qb, qs, t4);
+    }
     // Keys before this are in every row of the warp's past (rows are in position order).
     const int warp_first = pos0 + min(64 * c + warp * 16, nrows - 1) / grp;
     float o[DT][4];
@@ -1739,9 +1836,9 @@ __device__ __forceinline__ void flash_pp_impl(FLASH_ARGS) {
 #endif
 }
 #define PP_KERNEL(NAME, LEAN) \
-    extern "C" __global__ void __launch_bounds__(384, 1) NAME(FLASH_ARGS) { \
+    extern "C" __global__ void __launch_bounds__(384, 1) NAME(FLASH_ARGS, const float* rope_cs, int interleaved) { \
         pdl_wait(); \
-        flash_pp_impl<LEAN>(FLASH_CALL); \
+        flash_pp_impl<LEAN>(FLASH_CALL, rope_cs, interleaved); \
     }
 PP_KERNEL(flash_attn_pp_f16_d128, true)
 PP_KERNEL(flash_attn_ppg_f16_d128, false)  // the general producer loop (DISAGG_CUDA_FLASH_PP_LEAN=0)
