@@ -319,12 +319,11 @@ extern "C" __global__ void rope_write_kv_pairs_f32(ROPE_ARGS(float)) {
 // attention), so q's bytes are neither read nor written here. Each token's cos/sin (the
 // same rope_cs) go to `cs` (token t's pair j at cs[t·hd + 2j], sin after it) for the
 // attention's q. One block per token.
-// (v is copied before the angles are made, so its loads run under the sincos; the
-// loops are unrolled so that a thread has several loads in flight.)
-extern "C" __global__ void rope_write_k_f16(const float* __restrict__ qkv, const int* pos, const float* inv_freq,
+// (Copying v first, under the angles' sincos, with the loops unrolled by 4, measured
+// slower: 50.0 against 42.9 µs per 8k layer.)
+extern "C" __global__ void rope_write_k_f16(const float* qkv, const int* pos, const float* inv_freq,
                                             const long long* slots, int n_heads, int n_kv, int hd, int interleaved,
-                                            int block_size, unsigned short* __restrict__ cache, long long half,
-                                            float* __restrict__ cs) {
+                                            int block_size, unsigned short* cache, long long half, float* cs) {
     pdl_wait();
     const int t = blockIdx.x;
     const int w = (n_heads + 2 * n_kv) * hd;
@@ -332,20 +331,15 @@ extern "C" __global__ void rope_write_k_f16(const float* __restrict__ qkv, const
     const float* v = k + n_kv * hd;
     const int hh = hd / 2;
     __shared__ float c[128], s[128];  // hd ≤ 256
-    const long long slot = slots[t];
-    const long long block = slot / block_size, off = slot % block_size;
-#pragma unroll 4
-    for (int i = threadIdx.x; i < n_kv * hd; i += blockDim.x) {
-        const int h = i / hd, d = i % hd;
-        kv_store(cache, (size_t)half + (size_t)(((block * n_kv + h) * block_size + off) * hd + d), v[i]);
-    }
     const float p = (float)pos[t];
     for (int j = threadIdx.x; j < hh; j += blockDim.x) {
         rope_cs(p, inv_freq[j], c[j], s[j]);
-        reinterpret_cast<float2*>(cs)[(size_t)t * hh + j] = make_float2(c[j], s[j]);
+        cs[(size_t)t * hd + 2 * j] = c[j];
+        cs[(size_t)t * hd + 2 * j + 1] = s[j];
     }
     __syncthreads();
-#pragma unroll 4
+    const long long slot = slots[t];
+    const long long block = slot / block_size, off = slot % block_size;
     for (int i = threadIdx.x; i < n_kv * hh; i += blockDim.x) {
         const int h = i / hh, j = i % hh;
         const int a = interleaved ? 2 * j : j, b = interleaved ? 2 * j + 1 : j + hh;
@@ -354,6 +348,10 @@ extern "C" __global__ void rope_write_k_f16(const float* __restrict__ qkv, const
         const size_t at = (size_t)(((block * n_kv + h) * block_size + off) * hd);
         kv_store(cache, at + a, x0);
         kv_store(cache, at + b, x1);
+    }
+    for (int i = threadIdx.x; i < n_kv * hd; i += blockDim.x) {
+        const int h = i / hd, d = i % hd;
+        kv_store(cache, (size_t)half + (size_t)(((block * n_kv + h) * block_size + off) * hd + d), v[i]);
     }
 }
 #undef ROPE_ARGS
