@@ -2199,9 +2199,7 @@ impl Backend for CudaBackend {
         self.table_off = self.zeros(n, "step metadata (table offsets)")?;
         self.fa_tiles = self.zeros(4 * n, "step metadata (tiles)")?;
         // RoPE's cos/sin per token for the warp-specialized attention's q (prefill steps).
-        if n > 16 {
-            self.rope_cs = self.zeros(n * lim.attn.head_dim, "RoPE's cos/sin")?;
-        }
+        self.rope_cs = self.zeros(n * lim.attn.head_dim, "RoPE's cos/sin")?;
         self.tables = self.zeros(lim.max_table_entries.max(1), "step metadata (block tables)")?;
         self.rows = self.zeros(lim.max_seqs.max(1), "step metadata (logit rows)")?;
         self.argmax_out = self.zeros(lim.max_seqs.max(1), "the sampled ids")?;
