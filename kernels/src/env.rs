@@ -266,6 +266,13 @@ pub const CUDA_FLASH_PP_LEAN: &str = "DISAGG_CUDA_FLASH_PP_LEAN";
 /// q as it loads it; the same bits, for A/B runs.
 pub const CUDA_PP_ROPE: &str = "DISAGG_CUDA_PP_ROPE";
 
+/// `0`: a warp-specialized prefill step's k RoPE (`rope_write_k_f16`) in its loop form (a
+/// block per token: the angles, then k's loads a round at a time, then v's) with the cos/sin
+/// made in every layer, instead of a thread per (token, pair) with all its loads in one
+/// round and the cos/sin made by the step's first layer and read by the others; the same
+/// bits, for A/B runs.
+pub const CUDA_ROPE_K_ROUND: &str = "DISAGG_CUDA_ROPE_K_ROUND";
+
 /// `0`: one-token GEMVs keep two 16-byte loads per row in flight everywhere, instead of
 /// more where their grid leaves the SMs room and each lane has two whole groups of them:
 /// four in the residual GEMVs that leave the next norm's inputs, at most two blocks per

@@ -590,7 +590,10 @@ fn rope_write_kv_matches_cpu() {
 /// and 100 keys) and past them (700, 1,000); and the switch decides which ran. Likewise a
 /// prefill step on the warp-specialized kernel (32/8 heads, head_dim 128) whose q the
 /// kernel rotates as it loads it, after `rope_write_k` rotated and stored only k: 171 new
-/// rows from position 0 (a partial last tile) and 40 after a past of 300 keys.
+/// rows from position 0 (a partial last tile) and 40 after a past of 300 keys. The
+/// prefill step runs two layers: the second's `rope_write_k` reads the cos/sin the
+/// first wrote (and with `DISAGG_CUDA_ROPE_K_ROUND`'s loop form makes them again); all
+/// three forms give the bits of RoPE before the attention in both layers.
 fn attention_with_rope_equals_the_separate_ops() {
     use kernels::quant::GgmlType;
     use kernels::{AttnShape, Backend, KvDtype, KvShape, Rope, StepBatch, WeightPart};
@@ -620,8 +623,9 @@ fn attention_with_rope_equals_the_separate_ops() {
         let n: usize = seqs.iter().map(|s| s.1).sum();
         let batch = StepBatch { n_tokens: n, seqs: &spans, block_size: bs, fed: &[] };
         let x = data(n * hidden, 62);
+        let n_layers = if prefill { 2 } else { 1 };
         let shape = KvShape {
-            n_layers: 1,
+            n_layers,
             n_blocks: next as usize,
             block_size: bs,
             n_kv_heads: n_kv,
@@ -646,12 +650,21 @@ fn attention_with_rope_equals_the_separate_ops() {
             let rope = Rope { interleaved, inv_freq: inv_freq.clone() };
             for chunk in [0usize, 64] {
                 let mut runs: Vec<(Vec<f32>, Vec<u8>)> = Vec::new();
-                for fused in [true, false] {
+                // (RoPE in the attention, rope_write_k's round form); the last is the reference.
+                let forms: &[(bool, bool)] = if prefill {
+                    &[(true, true), (true, false), (false, true)]
+                } else {
+                    &[(true, true), (false, true)]
+                };
+                for &(fused, round) in forms {
                     be.set_attn_rope(fused);
                     be.set_pp_rope(fused);
+                    be.set_rope_k_round(round);
                     be.set_attn_chunk(chunk);
                     let mut kv = be.kv_cache(shape).unwrap();
-                    be.kv_import(&mut kv, 0, &blocks, &past);
+                    for layer in 0..n_layers {
+                        be.kv_import(&mut kv, layer, &blocks, &past);
+                    }
                     be.begin_step(&tokens, &batch, &rope, &attn, &[]);
                     let kernel = if prefill { "flash_attn_pp" } else { "flash_decode_km" };
                     assert!(be.step_flash_kernel().starts_with(kernel), "{}", be.step_flash_kernel());
@@ -662,31 +675,43 @@ fn attention_with_rope_equals_the_separate_ops() {
                         assert_eq!((chunk > 0, be.attention_takes_rope(&kv, 0, &attn)), (be.step_splits() > 1, fused));
                         assert!(!be.attention_takes_q_rope(&kv, 0));
                     }
-                    be.norm_qkv_rope(&dx, &dnw, eps, &mut dh, &lin, &mut dqkv, 0, &batch, &rope, &attn, &mut kv);
-                    be.attention(&dqkv, 0, &batch, &attn, &mut kv, &mut out);
-                    let mut o = vec![0f32; n * attn.q_dim()];
-                    be.to_host(&out, &mut o);
-                    let mut cache = Vec::new();
-                    be.kv_export(&kv, 0, &blocks, &mut cache);
+                    let (mut o, mut cache) = (Vec::new(), Vec::new());
+                    for layer in 0..n_layers {
+                        // The cos/sin table: written by the step's first rope_write_k only.
+                        assert_eq!(be.rope_cs_ready(), prefill && fused && layer > 0, "layer {layer}");
+                        be.norm_qkv_rope(
+                            &dx, &dnw, eps, &mut dh, &lin, &mut dqkv, layer, &batch, &rope, &attn, &mut kv,
+                        );
+                        be.attention(&dqkv, layer, &batch, &attn, &mut kv, &mut out);
+                        let mut ol = vec![0f32; n * attn.q_dim()];
+                        be.to_host(&out, &mut ol);
+                        o.extend(ol);
+                        let mut cl = Vec::new();
+                        be.kv_export(&kv, layer, &blocks, &mut cl);
+                        cache.extend(cl);
+                    }
                     runs.push((o, cache));
                 }
-                let (on, off) = (&runs[0], &runs[1]);
-                let diff = on.0.iter().zip(&off.0).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
-                let cache_diff = on.1.iter().zip(&off.1).filter(|(a, b)| a != b).count();
-                let new_kv = on.1.iter().zip(&past).filter(|(a, b)| a != b).count();
-                println!(
-                    "attention with RoPE, {n_heads}/{n_kv} heads d{hd}, {} rows (prefill {prefill}), interleaved \
-                     {interleaved}, chunk {chunk} ({} splits): {diff} of {} outputs and {cache_diff} cache bytes \
-                     differ; {new_kv} cache bytes new",
-                    n,
-                    be.step_splits(),
-                    on.0.len()
-                );
-                assert!(on.0.iter().all(|v| v.is_finite()));
-                assert_eq!(diff, 0, "attention output: RoPE in the kernel against before it");
-                assert_eq!(cache_diff, 0, "cache: RoPE in the kernel against before it");
-                // The new tokens' k and v (2 bytes each) replaced the past's: most bytes differ.
-                assert!(new_kv > n * n_kv * hd && new_kv <= 2 * 2 * n * n_kv * hd, "{new_kv} cache bytes new");
+                let off = runs.last().unwrap();
+                for (on, &(_, round)) in runs.iter().zip(forms).take(runs.len() - 1) {
+                    let diff = on.0.iter().zip(&off.0).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
+                    let cache_diff = on.1.iter().zip(&off.1).filter(|(a, b)| a != b).count();
+                    let new_kv = on.1.iter().zip(past.iter().cycle()).filter(|(a, b)| a != b).count();
+                    println!(
+                        "attention with RoPE, {n_heads}/{n_kv} heads d{hd}, {} rows (prefill {prefill}, round {round}, \
+                         {n_layers} layers), interleaved {interleaved}, chunk {chunk} ({} splits): {diff} of {} outputs \
+                         and {cache_diff} cache bytes differ; {new_kv} cache bytes new",
+                        n,
+                        be.step_splits(),
+                        on.0.len()
+                    );
+                    assert!(on.0.iter().all(|v| v.is_finite()));
+                    assert_eq!(diff, 0, "attention output: RoPE in the kernel against before it");
+                    assert_eq!(cache_diff, 0, "cache: RoPE in the kernel against before it");
+                    // The new tokens' k and v (2 bytes each) replaced the past's: most bytes differ.
+                    let new_max = 2 * 2 * n * n_kv * hd * n_layers;
+                    assert!(new_kv > n * n_kv * hd * n_layers && new_kv <= new_max, "{new_kv} cache bytes new");
+                }
             }
         }
     }

@@ -496,6 +496,13 @@ pub struct CudaBackend {
     /// On a step of the warp-specialized kernel, RoPE rotates only k before the attention
     /// and the kernel rotates q as it loads it (`DISAGG_CUDA_PP_ROPE=0`: q too, before).
     pp_rope: bool,
+    /// `rope_write_k_f16` takes a thread per (token, pair) with its loads in one round and
+    /// the cos/sin an earlier layer of the step wrote (`DISAGG_CUDA_ROPE_K_ROUND=0`: the
+    /// block-per-token loop form, which makes them in every layer).
+    rope_k_round: bool,
+    /// `rope_cs` holds this step's cos/sin (a layer's `rope_write_k` wrote them; cleared
+    /// by `begin_step` and when the buffer is replaced).
+    rope_cs_ready: bool,
     /// Set by `norm_qkv_rope` when it left q's RoPE to the warp-specialized attention of
     /// its layer: (layer, interleaved pairs).
     q_rope_pending: Option<(usize, bool)>,
@@ -650,6 +657,8 @@ impl CudaBackend {
             flash_pp_turns: std::env::var(crate::env::CUDA_FLASH_PP_TURNS).is_ok_and(|v| v == "1"),
             flash_pp_lean: !off(crate::env::CUDA_FLASH_PP_LEAN),
             pp_rope: !off(crate::env::CUDA_PP_ROPE),
+            rope_k_round: !off(crate::env::CUDA_ROPE_K_ROUND),
+            rope_cs_ready: false,
             q_rope_pending: None,
             step_pp: false,
             rope_pending: None,
@@ -1028,6 +1037,18 @@ impl CudaBackend {
     /// it only k (default: on unless `DISAGG_CUDA_PP_ROPE=0`).
     pub fn set_pp_rope(&mut self, on: bool) {
         self.set_switch(on, |b| &mut b.pp_rope);
+    }
+
+    /// `rope_write_k_f16` in one round of loads, the step's cos/sin made once (default: on
+    /// unless `DISAGG_CUDA_ROPE_K_ROUND=0`).
+    pub fn set_rope_k_round(&mut self, on: bool) {
+        self.set_switch(on, |b| &mut b.rope_k_round);
+    }
+
+    /// Whether this step's cos/sin table is written, so the next layer's `rope_write_k`
+    /// reads it instead of making it.
+    pub fn rope_cs_ready(&self) -> bool {
+        self.rope_cs_ready
     }
 
     /// Whether `norm_qkv_rope` leaves q's RoPE to this step's attention of `layer`
@@ -1545,18 +1566,29 @@ impl CudaBackend {
         if self.rope_cs.len() < need {
             self.buffers_moving();
             self.rope_cs = st.alloc_zeros::<f32>(need.next_power_of_two()).expect("CUDA: RoPE cos/sin");
+            self.rope_cs_ready = false;
         }
+        let (name, ready) = if self.rope_k_round {
+            ("rope_write_k_f16", i32::from(self.rope_cs_ready))
+        } else {
+            ("rope_write_k_f16_loops", 0)
+        };
         let half = kv.half() as i64;
         let (nh, nkv, hd) = (attn.n_heads as i32, attn.n_kv_heads as i32, attn.head_dim as i32);
         let (il, bs) = (i32::from(rope.interleaved), batch.block_size as i32);
-        let cfg = LaunchConfig { grid_dim: (batch.n_tokens as u32, 1, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
+        // A thread per (token, pair) in the round form, a block per token in the loop form.
+        let grid = if self.rope_k_round { (batch.n_tokens * attn.head_dim / 2).div_ceil(128) } else { batch.n_tokens };
+        let cfg = LaunchConfig { grid_dim: (grid as u32, 1, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
+        let nt = batch.n_tokens as i32;
         let KvBuf::F16(cache) = &mut kv.layers[layer] else { unreachable!("checked by attention_takes_q_rope") };
-        let mut b = Launch::new(&st, self.dev.func("rope_write_k_f16"));
-        b.arg(qkv).arg(&self.pos).arg(&self.inv_freq).arg(&self.slots);
-        b.arg(&nh).arg(&nkv).arg(&hd).arg(&il).arg(&bs).arg(cache).arg(&half).arg(&mut self.rope_cs);
+        let mut b = Launch::new(&st, self.dev.func(name));
+        b.arg(qkv).arg(&self.pos).arg(&self.inv_freq).arg(&self.slots).arg(&nt);
+        b.arg(&nh).arg(&nkv).arg(&hd).arg(&il).arg(&bs).arg(cache).arg(&half).arg(&mut self.rope_cs).arg(&ready);
         // SAFETY: argument types match the kernel; qkv holds n_tokens rows of q|k|v, the
-        // slots lie in the cache, rope_cs holds n_tokens × head_dim floats.
+        // slots lie in the cache, rope_cs holds n_tokens × head_dim floats (with `ready`,
+        // this step's, written by an earlier layer's launch on this stream).
         unsafe { b.launch(cfg, self.pdl) }.expect("CUDA: RoPE on k + KV write");
+        self.rope_cs_ready = true;
         self.toc("rope_write_kv", t);
     }
 
@@ -2200,6 +2232,7 @@ impl Backend for CudaBackend {
         self.fa_tiles = self.zeros(4 * n, "step metadata (tiles)")?;
         // RoPE's cos/sin per token for the warp-specialized attention's q (prefill steps).
         self.rope_cs = self.zeros(n * lim.attn.head_dim, "RoPE's cos/sin")?;
+        self.rope_cs_ready = false;
         self.tables = self.zeros(lim.max_table_entries.max(1), "step metadata (block tables)")?;
         self.rows = self.zeros(lim.max_seqs.max(1), "step metadata (logit rows)")?;
         self.argmax_out = self.zeros(lim.max_seqs.max(1), "the sampled ids")?;
@@ -2252,6 +2285,7 @@ impl Backend for CudaBackend {
         );
         let t = self.tic();
         self.prenormed = None;
+        self.rope_cs_ready = false;
         self.prepare_step(tokens, batch, rope, attn, logit_rows);
         self.toc("step_metadata_upload", t);
     }

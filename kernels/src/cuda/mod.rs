@@ -71,6 +71,7 @@ const KERNELS: &[&str] = &[
     "rope_write_kv_pairs_f16",
     "rope_write_kv_pairs_f32",
     "rope_write_k_f16",
+    "rope_write_k_f16_loops",
     GEMV_NORM_ROPE_M1,
     GEMV_STATS_M1,
     GEMV_STATS_U4_M1,

@@ -318,12 +318,70 @@ extern "C" __global__ void rope_write_kv_pairs_f32(ROPE_ARGS(float)) {
 // stores them, but q and k left unrotated in `qkv` (nothing reads them there after the
 // attention), so q's bytes are neither read nor written here. Each token's cos/sin (the
 // same rope_cs) go to `cs` (token t's pair j at cs[t·hd + 2j], sin after it) for the
-// attention's q. One block per token.
-// (Copying v first, under the angles' sincos, with the loops unrolled by 4, measured
-// slower: 50.0 against 42.9 µs per 8k layer.)
-extern "C" __global__ void rope_write_k_f16(const float* qkv, const int* pos, const float* inv_freq,
-                                            const long long* slots, int n_heads, int n_kv, int hd, int interleaved,
-                                            int block_size, unsigned short* cache, long long half, float* cs) {
+// attention's q; with `cs_ready` an earlier layer of the step has written them, and they
+// are read from there instead of made again. One thread per (token, pair j): it rotates
+// pair j of each of the token's KV heads and copies v's elements at the same two places,
+// all its loads (ROPE_K_ROUND heads a round) out before any store, so a thread waits for
+// memory once (the block-per-token form waited once per loop and had a barrier): 26.6
+// against 42.6 µs per 8k layer of Llama-3-8B on the H200 (docs/PERF.md).
+#define ROPE_K_ROUND 8
+extern "C" __global__ void __launch_bounds__(128) rope_write_k_f16(
+    const float* __restrict__ qkv, const int* pos, const float* inv_freq, const long long* slots, int n_tokens,
+    int n_heads, int n_kv, int hd, int interleaved, int block_size, unsigned short* __restrict__ cache, long long half,
+    float* __restrict__ cs, int cs_ready) {
+    pdl_wait();
+    const int hh = hd / 2, i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n_tokens * hh) return;
+    const int t = i / hh, j = i % hh;
+    const int a = interleaved ? 2 * j : j, b = interleaved ? 2 * j + 1 : j + hh;
+    const float* k = qkv + (size_t)t * (n_heads + 2 * n_kv) * hd + (size_t)n_heads * hd;
+    const float* v = k + n_kv * hd;
+    const long long slot = slots[t];
+    float c, s;
+    for (int h0 = 0; h0 < n_kv; h0 += ROPE_K_ROUND) {
+        float k0[ROPE_K_ROUND], k1[ROPE_K_ROUND], v0[ROPE_K_ROUND], v1[ROPE_K_ROUND];
+#pragma unroll
+        for (int u = 0; u < ROPE_K_ROUND; u++) {
+            const int h = h0 + u;
+            if (h < n_kv) {
+                k0[u] = k[h * hd + a];
+                k1[u] = k[h * hd + b];
+                v0[u] = v[h * hd + a];
+                v1[u] = v[h * hd + b];
+            }
+        }
+        if (h0 == 0) {
+            float2* e = reinterpret_cast<float2*>(cs + (size_t)t * hd) + j;
+            if (cs_ready) {
+                const float2 r = *e;
+                c = r.x;
+                s = r.y;
+            } else {
+                rope_cs((float)pos[t], inv_freq[j], c, s);
+                *e = make_float2(c, s);
+            }
+        }
+        const long long block = slot / block_size, off = slot % block_size;
+#pragma unroll
+        for (int u = 0; u < ROPE_K_ROUND; u++) {
+            const int h = h0 + u;
+            if (h < n_kv) {
+                rope_apply(c, s, k0[u], k1[u]);
+                const size_t at = (size_t)(((block * n_kv + h) * block_size + off) * hd);
+                kv_store(cache, at + a, k0[u]);
+                kv_store(cache, at + b, k1[u]);
+                kv_store(cache, (size_t)half + at + a, v0[u]);
+                kv_store(cache, (size_t)half + at + b, v1[u]);
+            }
+        }
+    }
+}
+// The previous form (angles, then k, then v; each loop's loads one round at a time),
+// for the A/B run of `DISAGG_CUDA_ROPE_K_ROUND=0` (it makes the angles in every layer).
+extern "C" __global__ void rope_write_k_f16_loops(const float* qkv, const int* pos, const float* inv_freq,
+                                                  const long long* slots, int, int n_heads, int n_kv, int hd,
+                                                  int interleaved, int block_size, unsigned short* cache,
+                                                  long long half, float* cs, int) {
     pdl_wait();
     const int t = blockIdx.x;
     const int w = (n_heads + 2 * n_kv) * hd;
