@@ -1568,16 +1568,16 @@ impl CudaBackend {
             self.rope_cs = st.alloc_zeros::<f32>(need.next_power_of_two()).expect("CUDA: RoPE cos/sin");
             self.rope_cs_ready = false;
         }
-        let (name, ready) = if self.rope_k_round {
-            ("rope_write_k_f16", i32::from(self.rope_cs_ready))
+        // A thread per (token, pair) reading the step's cos/sin once written, or a block per
+        // token making them (the loop form).
+        let (name, ready, grid) = if self.rope_k_round {
+            ("rope_write_k_f16", i32::from(self.rope_cs_ready), (batch.n_tokens * attn.head_dim / 2).div_ceil(128))
         } else {
-            ("rope_write_k_f16_loops", 0)
+            ("rope_write_k_f16_loops", 0, batch.n_tokens)
         };
         let half = kv.half() as i64;
         let (nh, nkv, hd) = (attn.n_heads as i32, attn.n_kv_heads as i32, attn.head_dim as i32);
         let (il, bs) = (i32::from(rope.interleaved), batch.block_size as i32);
-        // A thread per (token, pair) in the round form, a block per token in the loop form.
-        let grid = if self.rope_k_round { (batch.n_tokens * attn.head_dim / 2).div_ceil(128) } else { batch.n_tokens };
         let cfg = LaunchConfig { grid_dim: (grid as u32, 1, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
         let nt = batch.n_tokens as i32;
         let KvBuf::F16(cache) = &mut kv.layers[layer] else { unreachable!("checked by attention_takes_q_rope") };
