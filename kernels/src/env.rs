@@ -172,12 +172,16 @@ pub const CUDA_FLASH_PAIR_LOADS: &str = "DISAGG_CUDA_FLASH_PAIR_LOADS";
 /// instead of only to tiles that cross a row's diagonal or the end; for A/B runs.
 pub const CUDA_FLASH_MASK_EDGE: &str = "DISAGG_CUDA_FLASH_MASK_EDGE";
 
-/// `0`: the CUDA RoPE + KV write runs one block per token, walking its heads in rounds,
-/// instead of one thread per rotation pair (all of a step's loads in flight at once) for
-/// steps of up to 1,024 tokens (longer ones always take the block per token; one-token
-/// steps on an f16 cache only with `DISAGG_CUDA_GEMV_ROPE=0`, else the QKV GEMV does
-/// it); for A/B runs.
+/// `0`: the CUDA RoPE + KV write runs one block per token, walking its heads in rounds
+/// behind a barrier, instead of the grouped kernel: a thread per (token, group of heads,
+/// rotation pair) with all its loads in one round, the step's cos/sin made by its first
+/// layer and read by the others (one-token steps on an f16 cache take it only with
+/// `DISAGG_CUDA_GEMV_ROPE=0`, else the QKV GEMV does it); for A/B runs.
 pub const CUDA_ROPE_PAIRS: &str = "DISAGG_CUDA_ROPE_PAIRS";
+
+/// Heads per thread of the CUDA grouped RoPE kernel, 1 to 8 (default 8: fewer threads,
+/// each with more loads in flight and its index arithmetic paid once); for A/B runs.
+pub const CUDA_ROPE_GROUP: &str = "DISAGG_CUDA_ROPE_GROUP";
 
 /// `0`: a one-token step's RoPE + KV write runs as its own kernel after the QKV GEMV,
 /// instead of in the GEMV's epilogue (each warp there takes one rotation pair's rows);
@@ -266,11 +270,10 @@ pub const CUDA_FLASH_PP_LEAN: &str = "DISAGG_CUDA_FLASH_PP_LEAN";
 /// q as it loads it; the same bits, for A/B runs.
 pub const CUDA_PP_ROPE: &str = "DISAGG_CUDA_PP_ROPE";
 
-/// `0`: a warp-specialized prefill step's k RoPE (`rope_write_k_f16`) in its loop form (a
-/// block per token: the angles, then k's loads a round at a time, then v's) with the cos/sin
-/// made in every layer, instead of a thread per (token, pair) with all its loads in one
-/// round and the cos/sin made by the step's first layer and read by the others; the same
-/// bits, for A/B runs.
+/// `0`: a warp-specialized prefill step's k RoPE in its loop form (`rope_write_k_f16_loops`,
+/// a block per token: the angles, then k's loads a round at a time, then v's) with the
+/// cos/sin made in every layer, instead of the grouped kernel (`DISAGG_CUDA_ROPE_PAIRS`)
+/// skipping q's heads; the same bits, for A/B runs.
 pub const CUDA_ROPE_K_ROUND: &str = "DISAGG_CUDA_ROPE_K_ROUND";
 
 /// `0`: one-token GEMVs keep two 16-byte loads per row in flight everywhere, instead of

@@ -499,8 +499,9 @@ fn attention_residual_pair(
     Ok(())
 }
 
-/// RoPE on q and k in place and the k/v write into the paged cache, both CUDA forms (one
-/// thread per rotation pair, one block per token) against the CPU backend, for an f16 and
+/// RoPE on q and k in place and the k/v write into the paged cache, both CUDA forms (the
+/// grouped kernel at 1, 3, 8 and the default heads per thread, over two layers of a step so
+/// the second reads the first's cos/sin; one block per token) against the CPU backend, for an f16 and
 /// an f32 cache and both pair layouts, on a mixed step whose last token sits at position
 /// 30,000 (large angles). Both sides take the angle in f32 and cos/sin in f64 and round
 /// each product and sum of the rotation on its own (no FMA), so they agree to the last
@@ -547,7 +548,7 @@ fn rope_write_kv_matches_cpu() {
     for dtype in [KvDtype::F16, KvDtype::F32] {
         for interleaved in [false, true] {
             let rope = Rope { interleaved, inv_freq: inv_freq.clone() };
-            let shape = KvShape { n_layers: 1, n_blocks, block_size: 16, n_kv_heads: n_kv, head_dim: hd, dtype };
+            let shape = KvShape { n_layers: 2, n_blocks, block_size: 16, n_kv_heads: n_kv, head_dim: hd, dtype };
             let mut cpu = kernels::cpu::CpuBackend::new(2);
             let mut ckv = cpu.kv_cache(shape).unwrap();
             let mut want_q = qkv.clone();
@@ -557,26 +558,35 @@ fn rope_write_kv_matches_cpu() {
             cpu.kv_export(&ckv, 0, &blocks, &mut want_kv);
             let want_kv = as_f32(&want_kv, dtype);
             let range = want_q.iter().fold(0f32, |m, v| m.max(v.abs()));
-            for pairs in [true, false] {
+            // (grouped kernel, heads per thread): one, three (groups of 3, 3, 2 q heads and
+            // one of 2 KV heads), eight, the default (eight); a block per token.
+            for (pairs, group) in [(true, Some(1)), (true, Some(3)), (true, Some(8)), (true, None), (false, None)] {
                 let mut be = kernels::cuda::CudaBackend::new(0, true).expect("cuda:0 opens");
                 be.set_rope_pairs(pairs);
+                be.set_rope_group(group);
                 let mut gkv = be.kv_cache(shape).unwrap();
-                let mut dq = be.device().upload(&qkv).unwrap();
                 be.begin_step(&tokens, &batch, &rope, &attn, &[]);
-                be.rope_write_kv(&mut dq, 0, &batch, &rope, &attn, &mut gkv);
-                let mut got_q = vec![0f32; qkv.len()];
-                be.to_host(&dq, &mut got_q);
-                let mut got_kv = Vec::new();
-                be.kv_export(&gkv, 0, &blocks, &mut got_kv);
-                let got_kv = as_f32(&got_kv, dtype);
-                let (eq, ekv) = (max_abs(&got_q, &want_q) / range, max_abs(&got_kv, &want_kv) / range);
-                println!(
-                    "rope + KV write, {dtype:?} cache, interleaved {interleaved}, per pair {pairs}: q|k {eq:.2e}, cache {ekv:.2e} of the range"
-                );
-                assert!(eq < 1e-6, "q|k after RoPE: {eq}");
-                assert!(ekv < if dtype == KvDtype::F16 { 1e-3 } else { 1e-6 }, "cache: {ekv}");
-                // The written slots hold the rotated keys: not all zero.
-                assert!(got_kv.iter().filter(|v| **v != 0.0).count() > n_tokens * n_kv * hd);
+                // Two layers of one step: the grouped kernel's second launch reads the cos/sin
+                // its first wrote.
+                for layer in 0..2 {
+                    assert_eq!(be.rope_cs_ready(), pairs && layer > 0);
+                    let mut dq = be.device().upload(&qkv).unwrap();
+                    be.rope_write_kv(&mut dq, layer, &batch, &rope, &attn, &mut gkv);
+                    let mut got_q = vec![0f32; qkv.len()];
+                    be.to_host(&dq, &mut got_q);
+                    let mut got_kv = Vec::new();
+                    be.kv_export(&gkv, layer, &blocks, &mut got_kv);
+                    let got_kv = as_f32(&got_kv, dtype);
+                    let (eq, ekv) = (max_abs(&got_q, &want_q) / range, max_abs(&got_kv, &want_kv) / range);
+                    println!(
+                        "rope + KV write, {dtype:?} cache, interleaved {interleaved}, grouped {pairs}, {group:?} heads \
+                         per thread, layer {layer}: q|k {eq:.2e}, cache {ekv:.2e} of the range"
+                    );
+                    assert!(eq < 1e-6, "q|k after RoPE: {eq}");
+                    assert!(ekv < if dtype == KvDtype::F16 { 1e-3 } else { 1e-6 }, "cache: {ekv}");
+                    // The written slots hold the rotated keys: not all zero.
+                    assert!(got_kv.iter().filter(|v| **v != 0.0).count() > n_tokens * n_kv * hd);
+                }
             }
         }
     }
@@ -591,9 +601,10 @@ fn rope_write_kv_matches_cpu() {
 /// prefill step on the warp-specialized kernel (32/8 heads, head_dim 128) whose q the
 /// kernel rotates as it loads it, after `rope_write_k` rotated and stored only k: 171 new
 /// rows from position 0 (a partial last tile) and 40 after a past of 300 keys. The
-/// prefill step runs two layers: the second's `rope_write_k` reads the cos/sin the
-/// first wrote (and with `DISAGG_CUDA_ROPE_K_ROUND`'s loop form makes them again); all
-/// three forms give the bits of RoPE before the attention in both layers.
+/// prefill step runs two layers: the second's grouped RoPE kernel (one, three or eight
+/// heads per thread; q's skipped, or rotated before the attention) reads the cos/sin the
+/// first wrote (and `DISAGG_CUDA_ROPE_K_ROUND`'s loop form makes them again); every form
+/// gives the bits of the block-per-token RoPE before the attention in both layers.
 fn attention_with_rope_equals_the_separate_ops() {
     use kernels::quant::GgmlType;
     use kernels::{AttnShape, Backend, KvDtype, KvShape, Rope, StepBatch, WeightPart};
@@ -650,16 +661,27 @@ fn attention_with_rope_equals_the_separate_ops() {
             let rope = Rope { interleaved, inv_freq: inv_freq.clone() };
             for chunk in [0usize, 64] {
                 let mut runs: Vec<(Vec<f32>, Vec<u8>)> = Vec::new();
-                // (RoPE in the attention, rope_write_k's round form); the last is the reference.
-                let forms: &[(bool, bool)] = if prefill {
-                    &[(true, true), (true, false), (false, true)]
+                // (RoPE in the attention, rope_write_k's grouped form, heads per thread,
+                // grouped RoPE before the attention); the last, a block per token, is the reference.
+                let forms: &[(bool, bool, Option<usize>, bool)] = if prefill {
+                    &[
+                        (true, true, None, true),
+                        (true, true, Some(3), true),
+                        (true, true, Some(1), true),
+                        (true, false, None, true),
+                        (false, true, None, true),
+                        (false, true, Some(1), true),
+                        (false, true, None, false),
+                    ]
                 } else {
-                    &[(true, true), (false, true)]
+                    &[(true, true, None, true), (false, true, None, true), (false, true, None, false)]
                 };
-                for &(fused, round) in forms {
+                for &(fused, round, group, pairs) in forms {
                     be.set_attn_rope(fused);
                     be.set_pp_rope(fused);
                     be.set_rope_k_round(round);
+                    be.set_rope_group(group);
+                    be.set_rope_pairs(pairs);
                     be.set_attn_chunk(chunk);
                     let mut kv = be.kv_cache(shape).unwrap();
                     for layer in 0..n_layers {
@@ -677,8 +699,8 @@ fn attention_with_rope_equals_the_separate_ops() {
                     }
                     let (mut o, mut cache) = (Vec::new(), Vec::new());
                     for layer in 0..n_layers {
-                        // The cos/sin table: written by the step's first rope_write_k only.
-                        assert_eq!(be.rope_cs_ready(), prefill && fused && layer > 0, "layer {layer}");
+                        // The cos/sin table: written by the step's first grouped or loop RoPE launch.
+                        assert_eq!(be.rope_cs_ready(), prefill && layer > 0 && (fused || pairs), "layer {layer}");
                         be.norm_qkv_rope(
                             &dx, &dnw, eps, &mut dh, &lin, &mut dqkv, layer, &batch, &rope, &attn, &mut kv,
                         );
@@ -693,12 +715,12 @@ fn attention_with_rope_equals_the_separate_ops() {
                     runs.push((o, cache));
                 }
                 let off = runs.last().unwrap();
-                for (on, &(_, round)) in runs.iter().zip(forms).take(runs.len() - 1) {
+                for (on, form) in runs.iter().zip(forms).take(runs.len() - 1) {
                     let diff = on.0.iter().zip(&off.0).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
                     let cache_diff = on.1.iter().zip(&off.1).filter(|(a, b)| a != b).count();
                     let new_kv = on.1.iter().zip(past.iter().cycle()).filter(|(a, b)| a != b).count();
                     println!(
-                        "attention with RoPE, {n_heads}/{n_kv} heads d{hd}, {} rows (prefill {prefill}, round {round}, \
+                        "attention with RoPE, {n_heads}/{n_kv} heads d{hd}, {} rows (prefill {prefill}, form {form:?}, \
                          {n_layers} layers), interleaved {interleaved}, chunk {chunk} ({} splits): {diff} of {} outputs \
                          and {cache_diff} cache bytes differ; {new_kv} cache bytes new",
                         n,

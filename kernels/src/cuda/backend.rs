@@ -423,9 +423,12 @@ pub struct CudaBackend {
     /// Only tiles that cross a row's diagonal or the keys' end are masked
     /// (`DISAGG_CUDA_FLASH_MASK_EDGE=0`: every tile).
     flash_mask_edge: bool,
-    /// RoPE + KV write with one thread per rotation pair (`DISAGG_CUDA_ROPE_PAIRS=0`: one
-    /// block per token).
+    /// RoPE + KV write with one thread per (token, group of heads, rotation pair)
+    /// (`DISAGG_CUDA_ROPE_PAIRS=0`: one block per token).
     rope_pairs: bool,
+    /// Heads per thread of the grouped RoPE kernel (`DISAGG_CUDA_ROPE_GROUP`; default
+    /// `ROPE_GROUP_MAX`).
+    rope_group: usize,
     /// One-token QKV GEMVs rotate q, k and write k, v into an f16 cache themselves.
     gemv_rope: bool,
     /// The one-token GEMV kernels issue each group's weight loads before the previous
@@ -496,12 +499,12 @@ pub struct CudaBackend {
     /// On a step of the warp-specialized kernel, RoPE rotates only k before the attention
     /// and the kernel rotates q as it loads it (`DISAGG_CUDA_PP_ROPE=0`: q too, before).
     pp_rope: bool,
-    /// `rope_write_k_f16` takes a thread per (token, pair) with its loads in one round and
-    /// the cos/sin an earlier layer of the step wrote (`DISAGG_CUDA_ROPE_K_ROUND=0`: the
-    /// block-per-token loop form, which makes them in every layer).
+    /// `rope_write_k` takes the grouped kernel, its loads in one round and the cos/sin an
+    /// earlier layer of the step wrote (`DISAGG_CUDA_ROPE_K_ROUND=0`: the block-per-token
+    /// loop form, which makes them in every layer).
     rope_k_round: bool,
-    /// `rope_cs` holds this step's cos/sin (a layer's `rope_write_k` wrote them; cleared
-    /// by `begin_step` and when the buffer is replaced).
+    /// `rope_cs` holds this step's cos/sin (a layer's grouped or loop RoPE kernel wrote
+    /// them; cleared by `begin_step` and when the buffer is replaced).
     rope_cs_ready: bool,
     /// Set by `norm_qkv_rope` when it left q's RoPE to the warp-specialized attention of
     /// its layer: (layer, interleaved pairs).
@@ -522,12 +525,12 @@ fn launch_cfg(n: usize) -> LaunchConfig {
 /// Attention partials reserved per SM (rows of head_dim + 2 floats).
 const ATTN_PART_ROWS_PER_SM: usize = 256;
 
-/// Most tokens whose RoPE + KV write takes the kernel with one thread per rotation pair.
-/// It computes each angle once per head (40× the f64 sincos of the block-per-token kernel
-/// on Llama-3-8B): free at decode sizes, where its single round of loads wins, but a cost
-/// in long prefills on GPUs with slow f64, so those keep the block-per-token kernel (on
-/// the H200 prefill 8k measured 395.9 TFLOP/s with it, 393.3 with the pairs).
-const ROPE_PAIRS_MAX_TOKENS: usize = 1024;
+/// ops.cu's ROPE_GROUP_MAX: the most heads one thread of the grouped RoPE kernel takes, and
+/// its default. At one head per thread an 8k prefill layer of Llama-3-8B took 412 µs
+/// against 107 with q, 62 against 27 without (H200, docs/PERF.md); each thread then pays
+/// its index arithmetic (64-bit divisions) for two or four values (the likely cost, not
+/// measured apart).
+const ROPE_GROUP_MAX: usize = 8;
 
 /// The keys-on-M decode kernel for `head_dim` (64 or 128).
 fn km_kernel(head_dim: usize) -> &'static str {
@@ -632,6 +635,18 @@ impl CudaBackend {
             flash_pair_loads: !off(crate::env::CUDA_FLASH_PAIR_LOADS),
             flash_mask_edge: !off(crate::env::CUDA_FLASH_MASK_EDGE),
             rope_pairs: !off(crate::env::CUDA_ROPE_PAIRS),
+            rope_group: match std::env::var(crate::env::CUDA_ROPE_GROUP) {
+                Ok(v) => match v.parse::<usize>() {
+                    Ok(g) if (1..=ROPE_GROUP_MAX).contains(&g) => g,
+                    _ => {
+                        return Err(KernelError::Device(format!(
+                            "{}={v}: give a number of heads from 1 to {ROPE_GROUP_MAX}",
+                            crate::env::CUDA_ROPE_GROUP
+                        )))
+                    }
+                },
+                Err(_) => ROPE_GROUP_MAX,
+            },
             gemv_rope: !off(crate::env::CUDA_GEMV_ROPE),
             gemv_pipe: !off(crate::env::CUDA_GEMV_PIPE),
             gemv_prenorm: !off(crate::env::CUDA_GEMV_PRENORM),
@@ -887,10 +902,21 @@ impl CudaBackend {
         }
     }
 
-    /// RoPE + KV write with one thread per rotation pair for steps of up to 1,024 tokens
-    /// (default: on unless `DISAGG_CUDA_ROPE_PAIRS=0`).
+    /// RoPE + KV write by the grouped kernel, a thread per (token, group of heads, pair)
+    /// (default: on unless `DISAGG_CUDA_ROPE_PAIRS=0`, which takes a block per token).
     pub fn set_rope_pairs(&mut self, on: bool) {
         self.set_switch(on, |b| &mut b.rope_pairs);
+    }
+
+    /// Heads per thread of the grouped RoPE kernel, 1 to 8 (default 8; `None` restores it;
+    /// `DISAGG_CUDA_ROPE_GROUP` sets it at start).
+    pub fn set_rope_group(&mut self, group: Option<usize>) {
+        let group = group.unwrap_or(ROPE_GROUP_MAX);
+        assert!((1..=ROPE_GROUP_MAX).contains(&group), "RoPE group of {group} heads");
+        if self.rope_group != group {
+            self.buffers_moving();
+            self.rope_group = group;
+        }
     }
 
     /// A one-token step's RoPE + KV write in the QKV GEMV's epilogue (default: on
@@ -1039,14 +1065,14 @@ impl CudaBackend {
         self.set_switch(on, |b| &mut b.pp_rope);
     }
 
-    /// `rope_write_k_f16` in one round of loads, the step's cos/sin made once (default: on
+    /// `rope_write_k` on the grouped kernel, the step's cos/sin made once (default: on
     /// unless `DISAGG_CUDA_ROPE_K_ROUND=0`).
     pub fn set_rope_k_round(&mut self, on: bool) {
         self.set_switch(on, |b| &mut b.rope_k_round);
     }
 
-    /// Whether this step's cos/sin table is written, so the next layer's `rope_write_k`
-    /// reads it instead of making it.
+    /// Whether this step's cos/sin table is written, so the next layer's grouped RoPE
+    /// kernel reads it instead of making it.
     pub fn rope_cs_ready(&self) -> bool {
         self.rope_cs_ready
     }
@@ -1547,9 +1573,8 @@ impl CudaBackend {
     }
 
     /// RoPE on k and the KV write of a step whose warp-specialized attention rotates q
-    /// itself (`rope_write_k_f16`): the cache gets what `rope_write_kv` would store, q and
-    /// k stay unrotated in `qkv`, and each token's cos/sin go to `rope_cs` for the
-    /// attention's q.
+    /// itself: the cache gets what `rope_write_kv` would store, q and k stay unrotated in
+    /// `qkv`, and each token's cos/sin go to `rope_cs` for the attention's q.
     fn rope_write_k(
         &mut self,
         qkv: &CudaSlice<f32>,
@@ -1559,8 +1584,29 @@ impl CudaBackend {
         attn: &AttnShape,
         kv: &mut CudaKv,
     ) {
-        assert!(attn.head_dim <= 256, "CUDA: RoPE takes head_dim ≤ 256");
         let t = self.tic();
+        self.rope_write_groups(qkv, layer, batch, rope, attn, kv, false);
+        self.toc("rope_write_kv", t);
+    }
+
+    /// The grouped RoPE kernel over the step (with `with_q`, `rope_write_kv_groups`: q and k
+    /// rotated in place in `qkv`; without, `rope_write_k_f16`: `qkv` only read, q's heads
+    /// skipped), k and v into the cache, the step's cos/sin written to `rope_cs` by its
+    /// first launch and read by the later ones. Without `with_q` and with
+    /// `DISAGG_CUDA_ROPE_K_ROUND=0`, the loop form instead.
+    #[allow(clippy::too_many_arguments)]
+    fn rope_write_groups(
+        &mut self,
+        qkv: &CudaSlice<f32>,
+        layer: usize,
+        batch: &StepBatch,
+        rope: &Rope,
+        attn: &AttnShape,
+        kv: &mut CudaKv,
+        with_q: bool,
+    ) {
+        assert!(attn.head_dim <= 256, "CUDA: RoPE takes head_dim ≤ 256");
+        assert!(with_q || matches!(kv.layers[layer], KvBuf::F16(_)), "CUDA: k-only RoPE takes an f16 cache");
         let st = self.dev.stream().clone();
         let need = batch.n_tokens * attn.head_dim;
         if self.rope_cs.len() < need {
@@ -1568,28 +1614,38 @@ impl CudaBackend {
             self.rope_cs = st.alloc_zeros::<f32>(need.next_power_of_two()).expect("CUDA: RoPE cos/sin");
             self.rope_cs_ready = false;
         }
-        // A thread per (token, pair) reading the step's cos/sin once written, or a block per
-        // token making them (the loop form).
-        let (name, ready, grid) = if self.rope_k_round {
-            ("rope_write_k_f16", i32::from(self.rope_cs_ready), (batch.n_tokens * attn.head_dim / 2).div_ceil(128))
+        let group = self.rope_group;
+        // The grouped kernel: a thread per (token, group, pair); or the loop form's block per token.
+        let (name, ready, grid) = if with_q || self.rope_k_round {
+            let groups = if with_q { attn.n_heads.div_ceil(group) } else { 0 } + attn.n_kv_heads.div_ceil(group);
+            let name = match (&kv.layers[layer], with_q) {
+                (KvBuf::F16(_), true) => "rope_write_kv_groups_f16",
+                (KvBuf::F32(_), true) => "rope_write_kv_groups_f32",
+                (_, false) => "rope_write_k_f16",
+            };
+            (name, i32::from(self.rope_cs_ready), (batch.n_tokens * groups * attn.head_dim / 2).div_ceil(128))
         } else {
             ("rope_write_k_f16_loops", 0, batch.n_tokens)
         };
         let half = kv.half() as i64;
         let (nh, nkv, hd) = (attn.n_heads as i32, attn.n_kv_heads as i32, attn.head_dim as i32);
         let (il, bs) = (i32::from(rope.interleaved), batch.block_size as i32);
+        let (nt, gr) = (batch.n_tokens as i32, group as i32);
         let cfg = LaunchConfig { grid_dim: (grid as u32, 1, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
-        let nt = batch.n_tokens as i32;
-        let KvBuf::F16(cache) = &mut kv.layers[layer] else { unreachable!("checked by attention_takes_q_rope") };
         let mut b = Launch::new(&st, self.dev.func(name));
         b.arg(qkv).arg(&self.pos).arg(&self.inv_freq).arg(&self.slots).arg(&nt);
-        b.arg(&nh).arg(&nkv).arg(&hd).arg(&il).arg(&bs).arg(cache).arg(&half).arg(&mut self.rope_cs).arg(&ready);
-        // SAFETY: argument types match the kernel; qkv holds n_tokens rows of q|k|v, the
-        // slots lie in the cache, rope_cs holds n_tokens × head_dim floats (with `ready`,
-        // this step's, written by an earlier layer's launch on this stream).
-        unsafe { b.launch(cfg, self.pdl) }.expect("CUDA: RoPE on k + KV write");
+        b.arg(&nh).arg(&nkv).arg(&hd).arg(&il).arg(&bs);
+        match &mut kv.layers[layer] {
+            KvBuf::F16(c) => b.arg(c),
+            KvBuf::F32(c) => b.arg(c),
+        };
+        b.arg(&half).arg(&mut self.rope_cs).arg(&ready).arg(&gr);
+        // SAFETY: argument types match the kernel (without q, an f16 cache:
+        // `attention_takes_q_rope` checked it); qkv holds n_tokens rows of q|k|v, the slots
+        // lie in the cache, rope_cs holds n_tokens × head_dim floats (with `ready`, this
+        // step's, written by an earlier layer's launch on this stream).
+        unsafe { b.launch(cfg, self.pdl) }.expect("CUDA: RoPE + KV write");
         self.rope_cs_ready = true;
-        self.toc("rope_write_kv", t);
     }
 
     /// out[n × rows] (+)= x_bf16[n × cols] · Wᵀ on cuBLAS, W bf16: the input already in the
@@ -2415,25 +2471,22 @@ impl Backend for CudaBackend {
         if batch.n_tokens == 0 {
             return;
         }
-        assert!(attn.head_dim <= 256, "CUDA: RoPE takes head_dim ≤ 256");
         let t = self.tic();
+        if self.rope_pairs {
+            self.rope_write_groups(qkv, layer, batch, rope, attn, kv, true);
+            self.toc("rope_write_kv", t);
+            return;
+        }
+        // One block per token (`DISAGG_CUDA_ROPE_PAIRS=0`).
+        assert!(attn.head_dim <= 256, "CUDA: RoPE takes head_dim ≤ 256");
         let st = self.dev.stream().clone();
         let half = kv.half() as i64;
         let (nh, nkv, hd) = (attn.n_heads as i32, attn.n_kv_heads as i32, attn.head_dim as i32);
         let (il, bs, nt) = (i32::from(rope.interleaved), batch.block_size as i32, batch.n_tokens as i32);
-        // One thread per rotation pair of q|k|v (decode-sized steps), or one block per token.
-        let by_pairs = self.rope_pairs && batch.n_tokens <= ROPE_PAIRS_MAX_TOKENS;
-        let pairs = batch.n_tokens * (attn.n_heads + 2 * attn.n_kv_heads) * attn.head_dim / 2;
-        let cfg = if by_pairs {
-            LaunchConfig { grid_dim: (pairs.div_ceil(256) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }
-        } else {
-            LaunchConfig { grid_dim: (batch.n_tokens as u32, 1, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 }
-        };
-        let name = match (&kv.layers[layer], by_pairs) {
-            (KvBuf::F16(_), true) => "rope_write_kv_pairs_f16",
-            (KvBuf::F16(_), false) => "rope_write_kv_f16",
-            (KvBuf::F32(_), true) => "rope_write_kv_pairs_f32",
-            (KvBuf::F32(_), false) => "rope_write_kv_f32",
+        let cfg = LaunchConfig { grid_dim: (batch.n_tokens as u32, 1, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
+        let name = match &kv.layers[layer] {
+            KvBuf::F16(_) => "rope_write_kv_f16",
+            KvBuf::F32(_) => "rope_write_kv_f32",
         };
         let mut b = Launch::new(&st, self.dev.func(name));
         b.arg(qkv).arg(&self.pos).arg(&self.inv_freq).arg(&self.slots).arg(&nt);

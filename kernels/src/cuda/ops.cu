@@ -257,46 +257,13 @@ __device__ void rope_write_kv_impl(float* qkv, const int* pos, const float* inv_
     }
 }
 
-// One rotation pair (x0, x1) of q or k at position p, frequency f. Shared by the pair
-// form below and the one-token QKV GEMV's RoPE epilogue; the keys-on-M decode kernel's
-// RoPE takes the same cos/sin and rotation, so all give the same bits.
+// One rotation pair (x0, x1) of q or k at position p, frequency f: the one-token QKV
+// GEMV's RoPE epilogue; the keys-on-M decode kernel's RoPE and the kernels above take the
+// same cos/sin and rotation, so all give the same bits.
 __device__ __forceinline__ void rope_rotate(float p, float f, float& x0, float& x1) {
     float c, s;
     rope_cs(p, f, c, s);
     rope_apply(c, s, x0, x1);
-}
-
-// The same, one thread per rotation pair (token, head of q|k|v, j < hd/2): every load of
-// a token is in flight at once, where the block-per-token form walks the heads in
-// dependent rounds (at one token per sequence, a decode step's RoPE is one memory
-// latency instead of ~20). The pair's angle and rounding are the same as above; v pairs
-// are only copied to the cache.
-template <typename T>
-__device__ void rope_write_kv_pairs_impl(float* qkv, const int* pos, const float* inv_freq, const long long* slots,
-                                         int n_tokens, int n_heads, int n_kv, int hd, int interleaved, int block_size,
-                                         T* cache, long long half) {
-    pdl_wait();
-    const int hh = hd / 2, heads = n_heads + 2 * n_kv;
-    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= (long long)n_tokens * heads * hh) return;
-    const int t = (int)(i / ((long long)heads * hh)), r = (int)(i % ((long long)heads * hh));
-    const int h = r / hh, j = r % hh;
-    const int a = interleaved ? 2 * j : j, b = interleaved ? 2 * j + 1 : j + hh;
-    float* x = qkv + (size_t)t * heads * hd + (size_t)h * hd;
-    float x0 = x[a], x1 = x[b];
-    if (h < n_heads + n_kv) {
-        rope_rotate((float)pos[t], inv_freq[j], x0, x1);
-        x[a] = x0;
-        x[b] = x1;
-    }
-    if (h >= n_heads) {
-        const int kh = (h - n_heads) % n_kv;
-        const long long slot = slots[t];
-        const long long block = slot / block_size, off = slot % block_size;
-        const size_t at = (size_t)(((block * n_kv + kh) * block_size + off) * hd) + (h >= n_heads + n_kv ? (size_t)half : 0);
-        kv_store(cache, at + a, x0);
-        kv_store(cache, at + b, x1);
-    }
 }
 
 #define ROPE_ARGS(T) float* qkv, const int* pos, const float* inv_freq, const long long* slots, int n_tokens, int n_heads, \
@@ -307,81 +274,126 @@ extern "C" __global__ void rope_write_kv_f16(ROPE_ARGS(unsigned short)) {
 extern "C" __global__ void rope_write_kv_f32(ROPE_ARGS(float)) {
     rope_write_kv_impl(qkv, pos, inv_freq, slots, n_heads, n_kv, hd, interleaved, block_size, cache, half);
 }
-extern "C" __global__ void rope_write_kv_pairs_f16(ROPE_ARGS(unsigned short)) {
-    rope_write_kv_pairs_impl(qkv, pos, inv_freq, slots, n_tokens, n_heads, n_kv, hd, interleaved, block_size, cache, half);
-}
-extern "C" __global__ void rope_write_kv_pairs_f32(ROPE_ARGS(float)) {
-    rope_write_kv_pairs_impl(qkv, pos, inv_freq, slots, n_tokens, n_heads, n_kv, hd, interleaved, block_size, cache, half);
-}
-// A prefill step's RoPE when the warp-specialized attention rotates q as it loads it
-// (FLASH_PP_ROPE_Q): k rotated and stored with v at the token's slot, as rope_write_kv_impl
-// stores them, but q and k left unrotated in `qkv` (nothing reads them there after the
-// attention), so q's bytes are neither read nor written here. Each token's cos/sin (the
-// same rope_cs) go to `cs` (token t's pair j at cs[t·hd + 2j], sin after it) for the
-// attention's q; with `cs_ready` an earlier layer of the step has written them, and they
-// are read from there instead of made again. One thread per (token, pair j): it rotates
-// pair j of each of the token's KV heads and copies v's elements at the same two places,
-// all its loads (ROPE_K_ROUND heads a round) out before any store, so a thread waits for
-// memory once (the block-per-token form waited once per loop and had a barrier): 26.6
-// against 42.6 µs per 8k layer of Llama-3-8B on the H200 (docs/PERF.md).
-#define ROPE_K_ROUND 8
-extern "C" __global__ void __launch_bounds__(128) rope_write_k_f16(
-    const float* __restrict__ qkv, const int* pos, const float* inv_freq, const long long* slots, int n_tokens,
-    int n_heads, int n_kv, int hd, int interleaved, int block_size, unsigned short* __restrict__ cache, long long half,
-    float* __restrict__ cs, int cs_ready) {
-    pdl_wait();
-    const int hh = hd / 2, i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n_tokens * hh) return;
-    const int t = i / hh, j = i % hh;
-    const int a = interleaved ? 2 * j : j, b = interleaved ? 2 * j + 1 : j + hh;
-    const float* k = qkv + (size_t)t * (n_heads + 2 * n_kv) * hd + (size_t)n_heads * hd;
-    const float* v = k + n_kv * hd;
-    const long long slot = slots[t];
+// RoPE + KV write with one thread per (token, group of heads, pair j): the thread loads
+// pair j of each head of its group (a group of q heads, or of KV heads with v's elements at
+// the same two places), all the group's loads issued before anything else, so it waits for
+// memory once (rope_write_kv_impl walks a token's heads in dependent rounds behind a
+// barrier). `group` (≤ ROPE_GROUP_MAX, the backend's default) trades threads for loads in
+// flight per thread and index arithmetic paid once per group. With WITH_Q
+// (`rope_write_kv_groups_*`, 113 registers), q and k are rotated in place in `qkv` as
+// rope_write_kv_impl leaves them; without it (`rope_write_k_f16`, 64 registers: the
+// warp-specialized attention rotates q as it loads it, FLASH_PP_ROPE_Q) q's groups are not
+// launched and `qkv` is only read (26.6 against 42.6 µs per 8k layer of Llama-3-8B for the
+// loop form, docs/PERF.md). The token's cos/sin (the same rope_cs) go to `cs` (token t's
+// pair j at cs[t·hd + 2j], sin after it) from group 0; with `cs_ready` an earlier layer of
+// the step wrote them and they are read instead of made. The rotation and the f16 rounding
+// are the same calls as rope_write_kv_impl's, so the bits are too.
+#define ROPE_GROUP_MAX 8
+// One thread's group: nh heads from x (KV: k heads, v's `vo` floats after them). Loads
+// first, then the cos/sin (read from `e`, or made and, with `cs_write`, written there),
+// then the rotation and the stores. A template per group kind, so each path holds only
+// its own registers (64 for a KV group of 8, no spills).
+template <typename T, bool KV, bool STORE_X>
+__device__ __forceinline__ void rope_group_heads(float* __restrict__ x, int nh, int hd, int a, int b, size_t vo,
+                                                 float2* e, bool cs_ready, bool cs_write, const int* pos,
+                                                 const float* inv_freq, long long slot, int block_size, int n_kv, int h0,
+                                                 T* __restrict__ cache, long long half) {
+    float x0[ROPE_GROUP_MAX], x1[ROPE_GROUP_MAX], v0[ROPE_GROUP_MAX], v1[ROPE_GROUP_MAX];
+    const float* __restrict__ xl = x;
+    const float* __restrict__ vl = x + vo;
+#pragma unroll
+    for (int u = 0; u < ROPE_GROUP_MAX; u++) {
+        if (u < nh) {
+            x0[u] = xl[u * hd + a];
+            x1[u] = xl[u * hd + b];
+            if (KV) {
+                v0[u] = vl[u * hd + a];
+                v1[u] = vl[u * hd + b];
+            }
+        }
+    }
     float c, s;
-    for (int h0 = 0; h0 < n_kv; h0 += ROPE_K_ROUND) {
-        float k0[ROPE_K_ROUND], k1[ROPE_K_ROUND], v0[ROPE_K_ROUND], v1[ROPE_K_ROUND];
+    if (cs_ready) {
+        const float2 q = *e;
+        c = q.x;
+        s = q.y;
+    } else {
+        rope_cs((float)*pos, *inv_freq, c, s);
+        if (cs_write) *e = make_float2(c, s);
+    }
+    // KV: head h0 + u's slot at `at` + u · block_size · hd.
+    size_t at = 0;
+    if (KV) at = (size_t)(((slot / block_size * n_kv + h0) * block_size + slot % block_size) * hd);
 #pragma unroll
-        for (int u = 0; u < ROPE_K_ROUND; u++) {
-            const int h = h0 + u;
-            if (h < n_kv) {
-                k0[u] = k[h * hd + a];
-                k1[u] = k[h * hd + b];
-                v0[u] = v[h * hd + a];
-                v1[u] = v[h * hd + b];
+    for (int u = 0; u < ROPE_GROUP_MAX; u++) {
+        if (u < nh) {
+            rope_apply(c, s, x0[u], x1[u]);
+            if (STORE_X) {
+                x[u * hd + a] = x0[u];
+                x[u * hd + b] = x1[u];
             }
-        }
-        if (h0 == 0) {
-            float2* e = reinterpret_cast<float2*>(cs + (size_t)t * hd) + j;
-            if (cs_ready) {
-                const float2 r = *e;
-                c = r.x;
-                s = r.y;
-            } else {
-                rope_cs((float)pos[t], inv_freq[j], c, s);
-                *e = make_float2(c, s);
-            }
-        }
-        const long long block = slot / block_size, off = slot % block_size;
-#pragma unroll
-        for (int u = 0; u < ROPE_K_ROUND; u++) {
-            const int h = h0 + u;
-            if (h < n_kv) {
-                rope_apply(c, s, k0[u], k1[u]);
-                const size_t at = (size_t)(((block * n_kv + h) * block_size + off) * hd);
-                kv_store(cache, at + a, k0[u]);
-                kv_store(cache, at + b, k1[u]);
-                kv_store(cache, (size_t)half + at + a, v0[u]);
-                kv_store(cache, (size_t)half + at + b, v1[u]);
+            if (KV) {
+                const size_t h = at + (size_t)u * block_size * hd;
+                kv_store(cache, h + a, x0[u]);
+                kv_store(cache, h + b, x1[u]);
+                kv_store(cache, (size_t)half + h + a, v0[u]);
+                kv_store(cache, (size_t)half + h + b, v1[u]);
             }
         }
     }
 }
-// The previous form (angles, then k, then v; each loop's loads one round at a time),
-// for the A/B run of `DISAGG_CUDA_ROPE_K_ROUND=0` (it makes the angles in every layer).
+template <typename T, bool WITH_Q>
+__device__ void rope_write_kv_groups_impl(float* __restrict__ qkv, const int* pos, const float* inv_freq,
+                                          const long long* slots, int n_tokens, int n_heads, int n_kv, int hd,
+                                          int interleaved, int block_size, T* __restrict__ cache, long long half,
+                                          float* __restrict__ cs, int cs_ready, int group) {
+    pdl_wait();
+    const int hh = hd / 2;
+    const int gq = WITH_Q ? (n_heads + group - 1) / group : 0, groups = gq + (n_kv + group - 1) / group;
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long long)n_tokens * groups * hh) return;
+    const int t = (int)(i / ((long long)groups * hh)), r = (int)(i % ((long long)groups * hh));
+    const int g = r / hh, j = r % hh;
+    const int a = interleaved ? 2 * j : j, b = interleaved ? 2 * j + 1 : j + hh;
+    float* row = qkv + (size_t)t * (n_heads + 2 * n_kv) * hd;
+    float2* e = reinterpret_cast<float2*>(cs + (size_t)t * hd) + j;
+    if (g >= gq) {
+        const int h0 = (g - gq) * group;
+        float* x = row + (size_t)(n_heads + h0) * hd;
+        const int nh = min(group, n_kv - h0);
+        const size_t vo = (size_t)n_kv * hd;
+        rope_group_heads<T, true, WITH_Q>(x, nh, hd, a, b, vo, e, cs_ready, g == 0, pos + t, inv_freq + j, slots[t],
+                                          block_size, n_kv, h0, cache, half);
+    } else if (WITH_Q) {
+        const int h0 = g * group;
+        rope_group_heads<T, false, true>(row + (size_t)h0 * hd, min(group, n_heads - h0), hd, a, b, 0, e, cs_ready,
+                                         g == 0, pos + t, inv_freq + j, 0, block_size, n_kv, h0, cache, half);
+    }
+}
+#define ROPE_GROUPS_ARGS(T) float* qkv, const int* pos, const float* inv_freq, const long long* slots, int n_tokens, \
+    int n_heads, int n_kv, int hd, int interleaved, int block_size, T* cache, long long half, float* cs, int cs_ready, \
+    int group
+#define ROPE_GROUPS_CALL qkv, pos, inv_freq, slots, n_tokens, n_heads, n_kv, hd, interleaved, block_size, cache, half, \
+    cs, cs_ready, group
+extern "C" __global__ void __launch_bounds__(128) rope_write_kv_groups_f16(ROPE_GROUPS_ARGS(unsigned short)) {
+    rope_write_kv_groups_impl<unsigned short, true>(ROPE_GROUPS_CALL);
+}
+extern "C" __global__ void __launch_bounds__(128) rope_write_kv_groups_f32(ROPE_GROUPS_ARGS(float)) {
+    rope_write_kv_groups_impl<float, true>(ROPE_GROUPS_CALL);
+}
+// Without q (the warp-specialized prefill attention rotates it).
+extern "C" __global__ void __launch_bounds__(128) rope_write_k_f16(ROPE_GROUPS_ARGS(unsigned short)) {
+    rope_write_kv_groups_impl<unsigned short, false>(ROPE_GROUPS_CALL);
+}
+#undef ROPE_GROUPS_ARGS
+#undef ROPE_GROUPS_CALL
+// The k-only form before the grouped kernel (a block per token: the angles, then k, then
+// v, each loop's loads one round at a time), for the A/B run of `DISAGG_CUDA_ROPE_K_ROUND=0`
+// (it makes the angles in every layer); the grouped kernel's arguments, the last two unused.
 extern "C" __global__ void rope_write_k_f16_loops(const float* qkv, const int* pos, const float* inv_freq,
                                                   const long long* slots, int, int n_heads, int n_kv, int hd,
                                                   int interleaved, int block_size, unsigned short* cache,
-                                                  long long half, float* cs, int) {
+                                                  long long half, float* cs, int, int) {
     pdl_wait();
     const int t = blockIdx.x;
     const int w = (n_heads + 2 * n_kv) * hd;
@@ -1989,7 +2001,7 @@ __device__ void cluster_merge(const float* cpart, int grp, int splits, int z, fl
 #define KM_KEYS 64
 #define KM_SMEM_BYTES(HD, STAGES) ((STAGES) * 2 * KM_KEYS * ((HD) + 8) * 2)
 
-// With FLASH_ROPE the kernel also does what rope_write_kv_pairs does for its row before
+// With FLASH_ROPE the kernel also does what rope_write_kv_groups does for its row before
 // it (one launch per layer fewer): it rotates the group's q as it reads them (the same
 // cos/sin and rotation, so the same bits), and the block whose keys end at the row's own
 // position rotates k and stores k and v at the row's slot before it loads that key.
@@ -2029,7 +2041,7 @@ __device__ void flash_decode_km_impl(const float* qkv, const unsigned short* cac
         for (int j = threadIdx.x; j < HH; j += blockDim.x) rope_cs((float)pos0, inv_freq[j], rope_c[j], rope_s[j]);
         __syncthreads();
     }
-    // Pair j's dims (a, b), as rope_write_kv_pairs pairs them.
+    // Pair j's dims (a, b), as rope_write_kv_impl pairs them.
     auto pair_a = [&](int j) { return interleaved ? 2 * j : j; };
     auto pair_b = [&](int j) { return interleaved ? 2 * j + 1 : j + HH; };
     // Dim c of a q head (rotated with RoPE here).
@@ -2343,7 +2355,7 @@ struct NormStats {
 };
 
 // With EPI_ROPE (one token, rows [q|k|v] of whole heads): a warp takes the two rows of one
-// rotation pair instead of two neighbours, rotates q and k as rope_write_kv_pairs_impl
+// rotation pair instead of two neighbours, rotates q and k as rope_write_kv_groups_impl
 // does (same helper, same bits), writes q|k|v to `out` (`accumulate` ignored) and k, v
 // into the cache. EPI_STATS (one token, plain rows, n_out a multiple of NORM_SPAN so every warp
 // of a block has rows): out written as usual, then the block's x · g and sum of squares.
