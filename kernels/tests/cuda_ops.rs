@@ -599,7 +599,7 @@ fn rope_write_kv_matches_cpu() {
 /// chunks, over sequences whose new key lies in the kernel's first loads (contexts of 4
 /// and 100 keys) and past them (700, 1,000); and the switch decides which ran. Likewise a
 /// prefill step on the warp-specialized kernel (32/8 heads, head_dim 128) whose q the
-/// kernel rotates as it loads it, after `rope_write_k` rotated and stored only k: 171 new
+/// kernel rotates as it loads it, after `rope_write_k_f16` rotated and stored only k: 171 new
 /// rows from position 0 (a partial last tile) and 40 after a past of 300 keys. The
 /// prefill step runs two layers: the second's grouped RoPE kernel (one, three or eight
 /// heads per thread; q's skipped, or rotated before the attention) reads the cos/sin the
@@ -661,7 +661,7 @@ fn attention_with_rope_equals_the_separate_ops() {
             let rope = Rope { interleaved, inv_freq: inv_freq.clone() };
             for chunk in [0usize, 64] {
                 let mut runs: Vec<(Vec<f32>, Vec<u8>)> = Vec::new();
-                // (RoPE in the attention, rope_write_k's grouped form, heads per thread,
+                // (RoPE in the attention, rope_write_k_f16's grouped form, heads per thread,
                 // grouped RoPE before the attention); the last, a block per token, is the reference.
                 let forms: &[(bool, bool, Option<usize>, bool)] = if prefill {
                     &[

@@ -344,8 +344,8 @@ pub struct CudaBackend {
     /// Split-K attention: keys per block (0: off), and the partials' scratch.
     attn_chunk: usize,
     attn_part: CudaSlice<f32>,
-    /// Each token's RoPE cos/sin (head_dim floats: cos, sin per pair) as `rope_write_k`
-    /// writes them for the warp-specialized kernel's q.
+    /// Each token's RoPE cos/sin (head_dim floats: cos, sin per pair) as the grouped RoPE
+    /// kernels write them, read by their later layers and the warp-specialized kernel's q.
     rope_cs: CudaSlice<f32>,
     n_sms: usize,
     /// Rows sampled on the device (`DISAGG_DEVICE_SAMPLING=0`: logits to the host).
@@ -499,9 +499,9 @@ pub struct CudaBackend {
     /// On a step of the warp-specialized kernel, RoPE rotates only k before the attention
     /// and the kernel rotates q as it loads it (`DISAGG_CUDA_PP_ROPE=0`: q too, before).
     pp_rope: bool,
-    /// `rope_write_k` takes the grouped kernel, its loads in one round and the cos/sin an
-    /// earlier layer of the step wrote (`DISAGG_CUDA_ROPE_K_ROUND=0`: the block-per-token
-    /// loop form, which makes them in every layer).
+    /// The k-only RoPE is the grouped kernel (`rope_write_k_f16`), its loads in one round and
+    /// the cos/sin an earlier layer of the step wrote (`DISAGG_CUDA_ROPE_K_ROUND=0`: the
+    /// block-per-token loop form, which makes them in every layer).
     rope_k_round: bool,
     /// `rope_cs` holds this step's cos/sin (a layer's grouped or loop RoPE kernel wrote
     /// them; cleared by `begin_step` and when the buffer is replaced).
@@ -1065,7 +1065,7 @@ impl CudaBackend {
         self.set_switch(on, |b| &mut b.pp_rope);
     }
 
-    /// `rope_write_k` on the grouped kernel, the step's cos/sin made once (default: on
+    /// The k-only RoPE on the grouped kernel, the step's cos/sin made once (default: on
     /// unless `DISAGG_CUDA_ROPE_K_ROUND=0`).
     pub fn set_rope_k_round(&mut self, on: bool) {
         self.set_switch(on, |b| &mut b.rope_k_round);
@@ -1572,28 +1572,12 @@ impl CudaBackend {
         }
     }
 
-    /// RoPE on k and the KV write of a step whose warp-specialized attention rotates q
-    /// itself: the cache gets what `rope_write_kv` would store, q and k stay unrotated in
-    /// `qkv`, and each token's cos/sin go to `rope_cs` for the attention's q.
-    fn rope_write_k(
-        &mut self,
-        qkv: &CudaSlice<f32>,
-        layer: usize,
-        batch: &StepBatch,
-        rope: &Rope,
-        attn: &AttnShape,
-        kv: &mut CudaKv,
-    ) {
-        let t = self.tic();
-        self.rope_write_groups(qkv, layer, batch, rope, attn, kv, false);
-        self.toc("rope_write_kv", t);
-    }
-
-    /// The grouped RoPE kernel over the step (with `with_q`, `rope_write_kv_groups`: q and k
-    /// rotated in place in `qkv`; without, `rope_write_k_f16`: `qkv` only read, q's heads
-    /// skipped), k and v into the cache, the step's cos/sin written to `rope_cs` by its
-    /// first launch and read by the later ones. Without `with_q` and with
-    /// `DISAGG_CUDA_ROPE_K_ROUND=0`, the loop form instead.
+    /// The grouped RoPE kernel over the step, k and v into the cache, the step's cos/sin
+    /// written to `rope_cs` by its first launch and read by the later ones. With `with_q`
+    /// (`rope_write_kv_groups`), q and k rotated in place in `qkv`. Without it
+    /// (`rope_write_k_f16`, a step whose warp-specialized attention rotates q itself), the
+    /// cache gets what `rope_write_kv` would store, `qkv` is only read, and the attention's
+    /// q takes the cos/sin from `rope_cs`; with `DISAGG_CUDA_ROPE_K_ROUND=0`, the loop form.
     #[allow(clippy::too_many_arguments)]
     fn rope_write_groups(
         &mut self,
@@ -1607,6 +1591,7 @@ impl CudaBackend {
     ) {
         assert!(attn.head_dim <= 256, "CUDA: RoPE takes head_dim ≤ 256");
         assert!(with_q || matches!(kv.layers[layer], KvBuf::F16(_)), "CUDA: k-only RoPE takes an f16 cache");
+        let t = self.tic();
         let st = self.dev.stream().clone();
         let need = batch.n_tokens * attn.head_dim;
         if self.rope_cs.len() < need {
@@ -1646,6 +1631,7 @@ impl CudaBackend {
         // step's, written by an earlier layer's launch on this stream).
         unsafe { b.launch(cfg, self.pdl) }.expect("CUDA: RoPE + KV write");
         self.rope_cs_ready = true;
+        self.toc("rope_write_kv", t);
     }
 
     /// out[n × rows] (+)= x_bf16[n × cols] · Wᵀ on cuBLAS, W bf16: the input already in the
@@ -1869,7 +1855,7 @@ impl CudaBackend {
                     b.arg(&self.inv_freq).arg(&self.slots).arg(&il);
                 }
                 if pp {
-                    // FLASH_PP_ROPE_Q: q rotated as loaded, by rope_write_k's cos/sin.
+                    // FLASH_PP_ROPE_Q: q rotated as loaded, by rope_write_k_f16's cos/sin.
                     b.arg(&self.rope_cs).arg(&il);
                 }
                 assert!(km || !cluster, "clusters: the keys-on-M kernel only");
@@ -2471,14 +2457,12 @@ impl Backend for CudaBackend {
         if batch.n_tokens == 0 {
             return;
         }
-        let t = self.tic();
         if self.rope_pairs {
-            self.rope_write_groups(qkv, layer, batch, rope, attn, kv, true);
-            self.toc("rope_write_kv", t);
-            return;
+            return self.rope_write_groups(qkv, layer, batch, rope, attn, kv, true);
         }
         // One block per token (`DISAGG_CUDA_ROPE_PAIRS=0`).
         assert!(attn.head_dim <= 256, "CUDA: RoPE takes head_dim ≤ 256");
+        let t = self.tic();
         let st = self.dev.stream().clone();
         let half = kv.half() as i64;
         let (nh, nkv, hd) = (attn.n_heads as i32, attn.n_kv_heads as i32, attn.head_dim as i32);
@@ -2596,7 +2580,7 @@ impl Backend for CudaBackend {
                 self.rope_pending = Some((layer, rope.interleaved));
             } else if batch.n_tokens > 0 && self.attention_takes_q_rope(kv, layer) {
                 assert!(self.q_rope_pending.is_none(), "RoPE left to an attention that never ran");
-                self.rope_write_k(qkv, layer, batch, rope, attn, kv);
+                self.rope_write_groups(qkv, layer, batch, rope, attn, kv, false);
                 self.q_rope_pending = Some((layer, rope.interleaved));
             } else {
                 self.rope_write_kv(qkv, layer, batch, rope, attn, kv);
