@@ -501,9 +501,9 @@ fn attention_residual_pair(
 
 /// RoPE on q and k in place and the k/v write into the paged cache, both CUDA forms (the
 /// grouped kernel at 1, 3, 8 and the default heads per thread, over two layers of a step so
-/// the second reads the first's cos/sin; one block per token) against the CPU backend, for an f16 and
-/// an f32 cache and both pair layouts, on a mixed step whose last token sits at position
-/// 30,000 (large angles). Both sides take the angle in f32 and cos/sin in f64 and round
+/// the second reads the first's cos/sin; one block per token) against the CPU backend, for
+/// an f16 and an f32 cache and both pair layouts, on a mixed step whose last token sits at
+/// position 30,000 (large angles). Both sides take the angle in f32 and cos/sin in f64 and round
 /// each product and sum of the rotation on its own (no FMA), so they agree to the last
 /// bit unless the two f64 sincos differ in a last place that survives rounding to f32:
 /// q and k are held to 1e-6 of the value range, the f16 cache to its rounding (2⁻¹¹

@@ -283,8 +283,9 @@ extern "C" __global__ void rope_write_kv_f32(ROPE_ARGS(float)) {
 // (`rope_write_kv_groups_*`, 113 registers), q and k are rotated in place in `qkv` as
 // rope_write_kv_impl leaves them; without it (`rope_write_k_f16`, 64 registers: the
 // warp-specialized attention rotates q as it loads it, FLASH_PP_ROPE_Q) q's groups are not
-// launched and `qkv` is only read (26.6 against 42.6 µs per 8k layer of Llama-3-8B for the
-// loop form, docs/PERF.md). The token's cos/sin (the same rope_cs) go to `cs` (token t's
+// launched and `qkv` is only read. Per 8k layer of Llama-3-8B on the H200 (docs/PERF.md):
+// k only 27.1 µs against the loop form's 42.7; q and k 106.6 against rope_write_kv_impl's
+// 120.5. The token's cos/sin (the same rope_cs) go to `cs` (token t's
 // pair j at cs[t·hd + 2j], sin after it) from group 0; with `cs_ready` an earlier layer of
 // the step wrote them and they are read instead of made. The rotation and the f16 rounding
 // are the same calls as rope_write_kv_impl's, so the bits are too.
@@ -292,7 +293,10 @@ extern "C" __global__ void rope_write_kv_f32(ROPE_ARGS(float)) {
 // One thread's group: nh heads from x (KV: k heads, v's `vo` floats after them). Loads
 // first, then the cos/sin (read from `e`, or made and, with `cs_write`, written there),
 // then the rotation and the stores. A template per group kind, so each path holds only
-// its own registers (64 for a KV group of 8, no spills).
+// its own registers (64 for a KV group of 8, no spills). The loads go through the const
+// restrict `xl`, `vl` (the 64 registers without q took them); with STORE_X each element
+// is stored through `x` only after it was loaded, from the value loaded, and no other
+// thread touches it.
 template <typename T, bool KV, bool STORE_X>
 __device__ __forceinline__ void rope_group_heads(float* __restrict__ x, int nh, int hd, int a, int b, size_t vo,
                                                  float2* e, bool cs_ready, bool cs_write, const int* pos,
@@ -2356,7 +2360,7 @@ struct NormStats {
 
 // With EPI_ROPE (one token, rows [q|k|v] of whole heads): a warp takes the two rows of one
 // rotation pair instead of two neighbours, rotates q and k as rope_write_kv_groups_impl
-// does (same helper, same bits), writes q|k|v to `out` (`accumulate` ignored) and k, v
+// does (the same rope_cs and rope_apply, same bits), writes q|k|v to `out` (`accumulate` ignored) and k, v
 // into the cache. EPI_STATS (one token, plain rows, n_out a multiple of NORM_SPAN so every warp
 // of a block has rows): out written as usual, then the block's x · g and sum of squares.
 template <int M, int NORM, bool SILU, int U, bool PIPE, int EPI = EPI_OUT>
