@@ -172,11 +172,13 @@ pub const CUDA_FLASH_PAIR_LOADS: &str = "DISAGG_CUDA_FLASH_PAIR_LOADS";
 /// instead of only to tiles that cross a row's diagonal or the end; for A/B runs.
 pub const CUDA_FLASH_MASK_EDGE: &str = "DISAGG_CUDA_FLASH_MASK_EDGE";
 
-/// `0`: the CUDA RoPE + KV write runs one block per token, walking its heads in rounds
-/// behind a barrier, instead of the grouped kernel: a thread per (token, group of heads,
-/// rotation pair) with all its loads in one round, the step's cos/sin made by its first
-/// layer and read by the others (one-token steps on an f16 cache take it only with
-/// `DISAGG_CUDA_GEMV_ROPE=0`, else the QKV GEMV does it); for A/B runs.
+/// `0`: the CUDA RoPE + KV write of q and k (where it is a kernel of its own) runs one
+/// block per token, walking its heads in rounds behind a barrier, instead of the grouped
+/// kernel: a thread per (token, group of heads, rotation pair) with all its loads in one
+/// round, the step's cos/sin made by its first layer and read by the others (one-token
+/// steps on an f16 cache take it only with `DISAGG_CUDA_GEMV_ROPE=0`, else the QKV GEMV
+/// does it). The k-only RoPE of warp-specialized prefill steps stays grouped (its switch
+/// is `DISAGG_CUDA_ROPE_K_ROUND`); for A/B runs.
 pub const CUDA_ROPE_PAIRS: &str = "DISAGG_CUDA_ROPE_PAIRS";
 
 /// Heads per thread of the CUDA grouped RoPE kernel, 1 to 8 (default 8: fewer threads,
@@ -272,8 +274,8 @@ pub const CUDA_PP_ROPE: &str = "DISAGG_CUDA_PP_ROPE";
 
 /// `0`: a warp-specialized prefill step's k RoPE in its loop form (`rope_write_k_f16_loops`,
 /// a block per token: the angles, then k's loads a round at a time, then v's) with the
-/// cos/sin made in every layer, instead of the grouped kernel (`DISAGG_CUDA_ROPE_PAIRS`)
-/// skipping q's heads; the same bits, for A/B runs.
+/// cos/sin made in every layer, instead of the grouped kernel skipping q's heads
+/// (`rope_write_k_f16`); the same bits, for A/B runs.
 pub const CUDA_ROPE_K_ROUND: &str = "DISAGG_CUDA_ROPE_K_ROUND";
 
 /// `0`: one-token GEMVs keep two 16-byte loads per row in flight everywhere, instead of

@@ -423,8 +423,9 @@ pub struct CudaBackend {
     /// Only tiles that cross a row's diagonal or the keys' end are masked
     /// (`DISAGG_CUDA_FLASH_MASK_EDGE=0`: every tile).
     flash_mask_edge: bool,
-    /// RoPE + KV write with one thread per (token, group of heads, rotation pair)
-    /// (`DISAGG_CUDA_ROPE_PAIRS=0`: one block per token).
+    /// `rope_write_kv` (q and k) by the grouped kernel, a thread per (token, group of heads,
+    /// rotation pair) (`DISAGG_CUDA_ROPE_PAIRS=0`: one block per token; the k-only RoPE has
+    /// its own switch, `rope_k_round`).
     rope_pairs: bool,
     /// Heads per thread of the grouped RoPE kernel (`DISAGG_CUDA_ROPE_GROUP`; default
     /// `ROPE_GROUP_MAX`).
@@ -902,8 +903,9 @@ impl CudaBackend {
         }
     }
 
-    /// RoPE + KV write by the grouped kernel, a thread per (token, group of heads, pair)
-    /// (default: on unless `DISAGG_CUDA_ROPE_PAIRS=0`, which takes a block per token).
+    /// `rope_write_kv` (q and k) by the grouped kernel, a thread per (token, group of heads,
+    /// pair) (default: on unless `DISAGG_CUDA_ROPE_PAIRS=0`, which takes a block per token;
+    /// not the k-only RoPE, see `set_rope_k_round`).
     pub fn set_rope_pairs(&mut self, on: bool) {
         self.set_switch(on, |b| &mut b.rope_pairs);
     }
@@ -2170,8 +2172,10 @@ impl CudaBackend {
             }
             other => {
                 // Nothing ran during the capture: run the step op by op, and stop capturing.
+                // The captured launches marked the step's cos/sin table written; it is not.
                 tracing::warn!("CUDA graph capture failed ({:?}); decode steps run op by op", other.err());
                 self.graphs_on = false;
+                self.rope_cs_ready = false;
                 body(self);
             }
         }
@@ -2272,7 +2276,8 @@ impl Backend for CudaBackend {
         self.pos = self.zeros(n, "step metadata (positions)")?;
         self.table_off = self.zeros(n, "step metadata (table offsets)")?;
         self.fa_tiles = self.zeros(4 * n, "step metadata (tiles)")?;
-        // RoPE's cos/sin per token for the warp-specialized attention's q (prefill steps).
+        // RoPE's cos/sin per token: the step's table for the grouped RoPE kernels' later
+        // layers and the warp-specialized attention's q.
         self.rope_cs = self.zeros(n * lim.attn.head_dim, "RoPE's cos/sin")?;
         self.rope_cs_ready = false;
         self.tables = self.zeros(lim.max_table_entries.max(1), "step metadata (block tables)")?;

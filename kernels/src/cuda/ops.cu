@@ -258,8 +258,8 @@ __device__ void rope_write_kv_impl(float* qkv, const int* pos, const float* inv_
 }
 
 // One rotation pair (x0, x1) of q or k at position p, frequency f: the one-token QKV
-// GEMV's RoPE epilogue; the keys-on-M decode kernel's RoPE and the kernels above take the
-// same cos/sin and rotation, so all give the same bits.
+// GEMV's RoPE epilogue; the keys-on-M decode kernel's RoPE, rope_write_kv_impl above and
+// the grouped kernels below take the same cos/sin and rotation, so all give the same bits.
 __device__ __forceinline__ void rope_rotate(float p, float f, float& x0, float& x1) {
     float c, s;
     rope_cs(p, f, c, s);
@@ -937,7 +937,7 @@ __device__ __forceinline__ void wgmma_rs(float* d, const unsigned* a, unsigned l
 #define FLASH_BULK 256      // keys on M: tiles loaded by bulk copies, a key row per thread (else cp.async)
 #define FLASH_LAZY_RESCALE 512  // O rescaled only when a warp's row maxima rose (× 1 skipped: the same bits)
 #define FLASH_PP_TURNS 1024     // warp-specialized: the consumers take turns at the tensor cores (else free)
-#define FLASH_PP_ROPE_Q 2048    // warp-specialized: q rotated as loaded, by rope_write_k's cos/sin (else rotated before)
+#define FLASH_PP_ROPE_Q 2048    // warp-specialized: q rotated as loaded, by rope_write_k_f16's cos/sin (else rotated before)
 // 2^x for the online softmax. FX: the bare MUFU instruction, inputs and results below
 // 2^-126 flushed to zero (x ≤ 0 here, and P is rounded to f16 anyway, whose smallest
 // subnormal is 2^-24); else exp2f, which scales around the MUFU for f32 subnormals.
@@ -1012,7 +1012,7 @@ __device__ __forceinline__ void flash_load_q(unsigned (*qf)[4], const float* qa,
     }
 }
 // flash_load_q with RoPE (FLASH_PP_ROPE_Q): each pair rotated from the unrotated q by
-// its row's cos/sin as rope_write_k wrote them (`csa`, `csb`: the rows' tokens), as
+// its row's cos/sin as rope_write_k_f16 wrote them (`csa`, `csb`: the rows' tokens), as
 // rope_write_kv_impl rotates it, then scaled and rounded as flash_load_q does: the same
 // bits. A thread holds both dims of its pairs: (c, c + HD/2) at k-steps k and k + KS/2,
 // or (c, c + 1) when interleaved.
@@ -1652,7 +1652,7 @@ __device__ __forceinline__ void pp_copy_lean(unsigned at, const unsigned short* 
 }
 
 // LEAN: the producer's copies by pp_copy_lean where the cache blocks are a power of two.
-// FLASH_PP_ROPE_Q: q rotated as loaded by the cos/sin in `rope_cs` (rope_write_k's).
+// FLASH_PP_ROPE_Q: q rotated as loaded by the cos/sin in `rope_cs` (rope_write_k_f16's).
 template <bool LEAN>
 __device__ __forceinline__ void flash_pp_impl(FLASH_ARGS, const float* rope_cs, int interleaved) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
