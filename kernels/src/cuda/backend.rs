@@ -1574,14 +1574,16 @@ impl CudaBackend {
         }
     }
 
-    /// The grouped RoPE kernel over the step, k and v into the cache, the step's cos/sin
-    /// written to `rope_cs` by its first launch and read by the later ones. With `with_q`
-    /// (`rope_write_kv_groups`), q and k rotated in place in `qkv`. Without it
-    /// (`rope_write_k_f16`, a step whose warp-specialized attention rotates q itself), the
-    /// cache gets what `rope_write_kv` would store, `qkv` is only read, and the attention's
-    /// q takes the cos/sin from `rope_cs`; with `DISAGG_CUDA_ROPE_K_ROUND=0`, the loop form.
+    /// The step's RoPE kernel, k and v into the cache. With `with_q`, q and k rotated in
+    /// place in `qkv` (`rope_write_kv`). Without it (a step whose warp-specialized attention
+    /// rotates q itself), the cache gets what `rope_write_kv` would store, `qkv` is only
+    /// read, and the attention's q takes the cos/sin from `rope_cs`. The grouped kernel
+    /// (`rope_write_kv_groups_*`, `rope_write_k_f16`) writes the step's cos/sin to
+    /// `rope_cs` in its first launch and reads them in the later ones; the A/B forms, a block
+    /// per token (`DISAGG_CUDA_ROPE_PAIRS=0` with q, `DISAGG_CUDA_ROPE_K_ROUND=0` without),
+    /// take the same arguments, and only the loop form without q writes the table too.
     #[allow(clippy::too_many_arguments)]
-    fn rope_write_groups(
+    fn rope_launch(
         &mut self,
         qkv: &CudaSlice<f32>,
         layer: usize,
@@ -1602,18 +1604,27 @@ impl CudaBackend {
             self.rope_cs_ready = false;
         }
         let group = self.rope_group;
-        // The grouped kernel: a thread per (token, group, pair); or the loop form's block per token.
-        let (name, ready, grid) = if with_q || self.rope_k_round {
+        let f16 = matches!(kv.layers[layer], KvBuf::F16(_));
+        // The grouped kernel, a thread per (token, group, pair); or a block per token.
+        let grouped = if with_q { self.rope_pairs } else { self.rope_k_round };
+        let (name, ready, grid) = if grouped {
             let groups = if with_q { attn.n_heads.div_ceil(group) } else { 0 } + attn.n_kv_heads.div_ceil(group);
-            let name = match (&kv.layers[layer], with_q) {
-                (KvBuf::F16(_), true) => "rope_write_kv_groups_f16",
-                (KvBuf::F32(_), true) => "rope_write_kv_groups_f32",
+            let name = match (f16, with_q) {
+                (true, true) => "rope_write_kv_groups_f16",
+                (false, true) => "rope_write_kv_groups_f32",
                 (_, false) => "rope_write_k_f16",
             };
             (name, i32::from(self.rope_cs_ready), (batch.n_tokens * groups * attn.head_dim / 2).div_ceil(128))
         } else {
-            ("rope_write_k_f16_loops", 0, batch.n_tokens)
+            let name = match (f16, with_q) {
+                (true, true) => "rope_write_kv_f16",
+                (false, true) => "rope_write_kv_f32",
+                (_, false) => "rope_write_k_f16_loops",
+            };
+            (name, 0, batch.n_tokens)
         };
+        // The block per token with q leaves the table as it was.
+        let writes_table = grouped || !with_q;
         let half = kv.half() as i64;
         let (nh, nkv, hd) = (attn.n_heads as i32, attn.n_kv_heads as i32, attn.head_dim as i32);
         let (il, bs) = (i32::from(rope.interleaved), batch.block_size as i32);
@@ -1632,7 +1643,7 @@ impl CudaBackend {
         // lie in the cache, rope_cs holds n_tokens × head_dim floats (with `ready`, this
         // step's, written by an earlier layer's launch on this stream).
         unsafe { b.launch(cfg, self.pdl) }.expect("CUDA: RoPE + KV write");
-        self.rope_cs_ready = true;
+        self.rope_cs_ready |= writes_table;
         self.toc("rope_write_kv", t);
     }
 
@@ -2462,34 +2473,7 @@ impl Backend for CudaBackend {
         if batch.n_tokens == 0 {
             return;
         }
-        if self.rope_pairs {
-            return self.rope_write_groups(qkv, layer, batch, rope, attn, kv, true);
-        }
-        // One block per token (`DISAGG_CUDA_ROPE_PAIRS=0`).
-        assert!(attn.head_dim <= 256, "CUDA: RoPE takes head_dim ≤ 256");
-        let t = self.tic();
-        let st = self.dev.stream().clone();
-        let half = kv.half() as i64;
-        let (nh, nkv, hd) = (attn.n_heads as i32, attn.n_kv_heads as i32, attn.head_dim as i32);
-        let (il, bs, nt) = (i32::from(rope.interleaved), batch.block_size as i32, batch.n_tokens as i32);
-        let cfg = LaunchConfig { grid_dim: (batch.n_tokens as u32, 1, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
-        let name = match &kv.layers[layer] {
-            KvBuf::F16(_) => "rope_write_kv_f16",
-            KvBuf::F32(_) => "rope_write_kv_f32",
-        };
-        let mut b = Launch::new(&st, self.dev.func(name));
-        b.arg(qkv).arg(&self.pos).arg(&self.inv_freq).arg(&self.slots).arg(&nt);
-        b.arg(&nh).arg(&nkv).arg(&hd).arg(&il).arg(&bs);
-        match &mut kv.layers[layer] {
-            KvBuf::F16(c) => b.arg(c),
-            KvBuf::F32(c) => b.arg(c),
-        };
-        b.arg(&half);
-        // SAFETY: argument types match the kernel; qkv holds n_tokens rows of q|k|v, the
-        // slots lie in the cache.
-        let r = unsafe { b.launch(cfg, self.pdl) };
-        r.expect("CUDA: RoPE + KV write");
-        self.toc("rope_write_kv", t);
+        self.rope_launch(qkv, layer, batch, rope, attn, kv, true);
     }
 
     fn attention(
@@ -2585,7 +2569,7 @@ impl Backend for CudaBackend {
                 self.rope_pending = Some((layer, rope.interleaved));
             } else if batch.n_tokens > 0 && self.attention_takes_q_rope(kv, layer) {
                 assert!(self.q_rope_pending.is_none(), "RoPE left to an attention that never ran");
-                self.rope_write_groups(qkv, layer, batch, rope, attn, kv, false);
+                self.rope_launch(qkv, layer, batch, rope, attn, kv, false);
                 self.q_rope_pending = Some((layer, rope.interleaved));
             } else {
                 self.rope_write_kv(qkv, layer, batch, rope, attn, kv);

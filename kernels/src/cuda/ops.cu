@@ -266,8 +266,9 @@ __device__ __forceinline__ void rope_rotate(float p, float f, float& x0, float& 
     rope_apply(c, s, x0, x1);
 }
 
+// The grouped kernel's arguments (below), the last three unused: one launch path for every form.
 #define ROPE_ARGS(T) float* qkv, const int* pos, const float* inv_freq, const long long* slots, int n_tokens, int n_heads, \
-    int n_kv, int hd, int interleaved, int block_size, T* cache, long long half
+    int n_kv, int hd, int interleaved, int block_size, T* cache, long long half, float*, int, int
 extern "C" __global__ void rope_write_kv_f16(ROPE_ARGS(unsigned short)) {
     rope_write_kv_impl(qkv, pos, inv_freq, slots, n_heads, n_kv, hd, interleaved, block_size, cache, half);
 }
