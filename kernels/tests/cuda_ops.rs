@@ -502,15 +502,22 @@ fn attention_residual_pair(
 /// RoPE on q and k in place and the k/v write into the paged cache, both CUDA forms (the
 /// grouped kernel at 1, 3, 8 and the default heads per thread, over two layers of a step so
 /// the second reads the first's cos/sin; one block per token) against the CPU backend, for
-/// an f16 and an f32 cache and both pair layouts, on a mixed step whose last token sits at
-/// position 30,000 (large angles). Both sides take the angle in f32 and cos/sin in f64 and round
+/// an f16 and an f32 cache and both pair layouts, 8/2 and 32/8 heads (groups of 3 KV heads
+/// starting past head 0), on a mixed step whose last token sits at position 30,000 (large
+/// angles). Both sides take the angle in f32 and cos/sin in f64 and round
 /// each product and sum of the rotation on its own (no FMA), so they agree to the last
 /// bit unless the two f64 sincos differ in a last place that survives rounding to f32:
 /// q and k are held to 1e-6 of the value range, the f16 cache to its rounding (2⁻¹¹
 /// relative, held to 1e-3 of the range).
 fn rope_write_kv_matches_cpu() {
+    for (n_heads, n_kv) in [(8usize, 2usize), (32, 8)] {
+        rope_write_kv_case(n_heads, n_kv);
+    }
+}
+
+fn rope_write_kv_case(n_heads: usize, n_kv: usize) {
     use kernels::{AttnShape, Backend, KvDtype, KvShape, Rope, StepBatch};
-    let (n_heads, n_kv, hd) = (8usize, 2usize, 128usize);
+    let hd = 128usize;
     let attn = AttnShape { n_heads, n_kv_heads: n_kv, head_dim: hd, scale: 1.0 };
     let inv_freq: Vec<f32> = (0..hd / 2).map(|i| 500000f32.powf(-2.0 * i as f32 / hd as f32)).collect();
     let seqs = [(37usize, 100usize), (0, 70), (30000, 1)];
@@ -558,8 +565,9 @@ fn rope_write_kv_matches_cpu() {
             cpu.kv_export(&ckv, 0, &blocks, &mut want_kv);
             let want_kv = as_f32(&want_kv, dtype);
             let range = want_q.iter().fold(0f32, |m, v| m.max(v.abs()));
-            // (grouped kernel, heads per thread): one, three (groups of 3, 3, 2 q heads and
-            // one of 2 KV heads), eight, the default (eight); a block per token.
+            // (grouped kernel, heads per thread): one, three (at 8/2 heads groups of 3, 3, 2
+            // q heads and one of 2 KV heads; at 32/8 KV groups of 3, 3, 2 from heads 0, 3,
+            // 6), eight, the default (eight); a block per token.
             for (pairs, group) in [(true, Some(1)), (true, Some(3)), (true, Some(8)), (true, None), (false, None)] {
                 let mut be = kernels::cuda::CudaBackend::new(0, true).expect("cuda:0 opens");
                 be.set_rope_pairs(pairs);
@@ -579,8 +587,8 @@ fn rope_write_kv_matches_cpu() {
                     let got_kv = as_f32(&got_kv, dtype);
                     let (eq, ekv) = (max_abs(&got_q, &want_q) / range, max_abs(&got_kv, &want_kv) / range);
                     println!(
-                        "rope + KV write, {dtype:?} cache, interleaved {interleaved}, grouped {pairs}, {group:?} heads \
-                         per thread, layer {layer}: q|k {eq:.2e}, cache {ekv:.2e} of the range"
+                        "rope + KV write, {n_heads}/{n_kv} heads, {dtype:?} cache, interleaved {interleaved}, grouped \
+                         {pairs}, {group:?} heads per thread, layer {layer}: q|k {eq:.2e}, cache {ekv:.2e} of the range"
                     );
                     assert!(eq < 1e-6, "q|k after RoPE: {eq}");
                     assert!(ekv < if dtype == KvDtype::F16 { 1e-3 } else { 1e-6 }, "cache: {ekv}");

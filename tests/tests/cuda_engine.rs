@@ -144,7 +144,8 @@ fn kv_moves_between_gpu_and_cpu_unchanged() {
 }
 
 /// bf16 weights (the fast path). CUDA graphs replay the very kernels the eager steps
-/// launch, so greedy outputs with graphs are identical to those without. The flash
+/// launch, so greedy outputs with graphs are identical to those without (also with the
+/// decode steps' RoPE in a kernel of its own, before either decode attention). The flash
 /// prefill kernel rounds q and the probabilities to f16: its last-position logits stay
 /// within 1e-2 of the logit range of the per-token kernel's (measured and printed).
 fn graphs_replay_exactly_and_flash_prefill_stays_close() {
@@ -166,6 +167,33 @@ fn graphs_replay_exactly_and_flash_prefill_stays_close() {
         assert_eq!(e.output_ids, g.output_ids, "case {i}: graphs changed the output");
     }
     assert_eq!(eager_one[0].output_ids, graphed_one[0].output_ids, "batch 1 over a 300-token context");
+    // The batched decode steps' RoPE + KV write as a kernel of its own (the grouped kernel
+    // with q, inside the graphs: each step's first launch makes that step's cos/sin, the
+    // later layers read them), before the keys-on-M kernel and before the flash kernel's
+    // decode form: with graphs the tokens of the steps without them, and with the keys-on-M
+    // kernel (the same rotation, the same bits) the default's.
+    for km in [true, false] {
+        gpu.backend_mut().set_attn_rope(false);
+        gpu.backend_mut().set_decode_km(km);
+        gpu.backend_mut().set_graphs(false);
+        let e = run_to_completion(&mut gpu, reqs.clone(), 300).unwrap();
+        gpu.backend_mut().set_graphs(true);
+        let g = run_to_completion(&mut gpu, reqs.clone(), 400).unwrap();
+        assert!(gpu.backend().n_graphs() >= 1, "keys-on-M {km}: the decode steps were captured");
+        for (i, (e, g)) in e.iter().zip(&g).enumerate() {
+            assert_eq!(
+                e.output_ids, g.output_ids,
+                "keys-on-M {km}, RoPE before it, case {i}: graphs changed the output"
+            );
+        }
+        if km {
+            for (i, (a, b)) in eager.iter().zip(&e).enumerate() {
+                assert_eq!(a.output_ids, b.output_ids, "case {i}: RoPE before the keys-on-M kernel changed the output");
+            }
+        }
+    }
+    gpu.backend_mut().set_attn_rope(true);
+    gpu.backend_mut().set_decode_km(true);
     let mut worst = 0f32;
     for case in &r.cases {
         gpu.backend_mut().set_flash(false);

@@ -353,6 +353,9 @@ __device__ void rope_write_kv_groups_impl(float* __restrict__ qkv, const int* po
                                           int interleaved, int block_size, T* __restrict__ cache, long long half,
                                           float* __restrict__ cs, int cs_ready, int group) {
     pdl_wait();
+    // (The backend checks 1..=ROPE_GROUP_MAX; held here too, so that no value divides by
+    // zero or names more heads than the registers hold.)
+    group = max(1, min(group, ROPE_GROUP_MAX));
     const int hh = hd / 2;
     const int gq = WITH_Q ? (n_heads + group - 1) / group : 0, groups = gq + (n_kv + group - 1) / group;
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
