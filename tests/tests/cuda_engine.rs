@@ -172,8 +172,8 @@ fn graphs_replay_exactly_and_flash_prefill_stays_close() {
     // later layers read them), before the keys-on-M kernel and before the flash kernel's
     // decode form: with graphs the tokens of the steps without them, and with the keys-on-M
     // kernel (the same rotation, the same bits) the default's.
+    gpu.backend_mut().set_attn_rope(false);
     for km in [true, false] {
-        gpu.backend_mut().set_attn_rope(false);
         gpu.backend_mut().set_decode_km(km);
         gpu.backend_mut().set_graphs(false);
         let e = run_to_completion(&mut gpu, reqs.clone(), 300).unwrap();

@@ -279,7 +279,7 @@ extern "C" __global__ void rope_write_kv_f32(ROPE_ARGS(float)) {
 // pair j of each head of its group (a group of q heads, or of KV heads with v's elements at
 // the same two places), all the group's loads issued before anything else, so it waits for
 // memory once (rope_write_kv_impl walks a token's heads in dependent rounds behind a
-// barrier). `group` (≤ ROPE_GROUP_MAX, the backend's default) trades threads for loads in
+// barrier). `group` (1..=ROPE_GROUP_MAX, checked by the backend; the maximum by default) trades threads for loads in
 // flight per thread and index arithmetic paid once per group. With WITH_Q
 // (`rope_write_kv_groups_*`, 113 registers), q and k are rotated in place in `qkv` as
 // rope_write_kv_impl leaves them; without it (`rope_write_k_f16`, 64 registers: the
@@ -353,9 +353,6 @@ __device__ void rope_write_kv_groups_impl(float* __restrict__ qkv, const int* po
                                           int interleaved, int block_size, T* __restrict__ cache, long long half,
                                           float* __restrict__ cs, int cs_ready, int group) {
     pdl_wait();
-    // (The backend checks 1..=ROPE_GROUP_MAX; held here too, so that no value divides by
-    // zero or names more heads than the registers hold.)
-    group = max(1, min(group, ROPE_GROUP_MAX));
     const int hh = hd / 2;
     const int gq = WITH_Q ? (n_heads + group - 1) / group : 0, groups = gq + (n_kv + group - 1) / group;
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
