@@ -67,7 +67,8 @@ pub struct EngineArgs {
     /// Host memory for the KV cache, in MiB.
     #[arg(long, default_value_t = 512)]
     pub kv_cache_mib: usize,
-    /// KV cache element type: f16 or f32.
+    /// KV cache element type: f16, f32 or fp8 (E4M3, unscaled; CUDA from compute
+    /// capability 8.9, and the CPU backend).
     #[arg(long, default_value = "f16")]
     pub kv_dtype: String,
     /// Tokens per KV block.
@@ -131,7 +132,7 @@ impl EngineArgs {
             anyhow::bail!("--device {} is not a device; use cpu or cuda:N", self.device);
         };
         let kv_dtype = KvDtype::parse(&self.kv_dtype)
-            .ok_or_else(|| anyhow::anyhow!("--kv-dtype must be f16 or f32, got '{}'", self.kv_dtype))?;
+            .ok_or_else(|| anyhow::anyhow!("--kv-dtype must be f16, f32 or fp8, got '{}'", self.kv_dtype))?;
         let o = EngineOptions {
             device,
             model: self.model.clone(),

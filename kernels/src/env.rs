@@ -117,6 +117,11 @@ pub const CUDA_FLASH_DECODE: &str = "DISAGG_CUDA_FLASH_DECODE";
 /// for A/B runs.
 pub const CUDA_DECODE_KM: &str = "DISAGG_CUDA_DECODE_KM";
 
+/// `0`: with an FP8 KV cache, steps that the keys-on-M kernel does not take (prefill,
+/// mixed steps) run the per-token attention kernel over the FP8 cache, instead of the
+/// flash kernels over an f16 copy of the step's blocks; for A/B runs.
+pub const CUDA_FP8_F16_COPY: &str = "DISAGG_CUDA_FP8_F16_COPY";
+
 /// Largest token count whose bf16 GEMMs take the CUDA backend's own GEMV kernels (f32
 /// activations read directly, weights streamed at memory bandwidth, RMSNorm and
 /// SiLU·gate fused in) instead of a bf16 cast plus cuBLAS and separate ops. Default 1

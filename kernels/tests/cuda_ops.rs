@@ -18,7 +18,8 @@ fn main() {
         Ok(())
     })];
     if std::env::var_os(kernels::env::TEST_CUDA).is_some() {
-        let gpu_tests: [(&str, fn()); 11] = [
+        let gpu_tests: [(&str, fn()); 12] = [
+            ("fp8_cache_attention_matches_cpu_and_the_f16_kernel", fp8_cache_attention_matches_cpu_and_the_f16_kernel),
             ("qkv_gemv_with_rope_equals_the_separate_ops", qkv_gemv_with_rope_equals_the_separate_ops),
             ("attention_with_rope_equals_the_separate_ops", attention_with_rope_equals_the_separate_ops),
             (
@@ -150,24 +151,8 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
         let blocks: Vec<u32> = (0..shape.n_blocks as u32).collect();
         let vals = data(shape.n_blocks * shape.block_bytes_per_layer() / 2, 11);
         let bytes: Vec<u8> = vals.iter().flat_map(|v| half::f16::from_f32(*v).to_le_bytes()).collect();
-        // Block tables: disjoint, shuffled.
-        let mut perm: Vec<u32> = blocks.clone();
-        let mut x = 12345u64;
-        for i in (1..perm.len()).rev() {
-            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            perm.swap(i, (x >> 33) as usize % (i + 1));
-        }
-        // Steps of (cached positions, rows): mixed (prefill tiles; 770 keys run the
-        // warp-specialized kernel's three-stage ring round twice), then decode only.
-        let steps: [&[(usize, usize)]; 2] = [&[(37, 100), (700, 70), (500, 1)], &[(500, 1), (37, 1), (0, 1), (900, 1)]];
-        for seqs in steps {
-            let mut tables = Vec::new();
-            let mut at = 0;
-            for &(p0, n) in seqs {
-                let nb = (p0 + n).div_ceil(bs);
-                tables.push(perm[at..at + nb].to_vec());
-                at += nb;
-            }
+        for seqs in MIXED_THEN_DECODE {
+            let tables = shuffled_tables(shape.n_blocks, seqs, bs);
             let spans = spans_of(seqs, &tables);
             let n_tokens = spans.last().map_or(0, |s| s.rows.end);
             let batch = StepBatch { n_tokens, seqs: &spans, block_size: bs, fed: &[] };
@@ -396,6 +381,148 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
     assert!(failed.is_empty(), "attention beyond tolerance:\n{}", failed.join("\n"));
 }
 
+/// An FP8 (E4M3) cache holding random values: every step's attention against the CPU
+/// backend's on the same bytes, and against the same flash kernel's on an f16 cache of
+/// the same values (E4M3 → f16 is exact). The decode-only step takes the FP8 keys-on-M
+/// kernel, whole and split (merged in clusters and by attention_merge, first tiles asked
+/// for before the wait or after it, bulk copies or cp.async): its MMAs take the f16
+/// kernel's products, a score's 16 per MMA in another order, so it is held to 1e-3 of the
+/// range of the f16 kernel's (a score rounding otherwise moves a probability by an f16
+/// ulp). A mixed step (a prefill chunk over a cached prefix, a fresh prompt, a decode
+/// row), and the decode step with the keys-on-M kernel off, take the f16 flash kernels
+/// over an f16 copy of the step's blocks: the f16 cache's bits. Both within the flash
+/// tolerance of the CPU's; with the copy switched off, the per-token kernel
+/// (`attention_fp8`, whole and split: 1e-4 of the range, as for f16). Blocks of 16 and 12.
+fn fp8_cache_attention_matches_cpu_and_the_f16_kernel() {
+    use kernels::cpu::ops::{e4m3_to_f32, f32_to_e4m3};
+    use kernels::{AttnShape, Backend, KvDtype, KvShape, Rope, StepBatch};
+    let mut failed: Vec<String> = Vec::new();
+    for ((n_heads, n_kv, hd), bs) in [((32usize, 8usize, 128usize), 16usize), ((9, 3, 64), 16), ((32, 8, 128), 12)] {
+        let attn = AttnShape { n_heads, n_kv_heads: n_kv, head_dim: hd, scale: 1.0 / (hd as f32).sqrt() };
+        let n_blocks = 96 * 16 / bs;
+        let shape8 =
+            KvShape { n_layers: 1, n_blocks, block_size: bs, n_kv_heads: n_kv, head_dim: hd, dtype: KvDtype::Fp8 };
+        let shape16 = KvShape { dtype: KvDtype::F16, ..shape8 };
+        let blocks: Vec<u32> = (0..n_blocks as u32).collect();
+        // Random values in [-2, 2) stored as E4M3; the f16 cache holds the same values.
+        let b8: Vec<u8> = data(n_blocks * shape8.block_bytes_per_layer(), 11).iter().map(|v| f32_to_e4m3(*v)).collect();
+        let b16: Vec<u8> = b8.iter().flat_map(|b| half::f16::from_f32(e4m3_to_f32(*b)).to_le_bytes()).collect();
+        for seqs in MIXED_THEN_DECODE {
+            let tables = shuffled_tables(n_blocks, seqs, bs);
+            let spans = spans_of(seqs, &tables);
+            let n_tokens = spans.last().map_or(0, |s| s.rows.end);
+            let batch = StepBatch { n_tokens, seqs: &spans, block_size: bs, fed: &[] };
+            let qkv = data(n_tokens * attn.qkv_dim(), 12);
+            let rope = Rope { interleaved: false, inv_freq: vec![1.0; hd / 2] };
+            let tokens = vec![0u32; n_tokens];
+            let decode = seqs.iter().all(|s| s.1 == 1);
+
+            let mut cpu = kernels::cpu::CpuBackend::new(2);
+            let mut ckv = cpu.kv_cache(shape8).unwrap();
+            cpu.kv_import(&mut ckv, 0, &blocks, &b8);
+            let mut want = vec![0f32; n_tokens * attn.q_dim()];
+            cpu.attention(&qkv, 0, &batch, &attn, &mut ckv, &mut want);
+            let range = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+
+            // The f16 flash kernels' outputs on the same values, whole and split, keys on
+            // M on and off: (chunk, kernel, splits, outputs).
+            let mut be16 = kernels::cuda::CudaBackend::new(0, true).expect("cuda:0 opens");
+            let mut g16 = be16.kv_cache(shape16).unwrap();
+            be16.kv_import(&mut g16, 0, &blocks, &b16);
+            let dq16 = be16.device().upload(&qkv).unwrap();
+            let mut f16_runs: Vec<(usize, &str, usize, Vec<f32>)> = Vec::new();
+            for (km, chunk) in [(true, 0usize), (true, 64), (false, 0), (false, 64)] {
+                be16.set_decode_km(km);
+                be16.set_attn_chunk(chunk);
+                be16.begin_step(&tokens, &batch, &rope, &attn, &[]);
+                let mut out = be16.act(n_tokens * attn.q_dim()).unwrap();
+                be16.attention(&dq16, 0, &batch, &attn, &mut g16, &mut out);
+                let mut got = vec![0f32; n_tokens * attn.q_dim()];
+                be16.to_host(&out, &mut got);
+                f16_runs.push((chunk, be16.step_flash_kernel(), be16.step_splits(), got));
+            }
+
+            let mut be = kernels::cuda::CudaBackend::new(0, true).expect("cuda:0 opens");
+            let mut g8 = be.kv_cache(shape8).unwrap();
+            be.kv_import(&mut g8, 0, &blocks, &b8);
+            // The cache's bytes come back as they went in.
+            let mut back = Vec::new();
+            be.kv_export(&g8, 0, &blocks, &mut back);
+            assert!(back == b8, "FP8 cache export");
+            let dq = be.device().upload(&qkv).unwrap();
+            // (keys on M, clusters, early tiles, bulk copies, the f16 copy)
+            let cases = [
+                (true, true, true, true, true),
+                (true, false, true, true, true),
+                (true, true, false, true, true),
+                (true, true, true, false, true),
+                (false, true, true, true, true),
+                (true, true, true, true, false),
+            ];
+            for ((km, cluster, early, bulk, copy), chunk) in cases.iter().flat_map(|c| [(*c, 0usize), (*c, 64)]) {
+                be.set_decode_km(km);
+                be.set_attn_cluster(cluster);
+                be.set_km_early(early);
+                be.set_km_bulk(bulk);
+                be.set_fp8_f16_copy(copy);
+                be.set_attn_chunk(chunk);
+                be.begin_step(&tokens, &batch, &rope, &attn, &[]);
+                let kernel = be.step_flash_kernel();
+                let km_ran = kernel.starts_with("flash_decode_km_fp8");
+                let copied = be.step_fp8_copy();
+                if km_ran != (km && decode) || copied != (!km_ran && copy) || (!km_ran && !copied && !kernel.is_empty())
+                {
+                    failed.push(format!(
+                        "{n_heads}/{n_kv} heads, {n_tokens} rows, km {km}, copy {copy}: kernel '{kernel}', copied {copied}"
+                    ));
+                }
+                let mut out = be.act(n_tokens * attn.q_dim()).unwrap();
+                be.attention(&dq, 0, &batch, &attn, &mut g8, &mut out);
+                let mut got = vec![0f32; n_tokens * attn.q_dim()];
+                be.to_host(&out, &mut got);
+                let err = max_abs(&got, &want) / range;
+                let mut note = String::new();
+                if km_ran || copied {
+                    // The same kernel on the f16 cache: the keys-on-M kernel within 1e-3 of
+                    // the range (its splits may differ: more FP8 blocks fit an SM), the
+                    // f16 kernels over the copy the same bits.
+                    let k16 = kernel.replace("_fp8_", "_f16_");
+                    match f16_runs.iter().find(|(c, k, _, _)| *c == chunk && **k == k16) {
+                        Some((_, _, s16, b)) => {
+                            let diff = b.iter().zip(&got).filter(|(x, y)| x.to_bits() != y.to_bits()).count();
+                            let e16 = max_abs(&got, b) / range;
+                            note = format!(
+                                ", {diff} outputs differ from {k16}'s on the f16 cache ({s16} splits), by ≤ {e16:.2e} of \
+                                 the range"
+                            );
+                            if e16.is_nan() || e16 > 1e-3 || (copied && diff > 0) {
+                                failed.push(format!(
+                                    "{n_heads}/{n_kv} heads, block {bs}, {n_tokens} rows, chunk {chunk}, kernel {kernel}: \
+                                     {diff} outputs differ from the f16 cache's, by {e16:.2e}"
+                                ));
+                            }
+                        }
+                        None => failed.push(format!("{n_heads}/{n_kv} heads, chunk {chunk}: no f16 run of {k16}")),
+                    }
+                }
+                println!(
+                    "FP8 cache, {n_heads}/{n_kv} heads, head_dim {hd}, block {bs}, {n_tokens} rows, keys on M {km}, \
+                     clusters {cluster}, early {early}, bulk {bulk}, f16 copy {copy}, chunk {chunk}: kernel '{kernel}', \
+                     {} splits{}: max |GPU − CPU| / range = {err:.2e}{note}",
+                    be.step_splits(),
+                    if be.step_cluster() { " merged in clusters" } else { "" },
+                );
+                if err.is_nan() || err >= if km_ran || copied { 5e-3 } else { 1e-4 } {
+                    failed.push(format!(
+                        "{n_heads}/{n_kv} heads, block {bs}, {n_tokens} rows, kernel '{kernel}', chunk {chunk}: {err:.2e}"
+                    ));
+                }
+            }
+        }
+    }
+    assert!(failed.is_empty(), "FP8 cache attention:\n{}", failed.join("\n"));
+}
+
 /// The attention with the output projection and its residual add (`attention_residual`),
 /// whole and split into 64-key chunks: the flash kernel (split, its merge) writing the
 /// GEMM's bf16 input itself gives the same bits as writing f32 and a cast (the same
@@ -550,9 +677,10 @@ fn rope_write_kv_case(n_heads: usize, n_kv: usize) {
         match dtype {
             KvDtype::F16 => bytes.chunks(2).map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
             KvDtype::F32 => bytes.chunks(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
+            KvDtype::Fp8 => bytes.iter().map(|b| kernels::cpu::ops::e4m3_to_f32(*b)).collect(),
         }
     };
-    for dtype in [KvDtype::F16, KvDtype::F32] {
+    for dtype in [KvDtype::F16, KvDtype::F32, KvDtype::Fp8] {
         for interleaved in [false, true] {
             let rope = Rope { interleaved, inv_freq: inv_freq.clone() };
             let shape = KvShape { n_layers: 2, n_blocks, block_size: 16, n_kv_heads: n_kv, head_dim: hd, dtype };
@@ -591,7 +719,13 @@ fn rope_write_kv_case(n_heads: usize, n_kv: usize) {
                          {pairs}, {group:?} heads per thread, layer {layer}: q|k {eq:.2e}, cache {ekv:.2e} of the range"
                     );
                     assert!(eq < 1e-6, "q|k after RoPE: {eq}");
-                    assert!(ekv < if dtype == KvDtype::F16 { 1e-3 } else { 1e-6 }, "cache: {ekv}");
+                    // FP8: the same rounding as the CPU's, so the same bytes.
+                    let tol = match dtype {
+                        KvDtype::F16 => 1e-3,
+                        KvDtype::F32 => 1e-6,
+                        KvDtype::Fp8 => 0.0,
+                    };
+                    assert!(ekv <= tol, "cache: {ekv}");
                     // The written slots hold the rotated keys: not all zero.
                     assert!(got_kv.iter().filter(|v| **v != 0.0).count() > n_tokens * n_kv * hd);
                 }
@@ -617,7 +751,13 @@ fn attention_with_rope_equals_the_separate_ops() {
     use kernels::quant::GgmlType;
     use kernels::{AttnShape, Backend, KvDtype, KvShape, Rope, StepBatch, WeightPart};
     let (eps, hidden, bs) = (1e-5f32, 256usize, 16usize);
-    for (n_heads, n_kv, hd, prefill) in [(32usize, 8usize, 128usize, false), (9, 3, 64, false), (32, 8, 128, true)] {
+    for (n_heads, n_kv, hd, prefill, dtype) in [
+        (32usize, 8usize, 128usize, false, KvDtype::F16),
+        (9, 3, 64, false, KvDtype::F16),
+        (32, 8, 128, true, KvDtype::F16),
+        (32, 8, 128, false, KvDtype::Fp8),
+        (9, 3, 64, false, KvDtype::Fp8),
+    ] {
         let attn = AttnShape { n_heads, n_kv_heads: n_kv, head_dim: hd, scale: 1.0 / (hd as f32).sqrt() };
         let rows = attn.qkv_dim();
         let w: Vec<u8> = data(rows * hidden, 61).iter().flat_map(|x| x.to_le_bytes()).collect();
@@ -643,20 +783,17 @@ fn attention_with_rope_equals_the_separate_ops() {
         let batch = StepBatch { n_tokens: n, seqs: &spans, block_size: bs, fed: &[] };
         let x = data(n * hidden, 62);
         let n_layers = if prefill { 2 } else { 1 };
-        let shape = KvShape {
-            n_layers,
-            n_blocks: next as usize,
-            block_size: bs,
-            n_kv_heads: n_kv,
-            head_dim: hd,
-            dtype: KvDtype::F16,
-        };
+        let shape =
+            KvShape { n_layers, n_blocks: next as usize, block_size: bs, n_kv_heads: n_kv, head_dim: hd, dtype };
         let blocks: Vec<u32> = (0..next).collect();
-        // The past: random f16 keys and values; the new tokens' slots get overwritten.
-        let past: Vec<u8> = data(shape.n_blocks * shape.block_bytes_per_layer() / 2, 64)
-            .iter()
-            .flat_map(|v| half::f16::from_f32(*v).to_le_bytes())
-            .collect();
+        // The past: random keys and values; the new tokens' slots get overwritten.
+        let es = dtype.bytes();
+        let past_vals = data(shape.n_blocks * shape.block_bytes_per_layer() / es, 64);
+        let past: Vec<u8> = if dtype == KvDtype::Fp8 {
+            past_vals.iter().map(|v| kernels::cpu::ops::f32_to_e4m3(*v)).collect()
+        } else {
+            past_vals.iter().flat_map(|v| half::f16::from_f32(*v).to_le_bytes()).collect()
+        };
         let mut be = kernels::cuda::CudaBackend::new(0, true).expect("cuda:0 opens");
         be.set_flash(true);
         be.set_decode_km(true);
@@ -728,9 +865,9 @@ fn attention_with_rope_equals_the_separate_ops() {
                     let cache_diff = on.1.iter().zip(&off.1).filter(|(a, b)| a != b).count();
                     let new_kv = on.1.iter().zip(past.iter().cycle()).filter(|(a, b)| a != b).count();
                     println!(
-                        "attention with RoPE, {n_heads}/{n_kv} heads d{hd}, {} rows (prefill {prefill}, form {form:?}, \
-                         {n_layers} layers), interleaved {interleaved}, chunk {chunk} ({} splits): {diff} of {} outputs \
-                         and {cache_diff} cache bytes differ; {new_kv} cache bytes new",
+                        "attention with RoPE, {n_heads}/{n_kv} heads d{hd}, {dtype:?} cache, {} rows (prefill \
+                         {prefill}, form {form:?}, {n_layers} layers), interleaved {interleaved}, chunk {chunk} ({} \
+                         splits): {diff} of {} outputs and {cache_diff} cache bytes differ; {new_kv} cache bytes new",
                         n,
                         be.step_splits(),
                         on.0.len()
@@ -738,8 +875,8 @@ fn attention_with_rope_equals_the_separate_ops() {
                     assert!(on.0.iter().all(|v| v.is_finite()));
                     assert_eq!(diff, 0, "attention output: RoPE in the kernel against before it");
                     assert_eq!(cache_diff, 0, "cache: RoPE in the kernel against before it");
-                    // The new tokens' k and v (2 bytes each) replaced the past's: most bytes differ.
-                    let new_max = 2 * 2 * n * n_kv * hd * n_layers;
+                    // The new tokens' k and v (es bytes each) replaced the past's: most bytes differ.
+                    let new_max = 2 * es * n * n_kv * hd * n_layers;
                     assert!(new_kv > n * n_kv * hd * n_layers && new_kv <= new_max, "{new_kv} cache bytes new");
                 }
             }
@@ -960,6 +1097,30 @@ fn prenormed_gemvs_match_the_gemvs_that_norm_themselves() {
 
 /// The step's sequences, (cached positions, new rows) each, as consecutive row spans
 /// over their block tables.
+/// Steps of (cached positions, rows): mixed (prefill tiles; 770 keys run the
+/// warp-specialized kernel's three-stage ring round twice), then decode only.
+const MIXED_THEN_DECODE: [&[(usize, usize)]; 2] =
+    [&[(37, 100), (700, 70), (500, 1)], &[(500, 1), (37, 1), (0, 1), (900, 1)]];
+
+/// Block tables for `seqs` (cached positions, rows) with blocks of `bs`: disjoint runs of
+/// a fixed shuffle of the `n_blocks` blocks.
+fn shuffled_tables(n_blocks: usize, seqs: &[(usize, usize)], bs: usize) -> Vec<Vec<u32>> {
+    let mut perm: Vec<u32> = (0..n_blocks as u32).collect();
+    let mut x = 12345u64;
+    for i in (1..perm.len()).rev() {
+        x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        perm.swap(i, (x >> 33) as usize % (i + 1));
+    }
+    let mut at = 0;
+    seqs.iter()
+        .map(|&(p0, n)| {
+            let nb = (p0 + n).div_ceil(bs);
+            at += nb;
+            perm[at - nb..at].to_vec()
+        })
+        .collect()
+}
+
 fn spans_of<'a>(seqs: &[(usize, usize)], tables: &'a [Vec<u32>]) -> Vec<kernels::SeqSpan<'a>> {
     let mut row = 0;
     seqs.iter()

@@ -838,7 +838,7 @@ pub async fn connect(o: &ClusterOptions) -> Result<(engine::handle::EngineHandle
         block_size: layout.block_size as usize,
         n_kv_heads: layout.n_kv_heads as usize,
         head_dim: layout.head_dim as usize,
-        dtype: if layout.dtype_bytes == 4 { kernels::KvDtype::F32 } else { kernels::KvDtype::F16 },
+        dtype: kernels::KvDtype::from_bytes(layout.dtype_bytes).unwrap_or(kernels::KvDtype::F16),
     };
     let backend =
         format!("cluster: {} prefill + {} decode workers ({})", o.prefill.len(), o.decode.len(), first.backend);

@@ -112,6 +112,11 @@ pub fn rope_head(x: &mut [f32], cos: &[f32], sin: &[f32], interleaved: bool) {
 pub enum KvDtype {
     F16,
     F32,
+    /// FP8 E4M3 ("e4m3fn": no infinities, ±448 at most), unscaled (vLLM's
+    /// `--kv-cache-dtype fp8` with k/v scales of 1): stored from f32 by rounding to
+    /// nearest even and saturating to ±448, as the GPU's `cvt.rn.satfinite.e4m3x2.f32`
+    /// does. Half the bytes of f16 per key and value.
+    Fp8,
 }
 
 impl KvDtype {
@@ -119,6 +124,7 @@ impl KvDtype {
         match self {
             KvDtype::F16 => 2,
             KvDtype::F32 => 4,
+            KvDtype::Fp8 => 1,
         }
     }
 
@@ -126,9 +132,58 @@ impl KvDtype {
         match s {
             "f16" | "fp16" | "float16" => Some(Self::F16),
             "f32" | "fp32" | "float32" => Some(Self::F32),
+            "fp8" | "fp8_e4m3" | "e4m3" => Some(Self::Fp8),
             _ => None,
         }
     }
+
+    /// The type that a layout of `bytes` per element names (the KV-transfer layout
+    /// carries the element size only; its one-byte type is FP8 E4M3).
+    pub fn from_bytes(bytes: u32) -> Option<Self> {
+        match bytes {
+            1 => Some(Self::Fp8),
+            2 => Some(Self::F16),
+            4 => Some(Self::F32),
+            _ => None,
+        }
+    }
+}
+
+/// FP8 E4M3 bits to f32 (exact): sign, 4 exponent bits (bias 7), 3 mantissa bits;
+/// exponent 0 is subnormal (m · 2⁻⁹), and 0x7f / 0xff are NaN.
+#[inline]
+pub fn e4m3_to_f32(b: u8) -> f32 {
+    let sign = if b & 0x80 != 0 { -1.0 } else { 1.0 };
+    let (e, m) = ((b >> 3) & 0xf, b & 7);
+    if e == 0xf && m == 7 {
+        return f32::NAN;
+    }
+    let mag = if e == 0 { m as f32 / 512.0 } else { (8 + m) as f32 * f32::powi(2.0, e as i32 - 10) };
+    sign * mag
+}
+
+/// f32 to FP8 E4M3 bits: round to nearest, ties to even; magnitudes past 448 (infinity
+/// included) saturate to ±448; NaN stays NaN.
+#[inline]
+pub fn f32_to_e4m3(x: f32) -> u8 {
+    let sign = if x.is_sign_negative() { 0x80u8 } else { 0 };
+    let a = x.abs();
+    if a.is_nan() {
+        return sign | 0x7f;
+    }
+    if a >= 448.0 {
+        return sign | 0x7e;
+    }
+    if a < 1.0 / 64.0 {
+        // Subnormal steps of 2⁻⁹ (exact scaling); 8 steps is the smallest normal, 0x08.
+        return sign | (a * 512.0).round_ties_even() as u8;
+    }
+    // Normal: keep 3 of f32's 23 mantissa bits, rounding the 20 dropped ones to even; a
+    // carry moves into the exponent, as the bit pattern adds.
+    let bits = a.to_bits();
+    let r = bits + 0x7ffff + ((bits >> 20) & 1);
+    let q = (r >> 20) - ((127 - 7) << 3);
+    sign | (q.min(0x7e) as u8)
 }
 
 fn has_f16c() -> bool {
@@ -162,7 +217,19 @@ pub fn kv_to_f32(dtype: KvDtype, src: &[u8], out: &mut [f32]) {
                 *o = f32::from_ne_bytes([c[0], c[1], c[2], c[3]]);
             }
         }
+        KvDtype::Fp8 => {
+            let lut = e4m3_table();
+            for (o, &c) in out.iter_mut().zip(src) {
+                *o = lut[c as usize];
+            }
+        }
     }
+}
+
+/// All 256 FP8 E4M3 values as f32, made once.
+fn e4m3_table() -> &'static [f32; 256] {
+    static LUT: std::sync::OnceLock<[f32; 256]> = std::sync::OnceLock::new();
+    LUT.get_or_init(|| std::array::from_fn(|i| e4m3_to_f32(i as u8)))
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -222,6 +289,11 @@ pub fn f32_to_kv(dtype: KvDtype, src: &[f32], dst: &mut [u8]) {
                 c.copy_from_slice(&v.to_ne_bytes());
             }
         }
+        KvDtype::Fp8 => {
+            for (c, v) in dst.iter_mut().zip(src) {
+                *c = f32_to_e4m3(*v);
+            }
+        }
     }
 }
 
@@ -261,6 +333,52 @@ mod tests {
         kv_to_f32(KvDtype::F16, &bytes, &mut back);
         for (b, c) in back.iter().zip(bytes.chunks_exact(2)) {
             assert_eq!(b.to_bits(), f16::from_le_bytes([c[0], c[1]]).to_f32().to_bits());
+        }
+    }
+
+    #[test]
+    fn e4m3_rounds_to_the_nearest_value_ties_to_even() {
+        // Every finite E4M3 value, ascending (magnitudes 0x00..=0x7e, both signs).
+        let decoded: Vec<f32> = (0u8..=0x7e).map(e4m3_to_f32).collect();
+        assert_eq!(decoded[0x08], 1.0 / 64.0);
+        assert_eq!(decoded[0x01], 1.0 / 512.0);
+        assert_eq!(decoded[0x38], 1.0);
+        assert_eq!(decoded[0x7e], 448.0);
+        assert!(decoded.windows(2).all(|w| w[0] < w[1]), "monotonic");
+        assert!(e4m3_to_f32(0x7f).is_nan() && e4m3_to_f32(0xff).is_nan());
+        for b in 0u8..=0x7e {
+            assert_eq!(f32_to_e4m3(decoded[b as usize]), b, "round trip of {}", decoded[b as usize]);
+            assert_eq!(f32_to_e4m3(-decoded[b as usize]), b | 0x80);
+        }
+        // Midpoints tie to the even code; a hair either side goes to the nearer value.
+        for b in 0u8..0x7e {
+            let (lo, hi) = (decoded[b as usize], decoded[b as usize + 1]);
+            let mid = (lo + hi) / 2.0;
+            let even = if b % 2 == 0 { b } else { b + 1 };
+            assert_eq!(f32_to_e4m3(mid), even, "tie between {lo} and {hi}");
+            let below = f32::from_bits(mid.to_bits() - 1);
+            let above = f32::from_bits(mid.to_bits() + 1);
+            assert_eq!(f32_to_e4m3(below), b, "{below}");
+            assert_eq!(f32_to_e4m3(above), b + 1, "{above}");
+        }
+        // Saturation and specials.
+        assert_eq!(f32_to_e4m3(464.0), 0x7e);
+        assert_eq!(f32_to_e4m3(1e9), 0x7e);
+        assert_eq!(f32_to_e4m3(f32::INFINITY), 0x7e);
+        assert_eq!(f32_to_e4m3(f32::NEG_INFINITY), 0xfe);
+        assert_eq!(f32_to_e4m3(f32::NAN) & 0x7f, 0x7f);
+        assert_eq!(f32_to_e4m3(1.0 / 1024.0), 0x00, "half the smallest subnormal ties to 0");
+        assert_eq!(f32_to_e4m3(-0.0), 0x80);
+        // Through the cache's conversions, against the nearest value by search.
+        let vals: Vec<f32> = (0..5000).map(|i| ((i as f32) * 0.3711).sin() * 10f32.powi(i % 7 - 3)).collect();
+        let mut bytes = vec![0u8; vals.len()];
+        f32_to_kv(KvDtype::Fp8, &vals, &mut bytes);
+        let mut back = vec![0f32; vals.len()];
+        kv_to_f32(KvDtype::Fp8, &bytes, &mut back);
+        for (v, b) in vals.iter().zip(&back) {
+            let best = decoded.iter().map(|d| (d - v.abs()).abs()).fold(f32::INFINITY, f32::min);
+            assert_eq!((b.abs() - v.abs()).abs(), best, "{v} stored as {b}");
+            assert!(b.is_sign_negative() == v.is_sign_negative() || *b == 0.0);
         }
     }
 

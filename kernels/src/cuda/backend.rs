@@ -74,6 +74,9 @@ impl CudaLinear {
 enum KvBuf {
     F16(CudaSlice<u16>),
     F32(CudaSlice<f32>),
+    /// FP8 E4M3 bytes (decode attention by the keys-on-M kernel; the rest by the
+    /// general kernels).
+    Fp8(CudaSlice<u8>),
 }
 
 /// The paged KV cache on the device, one buffer per layer.
@@ -344,6 +347,14 @@ pub struct CudaBackend {
     /// Split-K attention: keys per block (0: off), and the partials' scratch.
     attn_chunk: usize,
     attn_part: CudaSlice<f32>,
+    /// FP8 cache, a step on an f16 flash kernel (`DISAGG_CUDA_FP8_F16_COPY`): the step's
+    /// blocks converted to f16 (keys, then values; the step's tables in order) and the
+    /// identity tables the kernel reads them through.
+    fp8_f16_copy: bool,
+    step_fp8_copy: bool,
+    step_table_blocks: usize,
+    kv_copy: CudaSlice<u16>,
+    iota: CudaSlice<u32>,
     /// Each token's RoPE cos/sin (head_dim floats: cos, sin per pair) as the grouped RoPE
     /// kernels write them, read by their later layers and the warp-specialized kernel's q.
     rope_cs: CudaSlice<f32>,
@@ -364,8 +375,10 @@ pub struct CudaBackend {
     n_step: usize,
     /// This step's longest context, on the device (the split-K chunk is made from it).
     max_ctx_dev: CudaSlice<i32>,
-    /// The KV cache holds f16 (the flash kernel's element type).
+    /// The KV cache holds f16 (the flash kernels' element type) or FP8 (the keys-on-M
+    /// decode kernel's other one).
     kv_f16: std::cell::Cell<bool>,
+    kv_fp8: std::cell::Cell<bool>,
     /// The flash kernel (see the module docs); whether this step takes it, its query
     /// tiles, and the step's key splits (either kernel).
     flash: bool,
@@ -534,11 +547,12 @@ const ATTN_PART_ROWS_PER_SM: usize = 256;
 const ROPE_GROUP_MAX: usize = 8;
 
 /// The keys-on-M decode kernel for `head_dim` (64 or 128).
-fn km_kernel(head_dim: usize) -> &'static str {
-    if head_dim == 64 {
-        "flash_decode_km_f16_d64"
-    } else {
-        "flash_decode_km_f16_d128"
+fn km_kernel(head_dim: usize, fp8: bool) -> &'static str {
+    match (head_dim == 64, fp8) {
+        (true, false) => "flash_decode_km_f16_d64",
+        (false, false) => "flash_decode_km_f16_d128",
+        (true, true) => "flash_decode_km_fp8_d64",
+        (false, true) => "flash_decode_km_fp8_d128",
     }
 }
 
@@ -692,6 +706,7 @@ impl CudaBackend {
             n_step: 0,
             max_ctx_dev: stream.alloc_zeros::<i32>(1).map_err(dev_err)?,
             kv_f16: Default::default(),
+            kv_fp8: Default::default(),
             step_flash: false,
             step_flash_kernel: "",
             step_decode: false,
@@ -737,6 +752,11 @@ impl CudaBackend {
                 Err(_) => 64,
             },
             attn_part: z(1)?,
+            fp8_f16_copy: !off(crate::env::CUDA_FP8_F16_COPY),
+            step_fp8_copy: false,
+            step_table_blocks: 0,
+            kv_copy: stream.alloc_zeros::<u16>(1).map_err(dev_err)?,
+            iota: stream.alloc_zeros::<u32>(1).map_err(dev_err)?,
             rope_cs: z(1)?,
             device_sampling,
             argmax_out: stream.alloc_zeros::<u32>(1).map_err(dev_err)?,
@@ -848,6 +868,19 @@ impl CudaBackend {
         self.set_switch(on, |b| &mut b.decode_km);
     }
 
+    /// With an FP8 cache, the steps that the FP8 keys-on-M kernel does not take run the
+    /// f16 flash kernels over an f16 copy of their blocks (default: on unless
+    /// `DISAGG_CUDA_FP8_F16_COPY=0`, which takes the per-token kernel over the cache).
+    pub fn set_fp8_f16_copy(&mut self, on: bool) {
+        self.set_switch(on, |b| &mut b.fp8_f16_copy);
+    }
+
+    /// Whether this step's attention reads an f16 copy of an FP8 cache's blocks (set by
+    /// `begin_step`).
+    pub fn step_fp8_copy(&self) -> bool {
+        self.step_fp8_copy
+    }
+
     /// The flash kernel this step launches (set by `begin_step`; "" where the step takes
     /// the per-token kernel): for tests that must know which form they checked.
     pub fn step_flash_kernel(&self) -> &'static str {
@@ -866,8 +899,10 @@ impl CudaBackend {
     /// The flash kernel a step takes (see the switches above and ops.cu's FLASH_KERNEL
     /// and KM_KERNEL lists); `km`: a decode step the keys-on-M kernel can take.
     fn flash_kernel(&self, head_dim: usize, decode: bool, km: bool) -> &'static str {
-        if decode && km && self.decode_km && self.dev.smem_fits(km_kernel(head_dim)) {
-            return km_kernel(head_dim);
+        // (An FP8 cache: its own keys-on-M kernel; the others read an f16 copy.)
+        let fp8 = self.kv_fp8.get();
+        if decode && km && self.decode_km && self.dev.smem_fits(km_kernel(head_dim, fp8)) {
+            return km_kernel(head_dim, fp8);
         }
         // The kernel's form (ops.cu's flash_attn_impl V): each switch off falls back
         // to the form below it.
@@ -1108,7 +1143,7 @@ impl CudaBackend {
         self.attn_rope
             && self.step_flash
             && super::is_km_kernel(self.step_flash_kernel)
-            && matches!(kv.layers.get(layer), Some(KvBuf::F16(_)))
+            && matches!(kv.layers.get(layer), Some(KvBuf::F16(_) | KvBuf::Fp8(_)))
             && attn.head_dim.is_multiple_of(2)
     }
 
@@ -1604,21 +1639,23 @@ impl CudaBackend {
             self.rope_cs_ready = false;
         }
         let group = self.rope_group;
-        let f16 = matches!(kv.layers[layer], KvBuf::F16(_));
+        let dtype = kv.shape.dtype;
         // The grouped kernel, a thread per (token, group, pair); or a block per token.
         let grouped = if with_q { self.rope_pairs } else { self.rope_k_round };
         let (name, ready, grid) = if grouped {
             let groups = if with_q { attn.n_heads.div_ceil(group) } else { 0 } + attn.n_kv_heads.div_ceil(group);
-            let name = match (f16, with_q) {
-                (true, true) => "rope_write_kv_groups_f16",
-                (false, true) => "rope_write_kv_groups_f32",
+            let name = match (dtype, with_q) {
+                (KvDtype::F16, true) => "rope_write_kv_groups_f16",
+                (KvDtype::F32, true) => "rope_write_kv_groups_f32",
+                (KvDtype::Fp8, true) => "rope_write_kv_groups_fp8",
                 (_, false) => "rope_write_k_f16",
             };
             (name, i32::from(self.rope_cs_ready), (batch.n_tokens * groups * attn.head_dim / 2).div_ceil(128))
         } else {
-            let name = match (f16, with_q) {
-                (true, true) => "rope_write_kv_f16",
-                (false, true) => "rope_write_kv_f32",
+            let name = match (dtype, with_q) {
+                (KvDtype::F16, true) => "rope_write_kv_f16",
+                (KvDtype::F32, true) => "rope_write_kv_f32",
+                (KvDtype::Fp8, true) => "rope_write_kv_fp8",
                 (_, false) => "rope_write_k_f16_loops",
             };
             (name, 0, batch.n_tokens)
@@ -1636,6 +1673,7 @@ impl CudaBackend {
         match &mut kv.layers[layer] {
             KvBuf::F16(c) => b.arg(c),
             KvBuf::F32(c) => b.arg(c),
+            KvBuf::Fp8(c) => b.arg(c),
         };
         b.arg(&half).arg(&mut self.rope_cs).arg(&ready).arg(&gr);
         // SAFETY: argument types match the kernel (without q, an f16 cache:
@@ -1825,15 +1863,39 @@ impl CudaBackend {
             }
         }
         match &mut kv.layers[layer] {
-            KvBuf::F16(c) if self.step_flash => {
+            c @ (KvBuf::F16(_) | KvBuf::Fp8(_)) if self.step_flash => {
                 let name = self.step_flash_kernel;
+                // FP8 on an f16 kernel: the step's blocks to the f16 copy first.
+                let copy_half =
+                    (self.step_table_blocks * kv.shape.block_size * kv.shape.n_kv_heads * kv.shape.head_dim) as i64;
+                if self.step_fp8_copy {
+                    let KvBuf::Fp8(c8) = &*c else { unreachable!("step_fp8_copy: an FP8 cache") };
+                    let be = (kv.shape.block_size * kv.shape.n_kv_heads * kv.shape.head_dim) as i32;
+                    let n = self.step_table_blocks as i32;
+                    let threads = self.step_table_blocks * be as usize / 16;
+                    let mut b = Launch::new(&st, self.dev.func("kv_fp8_to_f16_blocks"));
+                    b.arg(c8).arg(&half).arg(&self.tables).arg(&n).arg(&be).arg(&mut self.kv_copy).arg(&copy_half);
+                    // SAFETY: argument types match the kernel; the tables index the cache's
+                    // blocks, and the copy (sized in prepare_step) holds 2 × n blocks.
+                    unsafe { b.launch(launch_cfg(threads), self.pdl) }.expect("CUDA: FP8 cache to f16");
+                }
                 let cfg = LaunchConfig {
                     grid_dim: (self.n_fa_tiles as u32, attn.n_kv_heads as u32, splits as u32),
                     block_dim: (super::flash_block_threads(name) as u32, 1, 1),
                     shared_mem_bytes: super::flash_smem_bytes(name, attn.head_dim) as u32,
                 };
                 let mut b = Launch::new(&st, self.dev.func(name));
-                b.arg(qkv).arg(&mut *c).arg(&half).arg(&self.fa_tiles).arg(&self.tables);
+                b.arg(qkv);
+                match c {
+                    KvBuf::F16(c) => b.arg(&mut *c).arg(&half).arg(&self.fa_tiles).arg(&self.tables),
+                    KvBuf::Fp8(c) if !self.step_fp8_copy => {
+                        assert!(name.starts_with("flash_decode_km_fp8"), "FP8 cache: its keys-on-M kernel");
+                        b.arg(&mut *c).arg(&half).arg(&self.fa_tiles).arg(&self.tables)
+                    }
+                    // The copy's block i is the i-th of the step's tables: identity tables.
+                    KvBuf::Fp8(_) => b.arg(&mut self.kv_copy).arg(&copy_half).arg(&self.fa_tiles).arg(&self.iota),
+                    KvBuf::F32(_) => unreachable!("matched above"),
+                };
                 b.arg(&nh).arg(&nkv).arg(&bs).arg(&scale).arg(&self.max_ctx_dev);
                 // Split: each block writes its partials to the scratch, merged below.
                 // The kernel's switch bits (FLASH_LEAN_LOADS, FLASH_WIDE_MERGE,
@@ -1888,8 +1950,10 @@ impl CudaBackend {
                 let name = match (&*layer_kv, split) {
                     (KvBuf::F16(_), false) => "attention_f16",
                     (KvBuf::F32(_), false) => "attention_f32",
+                    (KvBuf::Fp8(_), false) => "attention_fp8",
                     (KvBuf::F16(_), true) => "attention_split_f16",
                     (KvBuf::F32(_), true) => "attention_split_f32",
+                    (KvBuf::Fp8(_), true) => "attention_split_fp8",
                 };
                 let cfg = LaunchConfig {
                     grid_dim: (batch.n_tokens as u32, attn.n_heads as u32, splits as u32),
@@ -1901,6 +1965,7 @@ impl CudaBackend {
                 match &*layer_kv {
                     KvBuf::F16(c) => b.arg(c),
                     KvBuf::F32(c) => b.arg(c),
+                    KvBuf::Fp8(c) => b.arg(c),
                 };
                 b.arg(&half).arg(&self.pos).arg(&self.table_off).arg(&self.tables);
                 b.arg(&nh).arg(&nkv).arg(&hd).arg(&bs).arg(&scale).arg(&self.max_ctx_dev);
@@ -1958,8 +2023,18 @@ impl CudaBackend {
             }
         }
         let group = attn.n_heads / attn.n_kv_heads.max(1);
-        self.step_flash =
-            self.flash && self.kv_f16.get() && matches!(attn.head_dim, 64 | 128) && (1..=64).contains(&group);
+        // An FP8 cache takes its keys-on-M kernel at decode (one token of every sequence,
+        // a group that fits its MMA's 8 columns), and else the f16 kernels over a copy.
+        let fp8_km = self.kv_fp8.get()
+            && batch.seqs.iter().all(|s| s.rows.len() == 1)
+            && group <= 8
+            && self.flash_decode
+            && self.decode_km
+            && self.dev.smem_fits(km_kernel(attn.head_dim, true));
+        self.step_flash = self.flash
+            && (self.kv_f16.get() || (self.kv_fp8.get() && (fp8_km || self.fp8_f16_copy)))
+            && matches!(attn.head_dim, 64 | 128)
+            && (1..=64).contains(&group);
         // Flash tiles: ⌊64 / group⌋ tokens of one sequence each (their rows are the
         // group's query heads), the latest first so the causal tail does not straggle; a
         // step with a tile of more than 16 rows (prefill; a span's first tile is its
@@ -2061,8 +2136,12 @@ impl CudaBackend {
             // measured faster than the decode form at batches 32 and 64 of Llama-3-8B (1 and
             // 2 waves of 8 KV heads' blocks), level at 128, 2–3% slower at 256 (8 waves;
             // docs/PERF.md).
-            let km_slots = self.flash_blocks_per_sm.get(km_kernel(attn.head_dim)).copied().unwrap_or(1) * self.n_sms;
-            let km = group <= 8 && tiles.iter().all(|t| t[1] == 1) && tiles.len() * attn.n_kv_heads <= 2 * km_slots;
+            let fp8 = self.kv_fp8.get();
+            let km_slots =
+                self.flash_blocks_per_sm.get(km_kernel(attn.head_dim, fp8)).copied().unwrap_or(1) * self.n_sms;
+            // (FP8: at any number of waves, its only flash kernel.)
+            let km =
+                group <= 8 && tiles.iter().all(|t| t[1] == 1) && (fp8 || tiles.len() * attn.n_kv_heads <= 2 * km_slots);
             self.step_flash_kernel = self.flash_kernel(attn.head_dim, self.step_decode, km);
             let per_sm = self.flash_blocks_per_sm.get(self.step_flash_kernel).copied().unwrap_or(1);
             (tiles.len() * attn.n_kv_heads, per_sm)
@@ -2070,6 +2149,22 @@ impl CudaBackend {
             (batch.n_tokens * attn.n_heads, 2048 / 256)
         };
         let km = self.step_flash && super::is_km_kernel(self.step_flash_kernel);
+        // FP8 on an f16 kernel: room for the f16 copy of the step's blocks, and the
+        // identity tables (made outside any graph: a decode step may be captured).
+        self.step_fp8_copy = self.step_flash && self.kv_fp8.get() && !km;
+        self.step_table_blocks = tables.len();
+        if self.step_fp8_copy {
+            let elems = 2 * tables.len() * batch.block_size * attn.n_kv_heads * attn.head_dim;
+            if self.kv_copy.len() < elems {
+                self.buffers_moving();
+                self.kv_copy = st.alloc_zeros::<u16>(elems.next_power_of_two()).expect("CUDA: FP8 cache's f16 copy");
+            }
+            if self.iota.len() < tables.len() {
+                self.buffers_moving();
+                let n = tables.len().next_power_of_two();
+                self.iota = st.clone_htod(&(0..n as u32).collect::<Vec<u32>>()).expect("CUDA: identity tables");
+            }
+        }
         let cluster = if km && self.attn_cluster { self.dev.km_cluster_max } else { 0 };
         self.step_splits = self.attn_splits(units, per_sm, batch.n_tokens * attn.n_heads, cluster);
         self.step_cluster = self.step_splits > 1 && self.step_splits <= cluster;
@@ -2307,7 +2402,14 @@ impl Backend for CudaBackend {
     }
 
     fn kv_cache(&self, shape: KvShape) -> Result<CudaKv, KernelError> {
+        if shape.dtype == KvDtype::Fp8 && self.dev.arch < (8, 9) {
+            return Err(KernelError::Shape(format!(
+                "an FP8 KV cache needs a GPU of compute capability 8.9 or newer (this is sm_{}{}); use --kv-dtype f16",
+                self.dev.arch.0, self.dev.arch.1
+            )));
+        }
         self.kv_f16.set(shape.dtype == KvDtype::F16);
+        self.kv_fp8.set(shape.dtype == KvDtype::Fp8);
         let per_layer = 2 * shape.n_blocks * shape.block_size * shape.n_kv_heads * shape.head_dim;
         let st = self.dev.stream();
         let free = match self.mem_info() {
@@ -2319,6 +2421,7 @@ impl Backend for CudaBackend {
             let r = match shape.dtype {
                 KvDtype::F16 => st.alloc_zeros::<u16>(per_layer).map(KvBuf::F16),
                 KvDtype::F32 => st.alloc_zeros::<f32>(per_layer).map(KvBuf::F32),
+                KvDtype::Fp8 => st.alloc_zeros::<u8>(per_layer).map(KvBuf::Fp8),
             };
             layers.push(r.map_err(|e| {
                 KernelError::OutOfMemory(format!(
@@ -2803,6 +2906,11 @@ impl Backend for CudaBackend {
                         st.memcpy_dtoh(&c.slice(start..start + be), &mut h).expect("CUDA: KV export");
                         out.extend(h.iter().flat_map(|x| x.to_le_bytes()));
                     }
+                    KvBuf::Fp8(c) => {
+                        let mut h = vec![0u8; be];
+                        st.memcpy_dtoh(&c.slice(start..start + be), &mut h).expect("CUDA: KV export");
+                        out.extend_from_slice(&h);
+                    }
                 }
             }
         }
@@ -2827,6 +2935,9 @@ impl Backend for CudaBackend {
                         let h: Vec<f32> =
                             bytes.chunks_exact(4).map(|x| f32::from_le_bytes([x[0], x[1], x[2], x[3]])).collect();
                         st.memcpy_htod(&h, &mut c.slice_mut(start..start + be)).expect("CUDA: KV import");
+                    }
+                    KvBuf::Fp8(c) => {
+                        st.memcpy_htod(bytes, &mut c.slice_mut(start..start + be)).expect("CUDA: KV import");
                     }
                 }
             }

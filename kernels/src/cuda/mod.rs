@@ -68,8 +68,10 @@ const KERNELS: &[&str] = &[
     "gather_rows",
     "rope_write_kv_f16",
     "rope_write_kv_f32",
+    "rope_write_kv_fp8",
     "rope_write_kv_groups_f16",
     "rope_write_kv_groups_f32",
+    "rope_write_kv_groups_fp8",
     "rope_write_k_f16",
     "rope_write_k_f16_loops",
     GEMV_NORM_ROPE_M1,
@@ -78,9 +80,12 @@ const KERNELS: &[&str] = &[
     GEMV_PNORM_ROPE_U3_M1,
     "attention_f16",
     "attention_f32",
+    "attention_fp8",
     "attention_split_f16",
     "attention_split_f32",
+    "attention_split_fp8",
     "attention_merge",
+    "kv_fp8_to_f16_blocks",
     "argmax_rows",
     "feed_ids",
     "argmax_rows_split",
@@ -176,7 +181,7 @@ pub(crate) const GEMV_FLAT_M1: [&str; 3] =
     ["gemv_bf16_m1_flat", "gemv_norm_bf16_m1_flat", "gemv_norm_silu_bf16_m1_flat"];
 
 /// The flash-attention kernels and their head_dim.
-pub(crate) const FLASH_KERNELS: [(&str, usize); 23] = [
+pub(crate) const FLASH_KERNELS: [(&str, usize); 25] = [
     ("flash_attn_f16_d64", 64),
     ("flash_attn_f16_d128", 128),
     ("flash_decode_f16_d64", 64),
@@ -200,6 +205,8 @@ pub(crate) const FLASH_KERNELS: [(&str, usize); 23] = [
     ("flash_attn_ppg_f16_d128", 128),
     ("flash_decode_km_f16_d64", 64),
     ("flash_decode_km_f16_d128", 128),
+    ("flash_decode_km_fp8_d64", 64),
+    ("flash_decode_km_fp8_d128", 128),
 ];
 
 /// Whether `kernel` is one of the keys-on-M decode kernels (`flash_decode_km_*`).
@@ -227,10 +234,14 @@ pub(crate) fn flash_block_threads(kernel: &str) -> usize {
 /// tile, rows of head_dim + 8 halves (`FA_SMEM_BYTES` in ops.cu); the keys-on-M decode
 /// kernels (`flash_decode_km_*`) three (`KM_SMEM_BYTES(HD, KM_STAGES)`); the
 /// warp-specialized prefill kernel three of 128-key tiles, unpadded, with its alignment
-/// and mbarriers (`PP_SMEM_BYTES`).
+/// and mbarriers (`PP_SMEM_BYTES`); the FP8 keys-on-M kernels three stages of the
+/// bytes as stored, rows of head_dim + 16 (`KM_SMEM_BYTES_FP8`).
 pub(crate) fn flash_smem_bytes(kernel: &str, head_dim: usize) -> usize {
     if is_pp_kernel(kernel) {
         return 3 * 2 * 128 * head_dim * 2 + 1024 + 16 * 3; // = PP_SMEM_BYTES
+    }
+    if kernel.starts_with("flash_decode_km_fp8") {
+        return 3 * 2 * 64 * (head_dim + 16);
     }
     let stages = if is_km_kernel(kernel) { 3 } else { 2 };
     stages * 2 * 64 * (head_dim + 8) * 2

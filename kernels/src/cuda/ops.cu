@@ -109,6 +109,32 @@ __device__ __forceinline__ float kv_load(const unsigned short* p, size_t i) { re
 __device__ __forceinline__ float kv_load(const float* p, size_t i) { return p[i]; }
 __device__ __forceinline__ void kv_store(unsigned short* p, size_t i, float v) { p[i] = f32_to_f16(v); }
 __device__ __forceinline__ void kv_store(float* p, size_t i, float v) { p[i] = v; }
+// FP8 E4M3 (the cache's one-byte type, unscaled): stored rounded to nearest even and
+// saturated to ±448, as the CPU's f32_to_e4m3; read exactly. The conversions exist from
+// sm_89; the backend takes an FP8 cache only there (elsewhere these trap).
+__device__ __forceinline__ unsigned short f32_to_e4m3(float v) {
+    unsigned short h = 0;
+#if __CUDA_ARCH__ >= 890
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(h) : "f"(0.f), "f"(v));  // v in the low byte
+#else
+    __trap();
+#endif
+    return h & 0xff;
+}
+// Two E4M3 values (the low byte first) as f16x2 (the low half first), exactly.
+__device__ __forceinline__ unsigned e4m3x2_to_f16x2(unsigned short x) {
+    unsigned r = 0;
+#if __CUDA_ARCH__ >= 890
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"(x));
+#else
+    __trap();
+#endif
+    return r;
+}
+__device__ __forceinline__ float kv_load(const unsigned char* p, size_t i) {
+    return f16_to_f32((unsigned short)(e4m3x2_to_f16x2(p[i]) & 0xffff));
+}
+__device__ __forceinline__ void kv_store(unsigned char* p, size_t i, float v) { p[i] = (unsigned char)f32_to_e4m3(v); }
 
 // RMSNorm of a row straight to bf16 (the input of a bf16 GEMM): one block of 256 per
 // row, each thread's float4s (dim a multiple of 4, ≤ 8192) loaded at once and kept in
@@ -275,6 +301,9 @@ extern "C" __global__ void rope_write_kv_f16(ROPE_ARGS(unsigned short)) {
 extern "C" __global__ void rope_write_kv_f32(ROPE_ARGS(float)) {
     rope_write_kv_impl(qkv, pos, inv_freq, slots, n_heads, n_kv, hd, interleaved, block_size, cache, half);
 }
+extern "C" __global__ void rope_write_kv_fp8(ROPE_ARGS(unsigned char)) {
+    rope_write_kv_impl(qkv, pos, inv_freq, slots, n_heads, n_kv, hd, interleaved, block_size, cache, half);
+}
 // RoPE + KV write with one thread per (token, group of heads, pair j): the thread loads
 // pair j of each head of its group (a group of q heads, or of KV heads with v's elements at
 // the same two places), all the group's loads issued before anything else, so it waits for
@@ -385,6 +414,9 @@ extern "C" __global__ void __launch_bounds__(128) rope_write_kv_groups_f16(ROPE_
 }
 extern "C" __global__ void __launch_bounds__(128) rope_write_kv_groups_f32(ROPE_GROUPS_ARGS(float)) {
     rope_write_kv_groups_impl<float, true>(ROPE_GROUPS_CALL);
+}
+extern "C" __global__ void __launch_bounds__(128) rope_write_kv_groups_fp8(ROPE_GROUPS_ARGS(unsigned char)) {
+    rope_write_kv_groups_impl<unsigned char, true>(ROPE_GROUPS_CALL);
 }
 // Without q (the warp-specialized prefill attention rotates it).
 extern "C" __global__ void __launch_bounds__(128) rope_write_k_f16(ROPE_GROUPS_ARGS(unsigned short)) {
@@ -531,6 +563,38 @@ extern "C" __global__ void attention_split_f16(ATTENTION_ARGS) { attention_impl<
 extern "C" __global__ void attention_f32(ATTENTION_ARGS) { attention_impl<T_, false>(ATTENTION_CALL); }
 extern "C" __global__ void attention_split_f32(ATTENTION_ARGS) { attention_impl<T_, true>(ATTENTION_CALL); }
 #undef T_
+#define T_ unsigned char
+extern "C" __global__ void attention_fp8(ATTENTION_ARGS) { attention_impl<T_, false>(ATTENTION_CALL); }
+extern "C" __global__ void attention_split_fp8(ATTENTION_ARGS) { attention_impl<T_, true>(ATTENTION_CALL); }
+#undef T_
+
+// An FP8 cache's blocks that a step reads, converted (exactly) to an f16 copy for the
+// flash kernels that take f16 tiles (every step but the keys-on-M kernel's): block i of
+// the copy is block tables[i] of the cache (the step's block tables, one after another),
+// keys then values `out_half` elements further. A thread per 16 bytes of a block's keys
+// (and the same of its values); block_elems a multiple of 16.
+extern "C" __global__ void kv_fp8_to_f16_blocks(const unsigned char* cache, long long half, const unsigned int* tables,
+                                                int n, int block_elems, unsigned short* out, long long out_half) {
+    pdl_wait();
+    const int per = block_elems / 16;
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long long)n * per) return;
+    const int b = (int)(i / per), c = (int)(i % per) * 16;
+    const unsigned char* src = cache + (size_t)tables[b] * block_elems + c;
+    unsigned short* dst = out + (size_t)b * block_elems + c;
+#pragma unroll
+    for (int kv = 0; kv < 2; kv++) {
+        const uint4 x = *reinterpret_cast<const uint4*>(src + (kv ? half : 0));
+        uint4 lo, hi;
+        lo.x = e4m3x2_to_f16x2(x.x & 0xffff), lo.y = e4m3x2_to_f16x2(x.x >> 16);
+        lo.z = e4m3x2_to_f16x2(x.y & 0xffff), lo.w = e4m3x2_to_f16x2(x.y >> 16);
+        hi.x = e4m3x2_to_f16x2(x.z & 0xffff), hi.y = e4m3x2_to_f16x2(x.z >> 16);
+        hi.z = e4m3x2_to_f16x2(x.w & 0xffff), hi.w = e4m3x2_to_f16x2(x.w >> 16);
+        uint4* d = reinterpret_cast<uint4*>(dst + (kv ? out_half : 0));
+        d[0] = lo;
+        d[1] = hi;
+    }
+}
 
 // Merges the key-chunk partials of attention_split_* and of the split flash kernels: one
 // block per (token, head). With `bf16`, `out` is the next GEMM's bf16 input (the same f32
@@ -1506,9 +1570,10 @@ __device__ void flash_attn_impl(const float* qkv, const unsigned short* cache, l
                          splits, out, part, flags);
 }
 
-#define FLASH_ARGS const float* qkv, const unsigned short* cache, long long half, const int* tiles, \
+#define FLASH_ARGS_KT(KT) const float* qkv, const KT* cache, long long half, const int* tiles, \
     const unsigned int* tables, int n_heads, int n_kv, int block_size, float scale, const int* max_ctx, float* out, \
     float* part, int flags
+#define FLASH_ARGS FLASH_ARGS_KT(unsigned short)
 #define FLASH_CALL qkv, cache, half, tiles, tables, n_heads, n_kv, block_size, scale, max_ctx, out, part, flags
 // LB: the launch bounds, (128) or (128, blocks per SM the registers must allow): a
 // stated 1 lets ptxas spend registers freely (224 here against 174 without it).
@@ -2005,21 +2070,42 @@ __device__ void cluster_merge(const float* cpart, int grp, int splits, int z, fl
 
 #define KM_KEYS 64
 #define KM_SMEM_BYTES(HD, STAGES) ((STAGES) * 2 * KM_KEYS * ((HD) + 8) * 2)
+// With an FP8 cache the stages hold the tiles' bytes as stored (rows of head_dim + 16
+// bytes, so the 8 rows of an ldmatrix fall in distinct banks).
+#define KM_SMEM_BYTES_FP8(HD, STAGES) ((STAGES) * 2 * KM_KEYS * ((HD) + 16))
 
 // With FLASH_ROPE the kernel also does what rope_write_kv_groups does for its row before
 // it (one launch per layer fewer): it rotates the group's q as it reads them (the same
 // cos/sin and rotation, so the same bits), and the block whose keys end at the row's own
 // position rotates k and stores k and v at the row's slot before it loads that key.
-template <int HD, int STAGES>
-__device__ void flash_decode_km_impl(const float* qkv, const unsigned short* cache, long long half, const int* tiles,
+// KT: the cache's element, f16 bits or FP8 E4M3 bytes. With FP8 a stage holds the bytes
+// as stored and the MMAs' A fragments come from ldmatrix over them, each register's four
+// bytes converted to two f16 pairs (exactly) on the way:
+// - K (S^T = K · Q^T): an 8 × 16-byte matrix gives lane (g, t4) key g's dims 4t4..4t4+3
+//   of a 16-dim chunk, which fill the k-columns 2t4, 2t4 + 1 and 2t4 + 8, 2t4 + 9 of
+//   that chunk's MMA; q's B fragments take the same dims (dims 4t4, +1 and +2, +3), so
+//   each MMA sums the same 16 products as the f16 form, in another order;
+// - V (O^T += V^T · P^T): ldmatrix.trans of 2-byte elements gives lane (g, t4) keys
+//   2t4, 2t4 + 1 at dims 2g, 2g + 1; a byte permute makes the pairs (dim 2g: both keys)
+//   and (dim 2g + 1: both keys), the A rows g and g + 8 of the chunk's MMA, so O^T's
+//   rows are the chunk's dims in the order 0, 2, …, 14, 1, 3, …, 15, undone at the end.
+// Half of the f16 form's ldmatrix count, and no pass through shared memory for the
+// conversion.
+template <int HD, int STAGES, typename KT>
+__device__ void flash_decode_km_impl(const float* qkv, const KT* cache, long long half, const int* tiles,
                                      const unsigned int* tables, int n_heads, int n_kv, int block_size, float scale,
                                      const int* max_ctx, float* out, float* part, int flags, const float* inv_freq,
                                      const long long* slots, int interleaved) {
-    static_assert(HD % 16 == 0 && (HD + 4) * 4 * 8 * 4 + 256 + 8 * (HD + 2) * 4 <= KM_SMEM_BYTES(HD, STAGES),
+    constexpr bool F8 = sizeof(KT) == 1;
+    static_assert(HD % 32 == 0 && (HD + 4) * 4 * 8 * 4 + 256 + 8 * (HD + 2) * 4 <=
+                                      (F8 ? KM_SMEM_BYTES_FP8(HD, STAGES) : KM_SMEM_BYTES(HD, STAGES)),
                   "the parts fit the stages");
-    constexpr int KS = HD / 16, DT = HD / 16, CH = HD / 8, KPP = 128 / CH, PASSES = KM_KEYS / KPP, ST = HD + 8;
+    // CH: 16-byte chunks of a row as stored; EPC: elements per chunk; RB: a staged row's
+    // bytes (padded by 16); ST: an f16 row's halves (padded by 8).
+    constexpr int KS = HD / 16, DT = HD / 16, EPC = 16 / sizeof(KT), CH = HD / EPC, KPP = 128 / CH,
+                  PASSES = KM_KEYS / KPP, ST = HD + 8, RB = F8 ? HD + 16 : ST * 2;
     static_assert(128 % CH == 0 && KM_KEYS % KPP == 0, "whole passes of the 128 threads");
-    constexpr unsigned KBYTES = KM_KEYS * ST * 2, STAGE_BYTES = 2 * KBYTES;
+    constexpr unsigned KBYTES = KM_KEYS * RB, STAGE_BYTES = 2 * KBYTES;
     extern __shared__ __align__(16) unsigned char km_smem[];
     const unsigned base = smem_u32(km_smem);
     const int* tile = tiles + 4 * blockIdx.x;
@@ -2069,11 +2155,11 @@ __device__ void flash_decode_km_impl(const float* qkv, const unsigned short* cac
         k1 = min(k1, k0 + chunk);
     }
     // Lean loads: a thread keeps one 16-byte column and steps over keys.
-    const int my_c = (threadIdx.x % CH) * 8, my_key = threadIdx.x / CH;
+    const int my_c = (threadIdx.x % CH) * EPC, my_key = threadIdx.x / CH;
     const bool bs_pow2 = (block_size & (block_size - 1)) == 0;
     const int bs_shift = __ffs(block_size) - 1;
-    const unsigned short* head_src = cache + (size_t)kvh * block_size * HD;  // this KV head's rows
-    const unsigned short* my_src = head_src + my_c;
+    const KT* head_src = cache + (size_t)kvh * block_size * HD;  // this KV head's rows
+    const KT* my_src = head_src + my_c;
     const size_t blk_stride = (size_t)n_kv * block_size * HD;
     auto load_tile = [&](int kb, int st) {
         if (kb < k1 && bulk) {
@@ -2081,26 +2167,26 @@ __device__ void flash_decode_km_impl(const float* qkv, const unsigned short* cac
             // the last key again (finite values; their scores are masked).
             static_assert(2 * KM_KEYS == 128, "a key row per thread");
             const unsigned bar = bar0 + 8 * st;
-            if (threadIdx.x == 0) mbar_arrive_expect_tx(bar, 2 * KM_KEYS * HD * 2);
+            if (threadIdx.x == 0) mbar_arrive_expect_tx(bar, 2 * KM_KEYS * HD * sizeof(KT));
             const int r = threadIdx.x % KM_KEYS, j = min(kb + r, k1 - 1);
             const int bi = bs_pow2 ? j >> bs_shift : j / block_size;
-            const unsigned short* src =
+            const KT* src =
                 head_src + table[bi] * blk_stride + (size_t)(j - bi * block_size) * HD + (threadIdx.x < KM_KEYS ? 0 : half);
-            bulk_copy_g2s(base + st * STAGE_BYTES + (threadIdx.x / KM_KEYS) * KBYTES + r * ST * 2, src, HD * 2, bar);
+            bulk_copy_g2s(base + st * STAGE_BYTES + (threadIdx.x / KM_KEYS) * KBYTES + r * RB, src, HD * sizeof(KT), bar);
         } else if (kb < k1) {
-            const unsigned at = base + st * STAGE_BYTES + (my_key * ST + my_c) * 2;
+            const unsigned at = base + st * STAGE_BYTES + my_key * RB + my_c * sizeof(KT);
 #pragma unroll
             for (int p = 0; p < PASSES; p++) {
                 const int j = kb + my_key + p * KPP;
-                const unsigned short* src = cache;
+                const KT* src = cache;
                 int bytes = 0;
                 if (j < k1) {
                     const int bi = bs_pow2 ? j >> bs_shift : j / block_size;
                     src = my_src + table[bi] * blk_stride + (size_t)(j - bi * block_size) * HD;
                     bytes = 16;
                 }
-                cp_async16_at(at + p * KPP * ST * 2, src, bytes);
-                cp_async16_at(at + KBYTES + p * KPP * ST * 2, bytes ? src + half : cache, bytes);
+                cp_async16_at(at + p * KPP * RB, src, bytes);
+                cp_async16_at(at + KBYTES + p * KPP * RB, bytes ? src + half : cache, bytes);
             }
         }
         if (!bulk) cp_async_commit();
@@ -2114,7 +2200,7 @@ __device__ void flash_decode_km_impl(const float* qkv, const unsigned short* cac
         const size_t at = (size_t)(((blk * n_kv + kvh) * block_size + off) * HD);
         const float* k = qkv + (size_t)row0 * w + (size_t)(n_heads + kvh) * HD;
         const float* v = k + (size_t)n_kv * HD;
-        unsigned short* c = const_cast<unsigned short*>(cache);
+        KT* c = const_cast<KT*>(cache);
         for (int j = threadIdx.x; j < HH; j += blockDim.x) {
             float x0 = k[pair_a(j)], x1 = k[pair_b(j)];
             rope_apply(rope_c[j], rope_s[j], x0, x1);
@@ -2137,11 +2223,13 @@ __device__ void flash_decode_km_impl(const float* qkv, const unsigned short* cac
     {
         const bool real = g < grp;
         const float* q = qkv + (size_t)row0 * w + (kvh * grp + (real ? g : 0)) * HD;
+        // FP8: the k-columns 2t4, 2t4 + 1 | 2t4 + 8, 2t4 + 9 are dims 4t4, +1 | +2, +3.
+        constexpr int B1 = F8 ? 2 : 8;
 #pragma unroll
         for (int ks = 0; ks < KS; ks++) {
-            const int c0 = 16 * ks + 2 * t4;
+            const int c0 = 16 * ks + (F8 ? 4 : 2) * t4;
             qf[ks][0] = real ? pack_f16x2(q_at(q, c0) * qs, q_at(q, c0 + 1) * qs) : 0u;
-            qf[ks][1] = real ? pack_f16x2(q_at(q, c0 + 8) * qs, q_at(q, c0 + 9) * qs) : 0u;
+            qf[ks][1] = real ? pack_f16x2(q_at(q, c0 + B1) * qs, q_at(q, c0 + B1 + 1) * qs) : 0u;
         }
     }
     // The key's tile is the last: in the first loads, write it before them; else the
@@ -2162,14 +2250,32 @@ __device__ void flash_decode_km_impl(const float* qkv, const unsigned short* cac
         const int kw = k0 + i * KM_KEYS + 16 * warp;  // this warp's first key
         if (kw >= k1) continue;
         const unsigned ks_at = base + (i % STAGES) * STAGE_BYTES, vs_at = ks_at + KBYTES;
+        // FP8: lane l's row address for ldmatrix: key 16·warp + l % 8 (+ 8 for matrices 1
+        // and 3) of chunk l / 16 (of a pair of 16-byte chunks); K's and V's the same.
+        const unsigned f8_row = (16 * warp + (lane & 7) + ((lane >> 3) & 1) * 8) * RB + (lane >> 4) * 16;
         // S^T (16 keys × 8 heads) = K · Q^T: A = K rows by ldmatrix.
         float s[4] = {0.f, 0.f, 0.f, 0.f};
-        const unsigned a_row = ks_at + ((16 * warp + (lane & 15)) * ST + 8 * (lane >> 4)) * 2;
+        if (F8) {
 #pragma unroll
-        for (int ks = 0; ks < KS; ks++) {
-            unsigned a[4];
-            ldsm_x4_at<false>(a[0], a[1], a[2], a[3], a_row + 32 * ks);
-            mma_f16_16816(s, a, qf[ks][0], qf[ks][1]);
+            for (int kk = 0; kk < KS / 2; kk++) {
+                unsigned r[4];
+                ldsm_x4_at<false>(r[0], r[1], r[2], r[3], ks_at + f8_row + 32 * kk);
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    const unsigned x = r[2 * h], y = r[2 * h + 1];  // keys g, g + 8
+                    unsigned a[4] = {e4m3x2_to_f16x2(x & 0xffff), e4m3x2_to_f16x2(y & 0xffff),
+                                     e4m3x2_to_f16x2(x >> 16), e4m3x2_to_f16x2(y >> 16)};
+                    mma_f16_16816(s, a, qf[2 * kk + h][0], qf[2 * kk + h][1]);
+                }
+            }
+        } else {
+            const unsigned a_row = ks_at + ((16 * warp + (lane & 15)) * ST + 8 * (lane >> 4)) * 2;
+#pragma unroll
+            for (int ks = 0; ks < KS; ks++) {
+                unsigned a[4];
+                ldsm_x4_at<false>(a[0], a[1], a[2], a[3], a_row + 32 * ks);
+                mma_f16_16816(s, a, qf[ks][0], qf[ks][1]);
+            }
         }
         // s[0]: key kw + g, head 2t4; s[1]: head 2t4 + 1; s[2], s[3]: key kw + g + 8.
         if (kw + 16 > k1) {
@@ -2199,12 +2305,30 @@ __device__ void flash_decode_km_impl(const float* qkv, const unsigned short* cac
         // (keys 0–7 | 8–15) × heads that S^T's accumulators hold.
         const unsigned b0 = movmatrix_trans(pack_f16x2(p0, p1)), b1 = movmatrix_trans(pack_f16x2(p2, p3));
         // O^T (dims × heads) += V^T · P^T: A = V^T by ldmatrix.trans of the V rows.
-        const unsigned v_row = vs_at + ((16 * warp + (lane & 7) + ((lane >> 4) << 3)) * ST + 8 * ((lane >> 3) & 1)) * 2;
+        if (F8) {
 #pragma unroll
-        for (int d = 0; d < DT; d++) {
-            unsigned a[4];
-            ldsm_x4_at<true>(a[0], a[1], a[2], a[3], v_row + 32 * d);
-            mma_f16_16816(o[d], a, b0, b1);
+            for (int kk = 0; kk < DT / 2; kk++) {
+                unsigned r[4];
+                ldsm_x4_at<true>(r[0], r[1], r[2], r[3], vs_at + f8_row + 32 * kk);
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    // Bytes (key 2t4: dims 2g, 2g + 1; key 2t4 + 1: the same) to (dim 2g:
+                    // both keys | dim 2g + 1: both keys); keys 0–7, then 8–15.
+                    const unsigned x = __byte_perm(r[2 * h], 0, 0x3120), y = __byte_perm(r[2 * h + 1], 0, 0x3120);
+                    unsigned a[4] = {e4m3x2_to_f16x2(x & 0xffff), e4m3x2_to_f16x2(x >> 16),
+                                     e4m3x2_to_f16x2(y & 0xffff), e4m3x2_to_f16x2(y >> 16)};
+                    mma_f16_16816(o[2 * kk + h], a, b0, b1);
+                }
+            }
+        } else {
+            const unsigned v_row =
+                vs_at + ((16 * warp + (lane & 7) + ((lane >> 4) << 3)) * ST + 8 * ((lane >> 3) & 1)) * 2;
+#pragma unroll
+            for (int d = 0; d < DT; d++) {
+                unsigned a[4];
+                ldsm_x4_at<true>(a[0], a[1], a[2], a[3], v_row + 32 * d);
+                mma_f16_16816(o[d], a, b0, b1);
+            }
         }
     }
     // This warp's sums over its keys: add the lanes of each head column.
@@ -2219,12 +2343,14 @@ __device__ void flash_decode_km_impl(const float* qkv, const unsigned short* cac
     float* ro = reinterpret_cast<float*>(km_smem);  // [warp][head][RS]
     float* ml = ro + 4 * 8 * RS;                    // [warp][head][2]
     float* mine = ro + warp * 8 * RS;
+    // O^T's rows g, g + 8 of chunk d: dims g, g + 8 (FP8: 2g, 2g + 1).
+    const int r0 = F8 ? 2 * g : g, r8 = F8 ? 2 * g + 1 : g + 8;
 #pragma unroll
     for (int d = 0; d < DT; d++) {
-        mine[(2 * t4) * RS + 16 * d + g] = o[d][0];
-        mine[(2 * t4 + 1) * RS + 16 * d + g] = o[d][1];
-        mine[(2 * t4) * RS + 16 * d + g + 8] = o[d][2];
-        mine[(2 * t4 + 1) * RS + 16 * d + g + 8] = o[d][3];
+        mine[(2 * t4) * RS + 16 * d + r0] = o[d][0];
+        mine[(2 * t4 + 1) * RS + 16 * d + r0] = o[d][1];
+        mine[(2 * t4) * RS + 16 * d + r8] = o[d][2];
+        mine[(2 * t4 + 1) * RS + 16 * d + r8] = o[d][3];
     }
     if (g == 0) {
         ml[(warp * 8 + 2 * t4) * 2] = m0;
@@ -2258,6 +2384,15 @@ __device__ void flash_decode_km_impl(const float* qkv, const unsigned short* cac
     }
 KM_KERNEL(flash_decode_km_f16_d64, 64)
 KM_KERNEL(flash_decode_km_f16_d128, 128)
+// FP8 cache: FLASH_ARGS with the cache as bytes.
+#define KM_KERNEL_FP8(NAME, HD) \
+    extern "C" __global__ void __launch_bounds__(128) NAME(FLASH_ARGS_KT(unsigned char), const float* inv_freq, \
+                                                           const long long* slots, int interleaved) { \
+        flash_decode_km_impl<HD, KM_STAGES>(qkv, cache, half, tiles, tables, n_heads, n_kv, block_size, scale, \
+                                            max_ctx, out, part, flags, inv_freq, slots, interleaved); \
+    }
+KM_KERNEL_FP8(flash_decode_km_fp8_d64, 64)
+KM_KERNEL_FP8(flash_decode_km_fp8_d128, 128)
 
 // ---- Small-batch GEMM (decode): out[m][n] (+)= Σ_k x[m][k] · W[n][k] ----
 // W: bf16 [rows][k] row-major (k a multiple of 8), x: f32 [M][k], out: f32 [M][n_out].
