@@ -74,8 +74,8 @@ impl CudaLinear {
 enum KvBuf {
     F16(CudaSlice<u16>),
     F32(CudaSlice<f32>),
-    /// FP8 E4M3 bytes (decode attention by the keys-on-M kernel; the rest by the
-    /// general kernels).
+    /// FP8 E4M3 bytes (one-token decode steps on the FP8 keys-on-M kernel; other steps
+    /// on the f16 flash kernels over an f16 copy of their blocks, or the per-token kernel).
     Fp8(CudaSlice<u8>),
 }
 
@@ -538,6 +538,12 @@ fn launch_cfg(n: usize) -> LaunchConfig {
 
 /// Attention partials reserved per SM (rows of head_dim + 2 floats).
 const ATTN_PART_ROWS_PER_SM: usize = 256;
+
+/// The most bytes of an FP8 cache's f16 copy (two of every cache byte a step reads): a
+/// step that reads more (thousands of cached blocks at once, e.g. hundreds of sequences
+/// with the keys-on-M kernel off) takes the per-token kernel over the cache instead. At
+/// Llama-3-8B's shape this covers one sequence of 128k tokens.
+const FP8_COPY_MAX_BYTES: usize = 1 << 30;
 
 /// ops.cu's ROPE_GROUP_MAX: the most heads one thread of the grouped RoPE kernel takes, and
 /// its default. At one head per thread an 8k prefill layer of Llama-3-8B took 412 µs
@@ -2031,10 +2037,21 @@ impl CudaBackend {
             && self.flash_decode
             && self.decode_km
             && self.dev.smem_fits(km_kernel(attn.head_dim, true));
-        self.step_flash = self.flash
-            && (self.kv_f16.get() || (self.kv_fp8.get() && (fp8_km || self.fp8_f16_copy)))
-            && matches!(attn.head_dim, 64 | 128)
-            && (1..=64).contains(&group);
+        let shape_ok = matches!(attn.head_dim, 64 | 128) && (1..=64).contains(&group);
+        // Else an f16 copy of the step's blocks, where it fits (made here, outside any
+        // graph: a decode step with the keys-on-M kernel off may be captured); a copy
+        // that does not fit or cannot be made leaves the step to the per-token kernel.
+        let copy_bytes = 2 * 2 * tables.len() * batch.block_size * attn.n_kv_heads * attn.head_dim;
+        self.step_fp8_copy = self.flash
+            && self.kv_fp8.get()
+            && shape_ok
+            && !fp8_km
+            && self.fp8_f16_copy
+            && copy_bytes <= FP8_COPY_MAX_BYTES
+            && self.fit_fp8_copy(copy_bytes / 2, tables.len());
+        self.step_table_blocks = tables.len();
+        self.step_flash =
+            self.flash && shape_ok && (self.kv_f16.get() || (self.kv_fp8.get() && (fp8_km || self.step_fp8_copy)));
         // Flash tiles: ⌊64 / group⌋ tokens of one sequence each (their rows are the
         // group's query heads), the latest first so the causal tail does not straggle; a
         // step with a tile of more than 16 rows (prefill; a span's first tile is its
@@ -2149,22 +2166,7 @@ impl CudaBackend {
             (batch.n_tokens * attn.n_heads, 2048 / 256)
         };
         let km = self.step_flash && super::is_km_kernel(self.step_flash_kernel);
-        // FP8 on an f16 kernel: room for the f16 copy of the step's blocks, and the
-        // identity tables (made outside any graph: a decode step may be captured).
-        self.step_fp8_copy = self.step_flash && self.kv_fp8.get() && !km;
-        self.step_table_blocks = tables.len();
-        if self.step_fp8_copy {
-            let elems = 2 * tables.len() * batch.block_size * attn.n_kv_heads * attn.head_dim;
-            if self.kv_copy.len() < elems {
-                self.buffers_moving();
-                self.kv_copy = st.alloc_zeros::<u16>(elems.next_power_of_two()).expect("CUDA: FP8 cache's f16 copy");
-            }
-            if self.iota.len() < tables.len() {
-                self.buffers_moving();
-                let n = tables.len().next_power_of_two();
-                self.iota = st.clone_htod(&(0..n as u32).collect::<Vec<u32>>()).expect("CUDA: identity tables");
-            }
-        }
+        debug_assert!(!self.kv_fp8.get() || !self.step_flash || km != self.step_fp8_copy);
         let cluster = if km && self.attn_cluster { self.dev.km_cluster_max } else { 0 };
         self.step_splits = self.attn_splits(units, per_sm, batch.n_tokens * attn.n_heads, cluster);
         self.step_cluster = self.step_splits > 1 && self.step_splits <= cluster;
@@ -2173,6 +2175,31 @@ impl CudaBackend {
         let kernel =
             u8::from(self.step_flash) | (u8::from(self.step_decode && self.step_flash) << 1) | (u8::from(km) << 2);
         self.step_key = (batch.n_tokens, logit_rows.len(), self.step_splits, kernel);
+    }
+
+    /// Room for an FP8 cache's f16 copy of `elems` halves and identity tables of `blocks`
+    /// (grown to powers of two); false where the device cannot give it.
+    fn fit_fp8_copy(&mut self, elems: usize, blocks: usize) -> bool {
+        let st = self.dev.stream().clone();
+        if self.kv_copy.len() < elems {
+            self.buffers_moving();
+            match st.alloc_zeros::<u16>(elems.next_power_of_two()) {
+                Ok(c) => self.kv_copy = c,
+                Err(e) => {
+                    tracing::warn!("no room for the FP8 cache's f16 copy ({} MiB): {e}", (2 * elems) >> 20);
+                    return false;
+                }
+            }
+        }
+        if self.iota.len() < blocks {
+            self.buffers_moving();
+            let n = blocks.next_power_of_two();
+            match st.clone_htod(&(0..n as u32).collect::<Vec<u32>>()) {
+                Ok(t) => self.iota = t,
+                Err(_) => return false,
+            }
+        }
+        true
     }
 
     /// Copies the step's packed metadata up in one copy and spreads it to its buffers
