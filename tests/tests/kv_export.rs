@@ -101,6 +101,33 @@ fn prefill_here_decode_there_equals_one_engine() {
     }
 }
 
+/// With FP8 (E4M3) caches on both engines, the KV moves as stored, one byte per element
+/// (half of f16's chunk bytes), and the decode engine continues exactly as one engine
+/// with an FP8 cache does; the transfer layout names the type by that size.
+#[test]
+fn an_fp8_cache_moves_as_stored() {
+    use kernels::KvDtype;
+    let mut opts = test_options();
+    opts.kv_dtype = KvDtype::Fp8;
+    let (mut p, mut d, mut one) = (engine(&opts), engine(&opts), engine(&opts));
+    let params = SamplingParams { max_tokens: Some(10), ..SamplingParams::greedy() };
+    let expect = run_to_completion(&mut one, vec![(prompt(70), params.clone())], 1).unwrap().remove(0);
+    let (ids, chunks, skip) = disaggregated(&mut p, &mut d, prompt(70), params);
+    assert_eq!(skip, 0);
+    assert_eq!(ids, expect.output_ids, "decoded after the FP8 KV moved");
+    let shape = d.kv_shape();
+    assert_eq!(shape.dtype, KvDtype::Fp8);
+    let layout = rpc::transfer_layout(&shape);
+    assert_eq!(layout.dtype_bytes, 1);
+    assert_eq!(KvDtype::from_bytes(layout.dtype_bytes), Some(KvDtype::Fp8));
+    let per_block = 2 * shape.block_size * shape.n_kv_heads * shape.head_dim;
+    for c in &chunks {
+        assert_eq!(c.data.len(), c.n_blocks as usize * per_block, "layer {}: one byte per element", c.layer);
+    }
+    // An FP8 engine's tokens are its own: the f16 engine's may differ, but the KV did move.
+    assert_eq!(chunks.iter().map(|c| c.n_blocks as usize).sum::<usize>(), 70usize.div_ceil(16) * shape.n_layers);
+}
+
 #[test]
 fn reservations_are_bounded_and_aborts_free_them() {
     let mut opts = test_options();
