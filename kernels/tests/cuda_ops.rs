@@ -160,12 +160,7 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
             let rope = Rope { interleaved: false, inv_freq: vec![1.0; hd / 2] };
             let tokens = vec![0u32; n_tokens];
 
-            let mut cpu = kernels::cpu::CpuBackend::new(2);
-            let mut ckv = cpu.kv_cache(shape).unwrap();
-            cpu.kv_import(&mut ckv, 0, &blocks, &bytes);
-            let mut want = vec![0f32; n_tokens * attn.q_dim()];
-            cpu.attention(&qkv, 0, &batch, &attn, &mut ckv, &mut want);
-            let range = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let (want, range) = cpu_attention(shape, &bytes, &qkv, &batch, &attn);
 
             let mut be = kernels::cuda::CudaBackend::new(0, true).expect("cuda:0 opens");
             let mut gkv = be.kv_cache(shape).unwrap();
@@ -417,12 +412,7 @@ fn fp8_cache_attention_matches_cpu_and_the_f16_kernel() {
             let tokens = vec![0u32; n_tokens];
             let decode = seqs.iter().all(|s| s.1 == 1);
 
-            let mut cpu = kernels::cpu::CpuBackend::new(2);
-            let mut ckv = cpu.kv_cache(shape8).unwrap();
-            cpu.kv_import(&mut ckv, 0, &blocks, &b8);
-            let mut want = vec![0f32; n_tokens * attn.q_dim()];
-            cpu.attention(&qkv, 0, &batch, &attn, &mut ckv, &mut want);
-            let range = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let (want, range) = cpu_attention(shape8, &b8, &qkv, &batch, &attn);
 
             // The f16 flash kernels' outputs on the same values, whole and split, keys on
             // M on and off: (chunk, kernel, splits, outputs).
@@ -1101,6 +1091,27 @@ fn prenormed_gemvs_match_the_gemvs_that_norm_themselves() {
 /// warp-specialized kernel's three-stage ring round twice), then decode only.
 const MIXED_THEN_DECODE: [&[(usize, usize)]; 2] =
     [&[(37, 100), (700, 70), (500, 1)], &[(500, 1), (37, 1), (0, 1), (900, 1)]];
+
+/// The CPU backend's attention over a one-layer cache of `bytes` (every block, in the
+/// transfer layout) for `batch`'s rows of `qkv`, and the largest |output| (the range the
+/// GPU's errors are measured against).
+fn cpu_attention(
+    shape: kernels::KvShape,
+    bytes: &[u8],
+    qkv: &[f32],
+    batch: &kernels::StepBatch,
+    attn: &kernels::AttnShape,
+) -> (Vec<f32>, f32) {
+    use kernels::Backend;
+    let mut cpu = kernels::cpu::CpuBackend::new(2);
+    let mut ckv = cpu.kv_cache(shape).unwrap();
+    let blocks: Vec<u32> = (0..shape.n_blocks as u32).collect();
+    cpu.kv_import(&mut ckv, 0, &blocks, bytes);
+    let mut want = vec![0f32; batch.n_tokens * attn.q_dim()];
+    cpu.attention(&qkv.to_vec(), 0, batch, attn, &mut ckv, &mut want);
+    let range = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+    (want, range)
+}
 
 /// Block tables for `seqs` (cached positions, rows) with blocks of `bs`: disjoint runs of
 /// a fixed shuffle of the `n_blocks` blocks.

@@ -86,6 +86,32 @@ fn greedy_matches_cpu_with_f32_weights() {
     assert_eq!(same, r.cases.len());
 }
 
+/// Every fixture case alone on both engines: the worst last-position logit difference
+/// (a fraction of the CPU's logit range), how many cases' 16 greedy tokens and first
+/// tokens are equal, and the CPU's tokens.
+struct Alone {
+    worst: f32,
+    equal: usize,
+    first_equal: usize,
+    cpu_out: Vec<Vec<u32>>,
+}
+
+fn alone_against_cpu<B: Backend, C: Backend>(gpu: &mut EngineCore<B>, cpu: &mut EngineCore<C>) -> Alone {
+    let mut a = Alone { worst: 0.0, equal: 0, first_equal: 0, cpu_out: Vec::new() };
+    for case in &reference().cases {
+        let g = gpu.score(&case.prompt_ids).unwrap();
+        let c = cpu.score(&case.prompt_ids).unwrap();
+        let range = c.iter().copied().fold(f32::MIN, f32::max) - c.iter().copied().fold(f32::MAX, f32::min);
+        a.worst = worse(a.worst, max_abs_diff(&g, &c) / range);
+        let go = run_to_completion(gpu, vec![(case.prompt_ids.clone(), greedy(16))], 1).unwrap().remove(0);
+        let co = run_to_completion(cpu, vec![(case.prompt_ids.clone(), greedy(16))], 1).unwrap().remove(0);
+        a.equal += usize::from(go.output_ids == co.output_ids);
+        a.first_equal += usize::from(go.output_ids[0] == co.output_ids[0]);
+        a.cpu_out.push(co.output_ids);
+    }
+    a
+}
+
 /// f32 weights over an FP8 (E4M3) KV cache on both sides: the GPU's decode steps take the
 /// FP8 keys-on-M kernel (RoPE and the KV write inside it at one token, in graphs), its
 /// prefill the f16 flash kernel over an f16 copy of the blocks; the CPU stores the same
@@ -99,19 +125,7 @@ fn fp8_cache_stays_close_to_cpu() {
     let mut gpu = cuda_engine(&EngineOptions { kv_dtype: KvDtype::Fp8, ..gpu_options(true) }).expect("loads");
     let mut cpu = engine(&EngineOptions { cpu_matmul: MatmulMode::F32, kv_dtype: KvDtype::Fp8, ..test_options() });
     let r = reference();
-    let (mut worst, mut equal, mut first_equal) = (0f32, 0, 0);
-    let mut cpu_out = Vec::new();
-    for case in &r.cases {
-        let g = gpu.score(&case.prompt_ids).unwrap();
-        let c = cpu.score(&case.prompt_ids).unwrap();
-        let range = c.iter().copied().fold(f32::MIN, f32::max) - c.iter().copied().fold(f32::MAX, f32::min);
-        worst = worse(worst, max_abs_diff(&g, &c) / range);
-        let go = run_to_completion(&mut gpu, vec![(case.prompt_ids.clone(), greedy(16))], 1).unwrap().remove(0);
-        let co = run_to_completion(&mut cpu, vec![(case.prompt_ids.clone(), greedy(16))], 1).unwrap().remove(0);
-        equal += usize::from(go.output_ids == co.output_ids);
-        first_equal += usize::from(go.output_ids[0] == co.output_ids[0]);
-        cpu_out.push(co.output_ids);
-    }
+    let Alone { worst, equal, first_equal, cpu_out } = alone_against_cpu(&mut gpu, &mut cpu);
     let reqs: Vec<_> = r.cases.iter().map(|c| (c.prompt_ids.clone(), greedy(16))).collect();
     let together = run_to_completion(&mut gpu, reqs, 100).unwrap();
     let batched = together.iter().zip(&cpu_out).filter(|(t, c)| t.output_ids == **c).count();
@@ -130,17 +144,7 @@ fn bf16_weights_stay_close_to_cpu() {
     let mut gpu = cuda_engine(&gpu_options(false)).expect("the GPU engine loads");
     let mut cpu = cpu_f32();
     let r = reference();
-    let (mut worst_rel, mut equal, mut first_equal) = (0f32, 0, 0);
-    for case in &r.cases {
-        let g = gpu.score(&case.prompt_ids).unwrap();
-        let c = cpu.score(&case.prompt_ids).unwrap();
-        let range = c.iter().copied().fold(f32::MIN, f32::max) - c.iter().copied().fold(f32::MAX, f32::min);
-        worst_rel = worse(worst_rel, max_abs_diff(&g, &c) / range);
-        let go = run_to_completion(&mut gpu, vec![(case.prompt_ids.clone(), greedy(16))], 1).unwrap().remove(0);
-        let co = run_to_completion(&mut cpu, vec![(case.prompt_ids.clone(), greedy(16))], 1).unwrap().remove(0);
-        equal += usize::from(go.output_ids == co.output_ids);
-        first_equal += usize::from(go.output_ids[0] == co.output_ids[0]);
-    }
+    let Alone { worst: worst_rel, equal, first_equal, .. } = alone_against_cpu(&mut gpu, &mut cpu);
     // Its one-token decode steps take their norms' inputs from the residual GEMVs
     // (DISAGG_CUDA_GEMV_PRENORM, on by default): the path these tokens checked.
     let prenormed = gpu.backend().prenormed_gemvs();

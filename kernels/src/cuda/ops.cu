@@ -2376,23 +2376,17 @@ __device__ void flash_decode_km_impl(const float* qkv, const KT* cache, long lon
 // Three stages: two blocks per SM at head_dim 128 (the lab's best at batch 64; two
 // stages fit three blocks but were slower, four fit one).
 #define KM_STAGES 3
-#define KM_KERNEL(NAME, HD) \
-    extern "C" __global__ void __launch_bounds__(128) NAME(FLASH_ARGS, const float* inv_freq, const long long* slots, \
-                                                           int interleaved) { \
-        flash_decode_km_impl<HD, KM_STAGES>(qkv, cache, half, tiles, tables, n_heads, n_kv, block_size, scale, \
-                                            max_ctx, out, part, flags, inv_freq, slots, interleaved); \
-    }
-KM_KERNEL(flash_decode_km_f16_d64, 64)
-KM_KERNEL(flash_decode_km_f16_d128, 128)
-// FP8 cache: FLASH_ARGS with the cache as bytes.
-#define KM_KERNEL_FP8(NAME, HD) \
-    extern "C" __global__ void __launch_bounds__(128) NAME(FLASH_ARGS_KT(unsigned char), const float* inv_freq, \
+// KT: the cache's element (f16 bits; FP8 bytes).
+#define KM_KERNEL(NAME, HD, KT) \
+    extern "C" __global__ void __launch_bounds__(128) NAME(FLASH_ARGS_KT(KT), const float* inv_freq, \
                                                            const long long* slots, int interleaved) { \
         flash_decode_km_impl<HD, KM_STAGES>(qkv, cache, half, tiles, tables, n_heads, n_kv, block_size, scale, \
                                             max_ctx, out, part, flags, inv_freq, slots, interleaved); \
     }
-KM_KERNEL_FP8(flash_decode_km_fp8_d64, 64)
-KM_KERNEL_FP8(flash_decode_km_fp8_d128, 128)
+KM_KERNEL(flash_decode_km_f16_d64, 64, unsigned short)
+KM_KERNEL(flash_decode_km_f16_d128, 128, unsigned short)
+KM_KERNEL(flash_decode_km_fp8_d64, 64, unsigned char)
+KM_KERNEL(flash_decode_km_fp8_d128, 128, unsigned char)
 
 // ---- Small-batch GEMM (decode): out[m][n] (+)= Σ_k x[m][k] · W[n][k] ----
 // W: bf16 [rows][k] row-major (k a multiple of 8), x: f32 [M][k], out: f32 [M][n_out].
