@@ -12,6 +12,8 @@
 // context reads 8.7 GB of KV per step; the engine's kernel ran at ~3.0 TB/s there.
 // Not part of the build; on a CUDA machine:
 //   nvcc -O3 -std=c++17 -arch=sm_90a tools/gpu-lab/decodelab.cu -o decodelab && ./decodelab [batch ctx]
+//   (DL_SPLITS="1 4 16 33" picks the split counts, up to 64; DL_ENGINE_ONLY=1 times the
+//   engine's keys-on-M form alone, e.g. `DL_ENGINE_ONLY=1 ./decodelab 8 32768`.)
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
@@ -170,8 +172,13 @@ int main(int argc, char** argv) {
     CK(cudaMemcpy(dtables, tables.data(), tables.size() * 4, cudaMemcpyHostToDevice));
     CK(cudaMemcpy(dmax, &CTX, 4, cudaMemcpyHostToDevice));
     const size_t on = (size_t)B * NH * HD;
-    const int SPLITS[] = {1, 2, 3, 4, 8, 16};
-    float *out, *ref, *part; CK(cudaMalloc(&out, on * 4)); CK(cudaMalloc(&ref, on * 4)); CK(cudaMalloc(&part, on / HD * 16 * (HD + 2) * 4));
+    // DL_SPLITS="1 4 33": the split counts to time (at most 64; default 1 2 3 4 8 16).
+    std::vector<int> SPLITS = {1, 2, 3, 4, 8, 16};
+    if (const char* e = getenv("DL_SPLITS")) {
+        SPLITS.clear();
+        for (const char* p = e; *p;) { char* q; long v = strtol(p, &q, 10); if (q == p) break; SPLITS.push_back(std::min<long>(v, 64)); p = q; }
+    }
+    float *out, *ref, *part; CK(cudaMalloc(&out, on * 4)); CK(cudaMalloc(&ref, on * 4)); CK(cudaMalloc(&part, on / HD * 64 * (HD + 2) * 4));
     const float scale = 1.f / sqrtf((float)HD);
     CK(cudaFuncSetAttribute(decode_ref, cudaFuncAttributeMaxDynamicSharedMemorySize, CTX * 4));
     decode_ref<<<dim3(B, NH), 128, CTX * 4>>>(qkv, cache, half, dtiles, dtables, NH, NKV, BS, scale, ref);
@@ -213,11 +220,13 @@ int main(int argc, char** argv) {
         }
         return 0;
     }
+    // DL_ENGINE_ONLY=1: the engine's keys-on-M form alone (3 stages, cp.async).
+    const bool eng_only = getenv("DL_ENGINE_ONLY") != nullptr;
     // The engine's kernel.
     AttnFn eng = flash_decode_sa_f16_d128;
     CK(cudaFuncSetAttribute(eng, cudaFuncAttributeMaxDynamicSharedMemorySize, FA_SMEM_BYTES(128)));
     for (int sp : SPLITS) {
-        if (one) break;
+        if (one || eng_only) break;
         auto f = [&]() {
             eng<<<dim3(B, NKV, sp), 128, FA_SMEM_BYTES(128), st>>>(qkv, cache, half, dtiles, dtables, NH, NKV, BS, scale, dmax, out, part, flags);
             if (sp > 1) attention_merge<<<dim3(B, NH), 128, 0, st>>>(part, sp, NH, HD, out, 0);
@@ -240,6 +249,7 @@ int main(int argc, char** argv) {
     AttnFn km[3] = {decode_km_f16_d128<2>, decode_km_f16_d128<3>, decode_km_f16_d128<4>};
     for (int si = 0; si < 3; si++)
     for (int kf : {0, FLASH_BULK}) {
+        if (eng_only && (si != 1 || kf)) continue;
         const int smem = KM_SMEM_BYTES(128, si + 2);
         CK(cudaFuncSetAttribute(km[si], cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
         int occ = 0; CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, km[si], 128, smem));
