@@ -241,6 +241,12 @@ pub const CUDA_ATTN_ROPE: &str = "DISAGG_CUDA_ATTN_ROPE";
 /// instead of in the kernel, its splits one thread block cluster (sm_90); for A/B runs.
 pub const CUDA_ATTN_CLUSTER: &str = "DISAGG_CUDA_ATTN_CLUSTER";
 
+/// `0`: the decode attention's split count assumes that clusters of its splits are as
+/// resident as single blocks (the blocks per SM times the SMs) instead of asking the driver
+/// how many clusters of each size fit at once (`cuOccupancyMaxActiveClusters`; a
+/// cluster's blocks share a GPC); for A/B runs.
+pub const CUDA_CLUSTER_WAVES: &str = "DISAGG_CUDA_CLUSTER_WAVES";
+
 /// `0`: the keys-on-M decode kernel, launched programmatically, waits for the kernel
 /// before it before it asks for any key tile, instead of asking for the first tiles of
 /// keys older than the row's own first; for A/B runs.

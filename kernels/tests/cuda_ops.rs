@@ -163,6 +163,14 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
             let (want, range) = cpu_attention(shape, &bytes, &qkv, &batch, &attn);
 
             let mut be = kernels::cuda::CudaBackend::new(0, true).expect("cuda:0 opens");
+            // The driver's count of keys-on-M blocks resident in clusters, which the split
+            // count uses: whole clusters, never more than the blocks resident alone.
+            if let Some(r) = be.km_cluster_residency(hd) {
+                println!("keys-on-M d{hd}: blocks resident {} alone, in clusters of 2.. : {:?}", r[0], &r[2..]);
+                if r.iter().enumerate().skip(2).any(|(s, &n)| n == 0 || n % s != 0 || n > r[0]) {
+                    failed.push(format!("keys-on-M d{hd}: cluster residency {r:?}"));
+                }
+            }
             let mut gkv = be.kv_cache(shape).unwrap();
             be.kv_import(&mut gkv, 0, &blocks, &bytes);
             let dq = be.device().upload(&qkv).unwrap();
@@ -249,6 +257,11 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
             // ((early tiles, bulk copies), merged in clusters, splits, the outputs)
             type Merged = ((bool, bool), bool, usize, Vec<f32>);
             let mut merged: Vec<Merged> = Vec::new();
+            // The bits of the cluster merge and attention_merge are compared at the same
+            // splits: split counts that assume clusters as resident as single blocks,
+            // which the two then share (counting the clusters that fit, the cluster
+            // merge may take fewer splits).
+            be.set_cluster_waves(false);
             for (f, chunk) in cases.iter().flat_map(|f| [(f, 0), (f, 64)]) {
                 let flash = f.on;
                 be.set_flash(flash);
@@ -365,6 +378,7 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
             } else if decode && be.device().km_cluster_max > 0 {
                 failed.push(format!("{n_heads}/{n_kv} heads: the cluster merge did not run ({} runs)", merged.len()));
             }
+            be.set_cluster_waves(true);
             be.set_attn_cluster(true);
             be.set_km_early(true);
             be.set_km_bulk(true);

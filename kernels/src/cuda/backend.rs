@@ -408,6 +408,12 @@ pub struct CudaBackend {
     /// kernels' resident blocks per SM, by kernel name.
     attn_waves: bool,
     flash_blocks_per_sm: std::collections::HashMap<&'static str, usize>,
+    /// Per keys-on-M kernel, indexed by cluster size s (2 ≤ s ≤ `km_cluster_max`): the
+    /// blocks resident at once when launched as clusters of s, as the driver counts them
+    /// and as single blocks are (the blocks per SM times the SMs), which the split count
+    /// assumes with `cluster_waves` off (`DISAGG_CUDA_CLUSTER_WAVES=0`).
+    km_clustered: std::collections::HashMap<&'static str, [Vec<usize>; 2]>,
+    cluster_waves: bool,
     /// The flash kernels load K and V fragments by ldmatrix (`DISAGG_CUDA_FLASH_LDMATRIX=0`:
     /// by 32- and 16-bit shared loads).
     flash_ldmatrix: bool,
@@ -542,7 +548,8 @@ const ATTN_PART_ROWS_PER_SM: usize = 256;
 /// The most bytes of an FP8 cache's f16 copy (two of every cache byte a step reads): a
 /// step that reads more (thousands of cached blocks at once, e.g. hundreds of sequences
 /// with the keys-on-M kernel off) takes the per-token kernel over the cache instead. At
-/// Llama-3-8B's shape this covers one sequence of 128k tokens.
+/// Llama-3-8B's shape (4 KiB of copy per token) this covers 256k tokens in all: just
+/// under eight sequences of 32k.
 const FP8_COPY_MAX_BYTES: usize = 1 << 30;
 
 /// ops.cu's ROPE_GROUP_MAX: the most heads one thread of the grouped RoPE kernel takes, and
@@ -567,16 +574,31 @@ fn km_kernel(head_dim: usize, fp8: bool) -> &'static str {
 /// time in a model where each wave of resident blocks costs its chunks plus one
 /// (the block's start, its share of the merge). Whole waves matter: 512 units on 396
 /// slots run as 2 waves at a 65% fill, as 3 waves of 2 splits at 86%.
-/// `max_splits` bounds the partials (see `reserve`). Where the kernel merges up to
-/// `cluster` splits itself (0: never), more splits cost one unit more: the merge's own
-/// launch (on a tie the fewer splits win).
-fn attn_splits_by_waves(units: usize, chunks: usize, slots: usize, max_splits: usize, cluster: usize) -> usize {
-    let (units, slots) = (units.max(1), slots.max(1));
+/// `max_splits` bounds the partials (see `reserve`).
+///
+/// Where the kernel can merge `s` splits itself, launched as one thread block cluster
+/// (for 2 ≤ s < `clustered.len()`), `clustered[s]` is how many of its blocks are
+/// resident at once that way: a cluster's blocks share a GPC, so that can be fewer than
+/// `slots`. The splits then either merge in clusters, at that residency, or run apart at
+/// `slots` for one unit more (the merge's own launch). Returns the split count and
+/// whether the splits merge in clusters; on a tie the fewer splits win, then the cluster.
+fn attn_splits_by_waves(
+    units: usize,
+    chunks: usize,
+    slots: usize,
+    max_splits: usize,
+    clustered: &[usize],
+) -> (usize, bool) {
+    let units = units.max(1);
+    let cost = |s: usize, slots: usize| (units * s).div_ceil(slots.max(1)) * (chunks.div_ceil(s) + 1);
     (1..=chunks.min(max_splits).max(1))
-        .min_by_key(|&s| {
-            (units * s).div_ceil(slots) * (chunks.div_ceil(s) + 1) + usize::from(cluster > 0 && s > cluster)
+        .flat_map(|s| {
+            let merged = (s > 1 && s < clustered.len()).then(|| (cost(s, clustered[s]), s, true));
+            let apart = (cost(s, slots) + usize::from(s > 1 && !clustered.is_empty()), s, false);
+            merged.into_iter().chain(std::iter::once(apart))
         })
-        .unwrap_or(1)
+        .min_by_key(|&(c, s, merged)| (c, s, !merged))
+        .map_or((1, false), |(_, s, merged)| (s, merged))
 }
 
 /// Whether a one-token GEMV of `blocks` blocks over `k` columns takes the deep kernel with
@@ -634,7 +656,7 @@ impl CudaBackend {
                 Err(_) => 1,
             }
         };
-        let flash_blocks_per_sm = if dev.arch.0 >= 8 {
+        let flash_blocks_per_sm: std::collections::HashMap<&'static str, usize> = if dev.arch.0 >= 8 {
             super::FLASH_KERNELS.iter().map(|&(name, hd)| (name, flash_occ(name, hd))).collect()
         } else {
             Default::default()
@@ -643,6 +665,24 @@ impl CudaBackend {
             .context()
             .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(dev_err)? as usize;
+        let km_clustered: std::collections::HashMap<&'static str, [Vec<usize>; 2]> = super::FLASH_KERNELS
+            .iter()
+            .filter(|(name, _)| super::is_km_kernel(name) && dev.km_cluster_max > 1)
+            .map(|&(name, hd)| {
+                let full = flash_blocks_per_sm.get(name).copied().unwrap_or(1) * n_sms;
+                let (threads, smem) =
+                    (super::flash_block_threads(name) as u32, super::flash_smem_bytes(name, hd) as u32);
+                let resident = |s: usize| {
+                    let n = super::cluster_resident_blocks(&stream, dev.func(name), threads, smem, s as u32);
+                    if s < 2 {
+                        full
+                    } else {
+                        n.unwrap_or(full).min(full)
+                    }
+                };
+                (name, [(0..=dev.km_cluster_max).map(resident).collect(), vec![full; dev.km_cluster_max + 1]])
+            })
+            .collect();
         Ok(CudaBackend {
             attn_waves: !off(crate::env::CUDA_ATTN_WAVES),
             flash_ldmatrix: !off(crate::env::CUDA_FLASH_LDMATRIX),
@@ -699,6 +739,8 @@ impl CudaBackend {
             step_pp: false,
             rope_pending: None,
             flash_blocks_per_sm,
+            km_clustered,
+            cluster_waves: !off(crate::env::CUDA_CLUSTER_WAVES),
             graphs_on: !off(crate::env::CUDA_GRAPHS) && profile.is_none(),
             // mma.sync m16n8k16 and cp.async need sm_80 or newer.
             flash: bf16_weights && !off(crate::env::CUDA_FLASH) && dev.arch.0 >= 8,
@@ -1072,6 +1114,20 @@ impl CudaBackend {
         self.set_switch(on, |b| &mut b.attn_cluster);
     }
 
+    /// Blocks of the keys-on-M kernel for `head_dim` resident at once: alone (indices 0
+    /// and 1) and, at index s, launched as clusters of s, as the driver counts them (`None`
+    /// where the GPU has no clusters).
+    pub fn km_cluster_residency(&self, head_dim: usize) -> Option<&[usize]> {
+        self.km_clustered.get(km_kernel(head_dim, self.kv_fp8.get())).map(|[c, _]| &c[..])
+    }
+
+    /// The decode attention's split count counts the clusters of its splits that fit at
+    /// once, as the driver says (default: on unless `DISAGG_CUDA_CLUSTER_WAVES=0`; off:
+    /// as many as single blocks).
+    pub fn set_cluster_waves(&mut self, on: bool) {
+        self.set_switch(on, |b| &mut b.cluster_waves);
+    }
+
     /// The keys-on-M kernel's first loads of older keys before it waits (default: on
     /// unless `DISAGG_CUDA_KM_EARLY=0`).
     pub fn set_km_early(&mut self, on: bool) {
@@ -1334,24 +1390,23 @@ impl CudaBackend {
     /// waves of the `blocks_per_sm` resident blocks (see [`attn_splits_by_waves`]; `rows`
     /// (tokens × query heads) bounds the partials), or by the earlier rule: split-K only
     /// when the `units` (blocks of work) alone leave SMs idle, enough to give every SM
-    /// two blocks. `cluster`: the most splits the kernel merges itself (0: none).
-    fn attn_splits(&self, units: usize, blocks_per_sm: usize, rows: usize, cluster: usize) -> usize {
+    /// two blocks. `clustered`: the blocks resident at once when s splits launch as a
+    /// cluster that merges them (empty: the kernel never does). Returns the split count and
+    /// whether the splits merge in clusters.
+    fn attn_splits(&self, units: usize, blocks_per_sm: usize, rows: usize, clustered: &[usize]) -> (usize, bool) {
         if self.attn_chunk == 0 {
-            return 1;
+            return (1, false);
         }
         // (The warp-specialized kernel splits at multiples of its 128-key tiles.)
         let chunk = if self.step_pp { self.attn_chunk.next_multiple_of(128) } else { self.attn_chunk };
         let chunks = self.max_ctx.div_ceil(chunk).max(1);
         if self.attn_waves {
             let max_splits = (ATTN_PART_ROWS_PER_SM * self.n_sms / rows.max(1)).min(64);
-            return attn_splits_by_waves(units, chunks, self.n_sms * blocks_per_sm, max_splits, cluster);
+            return attn_splits_by_waves(units, chunks, self.n_sms * blocks_per_sm, max_splits, clustered);
         }
         let want = (2 * self.n_sms).div_ceil(units.max(1));
-        if want > 1 {
-            want.min(chunks)
-        } else {
-            1
-        }
+        let s = if want > 1 { want.min(chunks) } else { 1 };
+        (s, s > 1 && s < clustered.len())
     }
 
     /// `sample_rows` for rows that need more than the argmax (ops.cu `sample_rows`).
@@ -2167,13 +2222,19 @@ impl CudaBackend {
         };
         let km = self.step_flash && super::is_km_kernel(self.step_flash_kernel);
         debug_assert!(!self.kv_fp8.get() || !self.step_flash || km != self.step_fp8_copy);
-        let cluster = if km && self.attn_cluster { self.dev.km_cluster_max } else { 0 };
-        self.step_splits = self.attn_splits(units, per_sm, batch.n_tokens * attn.n_heads, cluster);
-        self.step_cluster = self.step_splits > 1 && self.step_splits <= cluster;
+        let clustered = match self.km_clustered.get(self.step_flash_kernel) {
+            Some([driver, full]) if km && self.attn_cluster => &(if self.cluster_waves { driver } else { full })[..],
+            _ => &[],
+        };
+        (self.step_splits, self.step_cluster) =
+            self.attn_splits(units, per_sm, batch.n_tokens * attn.n_heads, clustered);
         // (The same token and logit counts can be one token of each sequence or several
-        // of fewer: the keys-on-M kernel's bit keeps their graphs apart.)
-        let kernel =
-            u8::from(self.step_flash) | (u8::from(self.step_decode && self.step_flash) << 1) | (u8::from(km) << 2);
+        // of fewer: the keys-on-M kernel's bit keeps their graphs apart; and the same
+        // splits can merge in clusters or apart.)
+        let kernel = u8::from(self.step_flash)
+            | (u8::from(self.step_decode && self.step_flash) << 1)
+            | (u8::from(km) << 2)
+            | (u8::from(self.step_cluster) << 3);
         self.step_key = (batch.n_tokens, logit_rows.len(), self.step_splits, kernel);
     }
 
@@ -2353,7 +2414,16 @@ impl Backend for CudaBackend {
     type Kv = CudaKv;
 
     fn describe(&self) -> String {
-        format!("{}, weights {}", self.dev.describe(), if self.bf16_weights { "bf16" } else { "f32" })
+        let mut d = format!("{}, weights {}", self.dev.describe(), if self.bf16_weights { "bf16" } else { "f32" });
+        if let Some([c, _]) = self.km_clustered.get(km_kernel(128, false)) {
+            let sizes = c.iter().enumerate().skip(2).map(|(s, n)| format!("{s}: {n}")).collect::<Vec<_>>();
+            d += &format!(
+                ", decode attention blocks resident (head_dim 128): {} alone, in clusters {{{}}}",
+                c[0],
+                sizes.join(", ")
+            );
+        }
+        d
     }
 
     fn linear(&self, parts: &[WeightPart]) -> Result<CudaLinear, KernelError> {
@@ -2976,18 +3046,23 @@ impl Backend for CudaBackend {
 mod tests {
     use super::attn_splits_by_waves;
 
+    /// Clusters of up to `max` splits, each as resident as single blocks.
+    fn full(slots: usize, max: usize) -> Vec<usize> {
+        vec![slots; max + 1]
+    }
+
     #[test]
     fn attention_splits_fill_whole_waves() {
         // Batch 64 of 1k tokens, 8 KV heads, 396 resident blocks: 2 waves at 65% fill
         // unsplit; 3 splits run 4 waves of a third of the keys.
-        assert_eq!(attn_splits_by_waves(512, 17, 396, 64, 0), 3);
+        assert_eq!(attn_splits_by_waves(512, 17, 396, 64, &[]), (3, false));
         // Batch 1: every chunk its own block (one wave).
-        assert_eq!(attn_splits_by_waves(8, 17, 396, 64, 0), 17);
+        assert_eq!(attn_splits_by_waves(8, 17, 396, 64, &[]), (17, false));
         // Batch 256: already many waves, no split.
-        assert_eq!(attn_splits_by_waves(2048, 17, 396, 64, 0), 1);
+        assert_eq!(attn_splits_by_waves(2048, 17, 396, 64, &[]), (1, false));
         // Bounded by the partials reserved, and by the chunks there are.
-        assert_eq!(attn_splits_by_waves(8, 513, 396, 20, 0), 20);
-        assert_eq!(attn_splits_by_waves(8, 1, 396, 64, 0), 1);
+        assert_eq!(attn_splits_by_waves(8, 513, 396, 20, &[]), (20, false));
+        assert_eq!(attn_splits_by_waves(8, 1, 396, 64, &[]), (1, false));
     }
 
     #[test]
@@ -2995,14 +3070,26 @@ mod tests {
         // Batch 1 of 1k keys on 264 slots (the H200's 132 SMs, two blocks each): 9 splits
         // of two chunks merged in the kernel tie with 17 of one and attention_merge, and
         // the fewer win.
-        assert_eq!(attn_splits_by_waves(8, 17, 264, 64, 16), 9);
+        assert_eq!(attn_splits_by_waves(8, 17, 264, 64, &full(264, 16)), (9, true));
         // 8 splits at most in a cluster: those would take three chunks; 17 and the merge
         // cost less.
-        assert_eq!(attn_splits_by_waves(8, 17, 264, 64, 8), 17);
+        assert_eq!(attn_splits_by_waves(8, 17, 264, 64, &full(264, 8)), (17, false));
         // 32k keys: many splits pay for the merge.
-        assert_eq!(attn_splits_by_waves(8, 513, 264, 64, 16), 33);
+        assert_eq!(attn_splits_by_waves(8, 513, 264, 64, &full(264, 16)), (33, false));
         // Batch 16: two splits, merged in the kernel as before by attention_merge.
-        assert_eq!(attn_splits_by_waves(128, 17, 264, 64, 16), 2);
-        assert_eq!(attn_splits_by_waves(128, 17, 264, 64, 0), 2);
+        assert_eq!(attn_splits_by_waves(128, 17, 264, 64, &full(264, 16)), (2, true));
+        assert_eq!(attn_splits_by_waves(128, 17, 264, 64, &[]), (2, false));
+    }
+
+    #[test]
+    fn attention_splits_leave_clusters_that_need_more_waves() {
+        // Batch 8 of 32k keys (64 units of 514 chunks) where clusters hold only half the
+        // 264 slots: 4 splits in clusters would take two waves, so they run apart in one
+        // and attention_merge merges them.
+        let half = vec![132; 17];
+        assert_eq!(attn_splits_by_waves(64, 514, 264, 64, &half), (4, false));
+        assert_eq!(attn_splits_by_waves(64, 514, 264, 64, &full(264, 16)), (4, true));
+        // Batch 1 of 1k keys: 72 blocks fit either way, and the cluster stays.
+        assert_eq!(attn_splits_by_waves(8, 17, 264, 64, &half), (9, true));
     }
 }

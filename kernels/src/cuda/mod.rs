@@ -401,6 +401,45 @@ impl<'a> Launch<'a> {
     }
 }
 
+/// How many blocks of `func` (`threads` each, `smem` bytes of dynamic shared memory) the
+/// GPU holds at once when launched as clusters of `size` blocks along z: the driver's
+/// count of co-resident clusters times `size` (`cuOccupancyMaxActiveClusters`). A cluster's
+/// blocks must share a GPC, so this can be fewer than the blocks per SM times the SMs
+/// (`None`: the driver cannot say).
+pub(crate) fn cluster_resident_blocks(
+    st: &CudaStream,
+    func: &CudaFunction,
+    threads: u32,
+    smem: u32,
+    size: u32,
+) -> Option<usize> {
+    use cudarc::driver::sys;
+    st.context().bind_to_thread().ok()?;
+    // SAFETY: a plain C struct for which all zeros is a valid value.
+    let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+    attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+    attr.value.clusterDim.x = 1;
+    attr.value.clusterDim.y = 1;
+    attr.value.clusterDim.z = size;
+    let config = sys::CUlaunchConfig {
+        gridDimX: 1,
+        gridDimY: 1,
+        gridDimZ: size,
+        blockDimX: threads,
+        blockDimY: 1,
+        blockDimZ: 1,
+        sharedMemBytes: smem,
+        hStream: st.cu_stream(),
+        attrs: &mut attr,
+        numAttrs: 1,
+    };
+    let mut n: std::ffi::c_int = 0;
+    // SAFETY: `func` belongs to this stream's context; `config` and its one attribute
+    // outlive the call.
+    unsafe { sys::cuOccupancyMaxActiveClusters(&mut n, func.cu_function(), &config) }.result().ok()?;
+    (n > 0).then(|| n as usize * size as usize)
+}
+
 impl CudaDevice {
     /// Opens `cuda:ordinal`; the error says what is missing and what to use instead.
     pub fn open(ordinal: usize) -> Result<CudaDevice, KernelError> {
