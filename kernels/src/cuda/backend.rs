@@ -494,9 +494,10 @@ pub struct CudaBackend {
     /// A step on the keys-on-M decode kernel does RoPE and the KV write in the attention
     /// kernel (`DISAGG_CUDA_ATTN_ROPE=0`: `rope_write_kv` before it).
     attn_rope: bool,
-    /// A keys-on-M decode step split into at most `CudaDevice::km_cluster_max` chunks
-    /// launches its splits as thread block clusters that merge in the kernel
-    /// (`DISAGG_CUDA_ATTN_CLUSTER=0`: `attention_merge` after it); whether this step does.
+    /// A keys-on-M decode step split into at most `CudaDevice::km_cluster_max` chunks may
+    /// launch its splits as thread block clusters that merge in the kernel, where the
+    /// split count's model finds that cheaper than `attention_merge` after it
+    /// (`DISAGG_CUDA_ATTN_CLUSTER=0`: never); whether this step does.
     attn_cluster: bool,
     step_cluster: bool,
     /// The keys-on-M kernel asks for its first tiles of older keys before waiting for the
@@ -672,13 +673,12 @@ impl CudaBackend {
                 let full = flash_blocks_per_sm.get(name).copied().unwrap_or(1) * n_sms;
                 let (threads, smem) =
                     (super::flash_block_threads(name) as u32, super::flash_smem_bytes(name, hd) as u32);
+                // (Where the driver cannot count them, clusters count as single blocks.)
                 let resident = |s: usize| {
-                    let n = super::cluster_resident_blocks(&stream, dev.func(name), threads, smem, s as u32);
                     if s < 2 {
-                        full
-                    } else {
-                        n.unwrap_or(full).min(full)
+                        return full;
                     }
+                    super::cluster_resident_blocks(&stream, dev.func(name), threads, smem, s as u32).unwrap_or(full)
                 };
                 (name, [(0..=dev.km_cluster_max).map(resident).collect(), vec![full; dev.km_cluster_max + 1]])
             })
@@ -1108,15 +1108,16 @@ impl CudaBackend {
         self.set_switch(on, |b| &mut b.attn_rope);
     }
 
-    /// A split keys-on-M decode step merges its splits in the kernel, as thread block
-    /// clusters (default: on unless `DISAGG_CUDA_ATTN_CLUSTER=0`; sm_90).
+    /// A split keys-on-M decode step may merge its splits in the kernel, as thread block
+    /// clusters, where the split count's model finds that cheaper (default: on unless
+    /// `DISAGG_CUDA_ATTN_CLUSTER=0`; sm_90).
     pub fn set_attn_cluster(&mut self, on: bool) {
         self.set_switch(on, |b| &mut b.attn_cluster);
     }
 
     /// Blocks of the keys-on-M kernel for `head_dim` resident at once: alone (indices 0
-    /// and 1) and, at index s, launched as clusters of s, as the driver counts them (`None`
-    /// where the GPU has no clusters).
+    /// and 1) and, at index s, launched as clusters of s, as the driver counts them, or as
+    /// alone where it cannot (`None` where the GPU has no clusters).
     pub fn km_cluster_residency(&self, head_dim: usize) -> Option<&[usize]> {
         self.km_clustered.get(km_kernel(head_dim, self.kv_fp8.get())).map(|[c, _]| &c[..])
     }
