@@ -376,11 +376,7 @@ impl<'a> Launch<'a> {
             n_attrs += 1;
         }
         if self.cluster != (1, 1, 1) {
-            let a = &mut attrs[n_attrs];
-            a.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
-            a.value.clusterDim.x = self.cluster.0;
-            a.value.clusterDim.y = self.cluster.1;
-            a.value.clusterDim.z = self.cluster.2;
+            attrs[n_attrs] = cluster_attr(self.cluster);
             n_attrs += 1;
         }
         let config = sys::CUlaunchConfig {
@@ -401,6 +397,18 @@ impl<'a> Launch<'a> {
     }
 }
 
+/// The launch attribute for thread block clusters of `dims` blocks (sm_90).
+fn cluster_attr(dims: (u32, u32, u32)) -> cudarc::driver::sys::CUlaunchAttribute {
+    use cudarc::driver::sys;
+    // SAFETY: a plain C struct for which all zeros is a valid value.
+    let mut a: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+    a.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+    a.value.clusterDim.x = dims.0;
+    a.value.clusterDim.y = dims.1;
+    a.value.clusterDim.z = dims.2;
+    a
+}
+
 /// How many blocks of `func` (`threads` each, `smem` bytes of dynamic shared memory) the
 /// GPU holds at once when launched as clusters of `size` blocks along z: the driver's
 /// count of co-resident clusters times `size` (`cuOccupancyMaxActiveClusters`). A cluster's
@@ -415,12 +423,7 @@ pub(crate) fn cluster_resident_blocks(
 ) -> Option<usize> {
     use cudarc::driver::sys;
     st.context().bind_to_thread().ok()?;
-    // SAFETY: a plain C struct for which all zeros is a valid value.
-    let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
-    attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
-    attr.value.clusterDim.x = 1;
-    attr.value.clusterDim.y = 1;
-    attr.value.clusterDim.z = size;
+    let mut attr = cluster_attr((1, 1, size));
     let config = sys::CUlaunchConfig {
         gridDimX: 1,
         gridDimY: 1,
