@@ -546,12 +546,20 @@ fn launch_cfg(n: usize) -> LaunchConfig {
 /// Attention partials reserved per SM (rows of head_dim + 2 floats).
 const ATTN_PART_ROWS_PER_SM: usize = 256;
 
-/// The most bytes of an FP8 cache's f16 copy (two of every cache byte a step reads): a
-/// step that reads more (thousands of cached blocks at once, e.g. hundreds of sequences
-/// with the keys-on-M kernel off) takes the per-token kernel over the cache instead. At
-/// Llama-3-8B's shape (4 KiB of copy per token) this covers 256k tokens in all: just
-/// under eight sequences of 32k.
+/// The most bytes of an FP8 cache's f16 copy (two of every cache byte a step reads) for a
+/// step of decode rows only: one that reads more (thousands of cached blocks at once, e.g.
+/// hundreds of sequences with the keys-on-M kernel off) takes the per-token kernel over
+/// the cache instead. At Llama-3-8B's shape (4 KiB of copy per token) this covers 256k
+/// tokens in all: just under eight sequences of 32k.
 const FP8_COPY_MAX_BYTES: usize = 1 << 30;
+
+/// Whether a step on an FP8 cache asks for the f16 copy of `copy_bytes` (room for it is
+/// checked apart): always when a sequence prefills rows (`prefill`), since the per-token
+/// kernel would then take the prompt's whole causal square one query row at a time, and
+/// for decode rows within FP8_COPY_MAX_BYTES.
+fn fp8_copy_wanted(copy_bytes: usize, prefill: bool) -> bool {
+    prefill || copy_bytes <= FP8_COPY_MAX_BYTES
+}
 
 /// ops.cu's ROPE_GROUP_MAX: the most heads one thread of the grouped RoPE kernel takes, and
 /// its default. At one head per thread an 8k prefill layer of Llama-3-8B took 412 µs
@@ -2103,7 +2111,7 @@ impl CudaBackend {
             && shape_ok
             && !fp8_km
             && self.fp8_f16_copy
-            && copy_bytes <= FP8_COPY_MAX_BYTES
+            && fp8_copy_wanted(copy_bytes, batch.seqs.iter().any(|s| s.rows.len() > 1))
             && self.fit_fp8_copy(copy_bytes / 2, tables.len());
         self.step_table_blocks = tables.len();
         self.step_flash =
@@ -3045,7 +3053,7 @@ impl Backend for CudaBackend {
 
 #[cfg(test)]
 mod tests {
-    use super::attn_splits_by_waves;
+    use super::{attn_splits_by_waves, fp8_copy_wanted, FP8_COPY_MAX_BYTES};
 
     /// Clusters of up to `max` splits, each as resident as single blocks.
     fn full(slots: usize, max: usize) -> Vec<usize> {
@@ -3080,6 +3088,18 @@ mod tests {
         // Batch 16: two splits, merged in the kernel as before by attention_merge.
         assert_eq!(attn_splits_by_waves(128, 17, 264, 64, &full(264, 16)), (2, true));
         assert_eq!(attn_splits_by_waves(128, 17, 264, 64, &[]), (2, false));
+    }
+
+    #[test]
+    fn fp8_copy_caps_decode_steps_only() {
+        // Eight sequences of 32k at Llama-3-8B's shape (4 KiB of copy per token, 16-token
+        // blocks): decode rows alone past the cap take the per-token kernel; a 32k prompt beside seven
+        // decoding sequences (the same blocks) takes the copy.
+        let eight_32k = 2 * 2 * 16 * 8 * 128 * (7 * 2049 + 2048);
+        assert!(eight_32k > FP8_COPY_MAX_BYTES);
+        assert!(!fp8_copy_wanted(eight_32k, false));
+        assert!(fp8_copy_wanted(eight_32k, true));
+        assert!(fp8_copy_wanted(FP8_COPY_MAX_BYTES, false));
     }
 
     #[test]
