@@ -3093,8 +3093,8 @@ mod tests {
     #[test]
     fn fp8_copy_caps_decode_steps_only() {
         // Eight sequences of 32k at Llama-3-8B's shape (4 KiB of copy per token, 16-token
-        // blocks): decode rows alone past the cap take the per-token kernel; a 32k prompt beside seven
-        // decoding sequences (the same blocks) takes the copy.
+        // blocks): decode rows alone past the cap take the per-token kernel; a 32k prompt
+        // beside seven decoding sequences (the same blocks) takes the copy.
         let eight_32k = 2 * 2 * 16 * 8 * 128 * (7 * 2049 + 2048);
         assert!(eight_32k > FP8_COPY_MAX_BYTES);
         assert!(!fp8_copy_wanted(eight_32k, false));
