@@ -2093,6 +2093,8 @@ impl CudaBackend {
             }
         }
         let group = attn.n_heads / attn.n_kv_heads.max(1);
+        // Some sequence computes more than one row (a prompt or a chunk of one).
+        let prefill = batch.seqs.iter().any(|s| s.rows.len() > 1);
         // An FP8 cache takes its keys-on-M kernel at decode (one token of every sequence,
         // a group that fits its MMA's 8 columns), and else the f16 kernels over a copy.
         let fp8_km = self.kv_fp8.get()
@@ -2111,7 +2113,7 @@ impl CudaBackend {
             && shape_ok
             && !fp8_km
             && self.fp8_f16_copy
-            && fp8_copy_wanted(copy_bytes, batch.seqs.iter().any(|s| s.rows.len() > 1))
+            && fp8_copy_wanted(copy_bytes, prefill)
             && self.fit_fp8_copy(copy_bytes / 2, tables.len());
         self.step_table_blocks = tables.len();
         self.step_flash =
