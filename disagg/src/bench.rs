@@ -56,6 +56,12 @@ pub struct EngineBenchArgs {
     /// right after 8k prefills ran 1.5–2% slower than the same batch timed later.
     #[arg(long)]
     prefill_first: bool,
+    /// Prefill the timed prompt in steps of at most this many tokens (chunked prefill, as
+    /// vLLM's `max_num_batched_tokens`; the peers' long-context script uses 16384); the
+    /// prefill time is then up to the prompt's first token. Default: the whole prompt in
+    /// one step.
+    #[arg(long)]
+    prefill_chunk: Option<usize>,
     /// Print JSON (the only output format; accepted for symmetry with other commands).
     #[arg(long)]
     json: bool,
@@ -120,7 +126,18 @@ fn engine_bench(a: EngineBenchArgs) -> anyhow::Result<()> {
     // at least a whole prompt beside the decode rows of the rest of the batch (else a long
     // prompt takes two steps and 16 prompts of 32k outlast 16 generated tokens).
     let batch_prompts = (max_batch * a.context).min(16384).max(a.context + max_batch);
-    opts.max_batched_tokens = opts.max_batched_tokens.max(a.prompt_tokens).max(opts.max_num_seqs).max(batch_prompts);
+    let step_floor = opts.max_num_seqs.max(batch_prompts);
+    let prefill_step = match a.prefill_chunk {
+        Some(0) => anyhow::bail!("--prefill-chunk must be at least 1 token"),
+        Some(n) if n < step_floor && n < a.prompt_tokens => anyhow::bail!(
+            "--prefill-chunk {n} is below the {step_floor} tokens a step takes here (--max-num-seqs {}, and the \
+             decode batches' prompts, --batch × --context, {batch_prompts}); raise it, or lower those flags",
+            opts.max_num_seqs
+        ),
+        Some(n) => n.min(a.prompt_tokens),
+        None => opts.max_batched_tokens.max(a.prompt_tokens),
+    };
+    opts.max_batched_tokens = prefill_step.max(step_floor);
     let t_load = Instant::now();
     match opts.device {
         engine::load::Device::Cpu => bench_core(a, opts.clone(), cpu_engine(&opts)?, t_load),
@@ -145,18 +162,22 @@ fn bench_core<B: Backend>(
     // Prefill: one prompt of `prompt_tokens` in one step; time that step (after an
     // untimed one, unless --no-warmup). Before the decode batches with --prefill-first,
     // else after them.
-    let time_prefill = |core: &mut engine::scheduler::EngineCore<B>, next_id: &mut u64| -> anyhow::Result<Vec<f64>> {
-        if !a.no_warmup {
-            run_batch(core, next_id, vec![(prompt(a.prompt_tokens, 98, vocab), greedy(1))])?;
-        }
-        let mut prefill = Vec::new();
-        for r in 0..a.repeat {
-            let p = prompt(a.prompt_tokens, r as u64, vocab);
-            let t = run_batch(core, next_id, vec![(p, greedy(1))])?;
-            prefill.push(a.prompt_tokens as f64 / t.first_step_s);
-        }
-        Ok(prefill)
-    };
+    // (The last timed prompt's steps up to its first token are kept: 1 unless chunked.)
+    let mut prefill_steps = 0;
+    let mut time_prefill =
+        |core: &mut engine::scheduler::EngineCore<B>, next_id: &mut u64| -> anyhow::Result<Vec<f64>> {
+            if !a.no_warmup {
+                run_batch(core, next_id, vec![(prompt(a.prompt_tokens, 98, vocab), greedy(1))])?;
+            }
+            let mut prefill = Vec::new();
+            for r in 0..a.repeat {
+                let p = prompt(a.prompt_tokens, r as u64, vocab);
+                let t = run_batch(core, next_id, vec![(p, greedy(1))])?;
+                prefill.push(a.prompt_tokens as f64 / t.first_step_s);
+                prefill_steps = t.first_steps;
+            }
+            Ok(prefill)
+        };
     let mut prefill = if a.prefill_first { time_prefill(&mut core, &mut next_id)? } else { Vec::new() };
     // Decode: `b` sequences with a `context`-token prompt, `gen_tokens` each; time the
     // steps in which all `b` decode (none prefilling, none finished yet).
@@ -239,7 +260,7 @@ fn bench_core<B: Backend>(
         "kv_dtype": format!("{:?}", opts.kv_dtype).to_lowercase(),
         "load_s": load_s,
         "weight_bytes_per_step": core.model.weight_bytes,
-        "prefill": {"prompt_tokens": a.prompt_tokens, "tokens_per_s": median(prefill)},
+        "prefill": {"prompt_tokens": a.prompt_tokens, "tokens_per_s": median(prefill), "steps": prefill_steps},
         "decode": decode,
         "decode_b1_weight_gb_per_s": b1.map(|ms| w_bytes / (ms * 1e-3) / 1e9),
         "decode_context": a.context,
@@ -253,6 +274,7 @@ fn bench_core<B: Backend>(
         "repeat": a.repeat,
         "warmup": !a.no_warmup,
         "prefill_first": a.prefill_first,
+        "prefill_chunk": a.prefill_chunk,
         "stats": core.stats(),
     });
     println!("{}", serde_json::to_string_pretty(&out)?);
@@ -269,7 +291,9 @@ fn add_op(ops: &mut OpTimes, op: &'static str, secs: f64, calls: u64) {
 }
 
 struct Timing {
+    /// Time until every sequence had its first token, and the steps that ran tokens in it.
     first_step_s: f64,
+    first_steps: usize,
     /// Steps in which every sequence of the batch decoded one token, and their time.
     full_steps: usize,
     full_steps_s: f64,
@@ -291,6 +315,7 @@ fn run_batch<B: Backend>(
     let t0 = Instant::now();
     let mut started = 0;
     let mut first_step_s = None;
+    let mut first_steps = 0;
     let (mut full_steps, mut full_steps_s) = (0, 0.0);
     let mut ops = OpTimes::new();
     while core.has_work() {
@@ -299,6 +324,11 @@ fn run_batch<B: Backend>(
         let ts = Instant::now();
         let outs = core.step();
         let dt = ts.elapsed().as_secs_f64();
+        // (Steps that ran tokens: with asynchronous scheduling the first token comes back
+        // from the step call after its prefill's last.)
+        if first_step_s.is_none() && core.stats().forward_tokens > tokens_before {
+            first_steps += 1;
+        }
         // Whole-batch decode: every sequence output a later token, and the step computed
         // one token per sequence (not a preempted sequence's recompute).
         let one_each = core.stats().forward_tokens - tokens_before == n as u64;
@@ -315,5 +345,5 @@ fn run_batch<B: Backend>(
             first_step_s = Some(t0.elapsed().as_secs_f64());
         }
     }
-    Ok(Timing { first_step_s: first_step_s.unwrap_or(0.0), full_steps, full_steps_s, full_step_ops: ops })
+    Ok(Timing { first_step_s: first_step_s.unwrap_or(0.0), first_steps, full_steps, full_steps_s, full_step_ops: ops })
 }

@@ -239,5 +239,27 @@ fn bench_engine_times_prefill_and_decode_in_either_order() {
         let batches: Vec<u64> = decode.iter().map(|d| d["batch"].as_u64().unwrap()).collect();
         assert_eq!(batches, [1, 2], "{v}");
         assert!(decode.iter().all(|d| d["ms_per_step"].as_f64().is_some_and(|m| m > 0.0 && m.is_finite())), "{v}");
+        assert_eq!(v["prefill"]["steps"], 1, "the whole prompt in one step: {v}");
     }
+}
+
+#[test]
+fn bench_engine_prefills_in_chunks_when_asked() {
+    // --prefill-chunk 12: the 32-token prompt takes steps of 12, 12 and 8 tokens.
+    let args = ["bench", "engine", "--batch", "1", "--gen-tokens", "2", "--context", "8", "--prompt-tokens", "32"];
+    let args = [&args[..], &["--max-num-seqs", "2"]].concat();
+    let (code, out, err) = disagg(&[&args[..], &["--repeat", "1", "--prefill-chunk", "12", "--json"]].concat());
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(out.trim()).expect("one JSON object");
+    assert_eq!(v["prefill_chunk"], 12, "{v}");
+    assert_eq!(v["prefill"]["steps"], 3, "{v}");
+    assert!(v["prefill"]["tokens_per_s"].as_f64().is_some_and(|t| t > 0.0), "{v}");
+    // A chunk of no tokens is refused with what to change.
+    let (code, _, err) = disagg(&[&args[..], &["--prefill-chunk", "0"]].concat());
+    assert_ne!(code, 0);
+    assert!(err.contains("--prefill-chunk must be at least 1"), "{err}");
+    // Nor one smaller than a step must take (here the 8-token prompts of the decode batch).
+    let (code, _, err) = disagg(&[&args[..], &["--prefill-chunk", "4"]].concat());
+    assert_ne!(code, 0);
+    assert!(err.contains("--prefill-chunk 4 is below the 9 tokens a step takes"), "{err}");
 }
