@@ -77,9 +77,11 @@ pub struct EngineArgs {
     /// Sequences in one batch at most.
     #[arg(long, default_value_t = 64)]
     pub max_num_seqs: usize,
-    /// Tokens in one step at most (decode tokens plus prefill chunks).
-    #[arg(long, default_value_t = 512)]
-    pub max_batched_tokens: usize,
+    /// Tokens in one step at most (decode tokens plus prefill chunks). Default: 512 on
+    /// the CPU; on CUDA 8192 where the GPU has at least 70 GiB, else 2048 (vLLM's server
+    /// defaults); never below --max-num-seqs.
+    #[arg(long)]
+    pub max_batched_tokens: Option<usize>,
     /// Context length limit (default: the model's).
     #[arg(long, default_value_t = 0)]
     pub max_model_len: usize,
@@ -105,11 +107,13 @@ impl EngineArgs {
             ("--kv-dtype", self.kv_dtype.clone()),
             ("--block-size", self.block_size.to_string()),
             ("--max-num-seqs", self.max_num_seqs.to_string()),
-            ("--max-batched-tokens", self.max_batched_tokens.to_string()),
             ("--max-model-len", self.max_model_len.to_string()),
             ("--host-cache-mib", self.host_cache_mib.to_string()),
         ]);
         let mut v: Vec<String> = v.into_iter().flat_map(|(k, x)| [k.to_string(), x]).collect();
+        if let Some(n) = self.max_batched_tokens {
+            v.extend(["--max-batched-tokens".into(), n.to_string()]);
+        }
         if self.no_enable_prefix_caching {
             v.push("--no-enable-prefix-caching".into());
         }
@@ -120,14 +124,15 @@ impl EngineArgs {
     }
 
     pub fn options(&self) -> anyhow::Result<EngineOptions> {
-        let device = if let Some(n) = self.device.strip_prefix("cuda:") {
+        // (The step budget's default: the CPU's, or on CUDA by the GPU's memory.)
+        let (device, step_tokens) = if let Some(n) = self.device.strip_prefix("cuda:") {
             let ordinal: usize =
                 n.parse().map_err(|_| anyhow::anyhow!("--device {}: give cuda:N with N a number", self.device))?;
             // A missing driver or device is reported as such, before any loading.
-            kernels::cuda::CudaDevice::open(ordinal)?;
-            engine::load::Device::Cuda(ordinal)
+            let dev = kernels::cuda::CudaDevice::open(ordinal)?;
+            (engine::load::Device::Cuda(ordinal), cuda_step_tokens(dev.mem_info()?.1))
         } else if self.device == "cpu" {
-            engine::load::Device::Cpu
+            (engine::load::Device::Cpu, EngineOptions::default().max_batched_tokens)
         } else {
             anyhow::bail!("--device {} is not a device; use cpu or cuda:N", self.device);
         };
@@ -141,7 +146,7 @@ impl EngineArgs {
             kv_dtype,
             block_size: self.block_size,
             max_num_seqs: self.max_num_seqs,
-            max_batched_tokens: self.max_batched_tokens,
+            max_batched_tokens: self.max_batched_tokens.unwrap_or(step_tokens.max(self.max_num_seqs)),
             max_model_len: self.max_model_len,
             prefix_caching: !self.no_enable_prefix_caching,
             gpu_memory_utilization: self.gpu_memory_utilization,
@@ -150,6 +155,16 @@ impl EngineArgs {
         };
         o.validate()?;
         Ok(o)
+    }
+}
+
+/// The default step budget on a CUDA device of `total_bytes` of memory: vLLM's server
+/// defaults, 8192 tokens from 70 GiB (H100, H200) and 2048 below.
+fn cuda_step_tokens(total_bytes: usize) -> usize {
+    if total_bytes >= 70 << 30 {
+        8192
+    } else {
+        2048
     }
 }
 
@@ -172,5 +187,16 @@ fn main() {
     if let Err(e) = result {
         eprintln!("error: {e:#}");
         std::process::exit(1);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn cuda_step_budget_follows_the_gpus_memory() {
+        // H200 (141 GiB) and H100 (80 GiB) take vLLM's large default; smaller cards 2048.
+        for (gib, want) in [(141usize, 8192), (80, 8192), (70, 8192), (48, 2048), (24, 2048)] {
+            assert_eq!(super::cuda_step_tokens(gib << 30), want, "{gib} GiB");
+        }
     }
 }

@@ -444,6 +444,11 @@ pub(crate) fn cluster_resident_blocks(
 }
 
 impl CudaDevice {
+    /// The device's free and total memory in bytes.
+    pub fn mem_info(&self) -> Result<(usize, usize), KernelError> {
+        self.ctx.mem_get_info().map_err(dev_err)
+    }
+
     /// Opens `cuda:ordinal`; the error says what is missing and what to use instead.
     pub fn open(ordinal: usize) -> Result<CudaDevice, KernelError> {
         // SAFETY: only asks the loader whether the library exists (CudaContext::new
