@@ -59,7 +59,7 @@ pub struct EngineBenchArgs {
     /// Prefill the timed prompt in steps of at most this many tokens (chunked prefill, as
     /// vLLM's `max_num_batched_tokens`; the peers' long-context script uses 16384); the
     /// prefill time is then up to the prompt's first token. Default: the whole prompt in
-    /// one step.
+    /// one step. (The bench sets the step budget itself: not with --max-batched-tokens.)
     #[arg(long)]
     prefill_chunk: Option<usize>,
     /// Print JSON (the only output format; accepted for symmetry with other commands).
@@ -128,10 +128,13 @@ fn engine_bench(a: EngineBenchArgs) -> anyhow::Result<()> {
     let batch_prompts = (max_batch * a.context).min(16384).max(a.context + max_batch);
     let step_floor = opts.max_num_seqs.max(batch_prompts);
     let prefill_step = match a.prefill_chunk {
+        Some(_) if a.engine.max_batched_tokens.is_some() => {
+            anyhow::bail!("give --prefill-chunk or --max-batched-tokens, not both: the bench sets the step budget")
+        }
         Some(0) => anyhow::bail!("--prefill-chunk must be at least 1 token"),
         Some(n) if n < step_floor && n < a.prompt_tokens => anyhow::bail!(
-            "--prefill-chunk {n} is below the {step_floor} tokens a step takes here (--max-num-seqs {}, and the \
-             decode batches' prompts, --batch × --context, {batch_prompts}); raise it, or lower those flags",
+            "--prefill-chunk {n} is below the {step_floor} tokens a step takes here (--max-num-seqs {}, and a \
+             decode batch's prompt beside its other rows, {batch_prompts}); raise it, or lower those flags",
             opts.max_num_seqs
         ),
         Some(n) => n.min(a.prompt_tokens),

@@ -78,8 +78,8 @@ pub struct EngineArgs {
     #[arg(long, default_value_t = 64)]
     pub max_num_seqs: usize,
     /// Tokens in one step at most (decode tokens plus prefill chunks). Default: 512 on
-    /// the CPU; on CUDA 8192 where the GPU has at least 70 GiB, else 2048 (vLLM's server
-    /// defaults); never below --max-num-seqs.
+    /// the CPU; on CUDA 8192 where the GPU has at least 70 GiB and is not an A100, else
+    /// 2048 (vLLM's server defaults); never below --max-num-seqs.
     #[arg(long)]
     pub max_batched_tokens: Option<usize>,
     /// Context length limit (default: the model's).
@@ -101,7 +101,11 @@ pub struct EngineArgs {
 impl EngineArgs {
     /// These flags as arguments for a child `disagg` process, with `threads` threads.
     pub fn to_args(&self, threads: usize) -> Vec<String> {
-        let mut v = vec![("--model", self.model.clone()), ("--threads", threads.to_string())];
+        let mut v = vec![
+            ("--model", self.model.clone()),
+            ("--device", self.device.clone()),
+            ("--threads", threads.to_string()),
+        ];
         v.extend([
             ("--kv-cache-mib", self.kv_cache_mib.to_string()),
             ("--kv-dtype", self.kv_dtype.clone()),
@@ -130,7 +134,7 @@ impl EngineArgs {
                 n.parse().map_err(|_| anyhow::anyhow!("--device {}: give cuda:N with N a number", self.device))?;
             // A missing driver or device is reported as such, before any loading.
             let dev = kernels::cuda::CudaDevice::open(ordinal)?;
-            (engine::load::Device::Cuda(ordinal), cuda_step_tokens(dev.mem_info()?.1))
+            (engine::load::Device::Cuda(ordinal), cuda_step_tokens(dev.mem_info()?.1, &dev.name))
         } else if self.device == "cpu" {
             (engine::load::Device::Cpu, EngineOptions::default().max_batched_tokens)
         } else {
@@ -158,10 +162,11 @@ impl EngineArgs {
     }
 }
 
-/// The default step budget on a CUDA device of `total_bytes` of memory: vLLM's server
-/// defaults, 8192 tokens from 70 GiB (H100, H200) and 2048 below.
-fn cuda_step_tokens(total_bytes: usize) -> usize {
-    if total_bytes >= 70 << 30 {
+/// The default step budget on the CUDA device `name` of `total_bytes` of memory: vLLM's
+/// server defaults, 8192 tokens from 70 GiB (H100, H200) and 2048 below and on A100s (where
+/// vLLM measured the larger budget lose throughput).
+fn cuda_step_tokens(total_bytes: usize, name: &str) -> usize {
+    if total_bytes >= 70 << 30 && !name.to_lowercase().contains("a100") {
         8192
     } else {
         2048
@@ -194,9 +199,17 @@ fn main() {
 mod tests {
     #[test]
     fn cuda_step_budget_follows_the_gpus_memory() {
-        // H200 (141 GiB) and H100 (80 GiB) take vLLM's large default; smaller cards 2048.
-        for (gib, want) in [(141usize, 8192), (80, 8192), (70, 8192), (48, 2048), (24, 2048)] {
-            assert_eq!(super::cuda_step_tokens(gib << 30), want, "{gib} GiB");
+        // H200 (141 GiB) and H100 (80 GiB) take vLLM's large default; smaller cards and
+        // the A100 2048.
+        let cards = [
+            ("NVIDIA H200", 141usize, 8192),
+            ("NVIDIA H100 80GB HBM3", 80, 8192),
+            ("NVIDIA A100-SXM4-80GB", 80, 2048),
+            ("NVIDIA L40S", 48, 2048),
+            ("NVIDIA RTX A5000", 24, 2048),
+        ];
+        for (name, gib, want) in cards {
+            assert_eq!(super::cuda_step_tokens(gib << 30, name), want, "{name}");
         }
     }
 }

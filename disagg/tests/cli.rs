@@ -262,4 +262,8 @@ fn bench_engine_prefills_in_chunks_when_asked() {
     let (code, _, err) = disagg(&[&args[..], &["--prefill-chunk", "4"]].concat());
     assert_ne!(code, 0);
     assert!(err.contains("--prefill-chunk 4 is below the 9 tokens a step takes"), "{err}");
+    // And the step budget is the bench's to set.
+    let (code, _, err) = disagg(&[&args[..], &["--prefill-chunk", "12", "--max-batched-tokens", "64"]].concat());
+    assert_ne!(code, 0);
+    assert!(err.contains("give --prefill-chunk or --max-batched-tokens, not both"), "{err}");
 }
