@@ -327,14 +327,15 @@ fn run_batch<B: Backend>(
         let ts = Instant::now();
         let outs = core.step();
         let dt = ts.elapsed().as_secs_f64();
+        let ran = core.stats().forward_tokens - tokens_before;
         // (Steps that ran tokens: with asynchronous scheduling the first token comes back
         // from the step call after its prefill's last.)
-        if first_step_s.is_none() && core.stats().forward_tokens > tokens_before {
+        if first_step_s.is_none() && ran > 0 {
             first_steps += 1;
         }
         // Whole-batch decode: every sequence output a later token, and the step computed
         // one token per sequence (not a preempted sequence's recompute).
-        let one_each = core.stats().forward_tokens - tokens_before == n as u64;
+        let one_each = ran == n as u64;
         if first_step_s.is_some() && one_each && outs.len() == n && outs.iter().all(|o| o.completion_tokens > 1) {
             full_steps += 1;
             full_steps_s += dt;

@@ -1345,7 +1345,7 @@ impl CudaBackend {
 
     /// Free and total device memory, in bytes.
     pub fn mem_info(&self) -> Result<(usize, usize), KernelError> {
-        self.dev.context().mem_get_info().map_err(dev_err)
+        self.dev.mem_info()
     }
 
     /// An out-of-memory error naming what did not fit, the bytes it needed (when known)
