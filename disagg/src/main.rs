@@ -86,7 +86,8 @@ pub struct EngineArgs {
     #[arg(long, default_value_t = 0)]
     pub max_model_len: usize,
     /// CUDA: size the KV cache so the engine uses this fraction of the GPU's memory
-    /// (weights, activations and KV), instead of --kv-cache-mib.
+    /// (its weights, activations and KV; other processes on the GPU are not counted),
+    /// instead of --kv-cache-mib.
     #[arg(long)]
     pub gpu_memory_utilization: Option<f64>,
     /// Do not keep computed KV blocks for reuse by requests with the same prefix.

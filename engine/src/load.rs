@@ -225,6 +225,11 @@ pub fn cuda_engine(opts: &EngineOptions) -> Result<EngineCore<kernels::cuda::Cud
         None => kernels::cuda::CudaBackend::bf16_weights_from_env().map_err(|e| EngineError::Model(e.to_string()))?,
     };
     let backend = kernels::cuda::CudaBackend::new(ordinal, bf16).map_err(|e| EngineError::Model(e.to_string()))?;
+    let mem = || backend.mem_info().map_err(|e| EngineError::Model(e.to_string()));
+    // What is free before the weights: the engine's own use is measured from here, so
+    // that another process on the device (a second worker of `disagg up`) is not
+    // counted against this engine's fraction.
+    let free_at_start = if opts.gpu_memory_utilization.is_some() { mem()?.0 } else { 0 };
     let source = resolve(&opts.model)?;
     let (model, tokenizer) = load_model(&backend, &source, |l| l.n_bytes())?;
     let Some(frac) = opts.gpu_memory_utilization else {
@@ -233,7 +238,7 @@ pub fn cuda_engine(opts: &EngineOptions) -> Result<EngineCore<kernels::cuda::Cud
     // The memory plan: weights are loaded; activations are estimated from the
     // workspace's shape; the KV cache takes what the fraction leaves.
     let mib = |b: f64| b / (1u64 << 20) as f64;
-    let (free, total) = backend.mem_info().map_err(|e| EngineError::Model(e.to_string()))?;
+    let (free, total) = mem()?;
     let c = &model.cfg;
     let (t, s) = (opts.max_batched_tokens as f64, opts.max_num_seqs as f64);
     let qkv = ((c.n_heads + 2 * c.n_kv_heads) * c.head_dim) as f64;
@@ -242,31 +247,90 @@ pub fn cuda_engine(opts: &EngineOptions) -> Result<EngineCore<kernels::cuda::Cud
     let activations = 4.0 * (t * per_token + s * (2.0 * c.hidden as f64 + c.vocab as f64)) + 2.0 * t * widest;
     // cuBLAS workspace, step metadata and attention scratch.
     let margin = 512.0 * (1u64 << 20) as f64;
-    let used = (total - free) as f64;
-    let kv = frac * total as f64 - used - activations - margin;
+    let plan = GpuMemPlan { frac, total, free_at_start, free, activations: activations + margin };
+    let kv = plan.kv_bytes();
     let block = (c.n_layers * 2 * opts.block_size * c.n_kv_heads * c.head_dim * opts.kv_dtype.bytes()) as f64;
     if kv < block {
+        let others = if plan.free_bound() {
+            format!(
+                "; only {:.0} MiB of the device is free (the CUDA context and other processes hold {:.0} MiB): free it, or run this \
+                 engine on another device",
+                mib(free as f64),
+                mib(plan.others() as f64)
+            )
+        } else {
+            String::new()
+        };
         return Err(EngineError::Model(format!(
             "out of GPU memory for the KV cache: --gpu-memory-utilization {frac} of {:.0} MiB leaves {:.0} MiB after \
-             weights and context ({:.0} MiB in use) and activations (~{:.0} MiB for --max-batched-tokens {} / \
-             --max-num-seqs {}); raise --gpu-memory-utilization or lower those flags",
+             this engine's weights ({:.0} MiB) and activations (~{:.0} MiB for --max-batched-tokens {} / \
+             --max-num-seqs {}){others}; raise --gpu-memory-utilization or lower those flags",
             mib(total as f64),
             mib(kv.max(0.0)),
-            mib(used),
-            mib(activations + margin),
+            mib(plan.own() as f64),
+            mib(plan.activations),
             opts.max_batched_tokens,
             opts.max_num_seqs
         )));
     }
+    if plan.free_bound() {
+        tracing::warn!(
+            free_mib = mib(free as f64) as u64,
+            others_mib = mib(plan.others() as f64) as u64,
+            "the KV cache is held to the device's free memory, below --gpu-memory-utilization {frac}"
+        );
+    }
     tracing::info!(
         total_mib = mib(total as f64) as u64,
-        weights_and_context_mib = mib(used) as u64,
-        activations_mib = mib(activations + margin) as u64,
+        weights_mib = mib(plan.own() as f64) as u64,
+        others_mib = mib(plan.others() as f64) as u64,
+        activations_mib = mib(plan.activations) as u64,
         kv_cache_mib = mib(kv) as u64,
         "GPU memory plan at --gpu-memory-utilization {frac}"
     );
     let sized = EngineOptions { kv_cache_mib: (kv / (1u64 << 20) as f64) as usize, ..opts.clone() };
     build_engine(backend, model, tokenizer, &sized)
+}
+
+/// The KV cache's share of a device under `--gpu-memory-utilization`, as vLLM reads the
+/// flag: the fraction is this engine's own (two engines on one device at 0.45 each both
+/// fit), so its budget is `frac × total`, less what its weights took (free memory before
+/// them less free memory after) and its activations; and never more than is free now,
+/// less the activations. (The CUDA context and the backend's start-up buffers, made
+/// before the first reading, are not counted in the budget.)
+struct GpuMemPlan {
+    frac: f64,
+    total: usize,
+    /// Free bytes before the weights were loaded, and now.
+    free_at_start: usize,
+    free: usize,
+    /// Activations and scratch still to allocate, bytes.
+    activations: f64,
+}
+
+impl GpuMemPlan {
+    /// Bytes this engine holds: its weights.
+    fn own(&self) -> usize {
+        self.free_at_start.saturating_sub(self.free)
+    }
+    /// Bytes held before the weights: the CUDA context and other processes.
+    fn others(&self) -> usize {
+        self.total.saturating_sub(self.free_at_start)
+    }
+    fn budget(&self) -> f64 {
+        self.frac * self.total as f64 - self.own() as f64 - self.activations
+    }
+    fn room(&self) -> f64 {
+        self.free as f64 - self.activations
+    }
+    /// Bytes for the KV cache (below zero: none).
+    fn kv_bytes(&self) -> f64 {
+        self.budget().min(self.room())
+    }
+    /// Whether the device's free memory, not the fraction, limits the cache.
+    fn free_bound(&self) -> bool {
+        self.room() < self.budget()
+    }
 }
 
 /// Builds the engine on `opts.device` and runs it on its own thread.
@@ -328,4 +392,39 @@ pub fn build_engine<B: Backend>(
         host_cache_blocks: (opts.host_cache_mib << 20) / (shape.n_layers * shape.block_bytes_per_layer()),
     };
     Ok(EngineCore::new(backend, model, Arc::new(tokenizer), cfg, ws, kv))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::GpuMemPlan;
+
+    const GIB: usize = 1 << 30;
+
+    #[test]
+    fn gpu_memory_fraction_is_the_engines_own() {
+        // One engine alone on a 140 GiB device: 1 GiB of context, 16 GiB of weights.
+        let alone = GpuMemPlan {
+            frac: 0.9,
+            total: 140 * GIB,
+            free_at_start: 139 * GIB,
+            free: 123 * GIB,
+            activations: 3.0 * GIB as f64,
+        };
+        assert_eq!(alone.own(), 16 * GIB);
+        assert!(!alone.free_bound());
+        assert_eq!(alone.kv_bytes(), 0.9 * (140 * GIB) as f64 - (19 * GIB) as f64);
+        // A second engine at 0.45 after a first took 0.45 (63 GiB): its share does not
+        // count the first's memory.
+        let second = GpuMemPlan { frac: 0.45, free_at_start: 76 * GIB, free: 60 * GIB, ..alone };
+        assert!(!second.free_bound());
+        assert_eq!(second.kv_bytes(), 0.45 * (140 * GIB) as f64 - (19 * GIB) as f64);
+        // At 0.9 after the first, the free memory is the limit, and the plan says so.
+        let greedy = GpuMemPlan { frac: 0.9, ..second };
+        assert!(greedy.free_bound());
+        assert_eq!(greedy.kv_bytes(), (57 * GIB) as f64);
+        assert_eq!(greedy.others(), 64 * GIB);
+        // Too little left for anything: below zero.
+        let full = GpuMemPlan { free_at_start: 18 * GIB, free: 2 * GIB, ..greedy };
+        assert!(full.kv_bytes() < 0.0);
+    }
 }
