@@ -188,6 +188,7 @@ fn bench_core<B: Backend>(
     for &b in &a.batch {
         let mut rates = Vec::new();
         let mut step_ms = Vec::new();
+        let mut first_tokens_s = Vec::new();
         let mut ops = OpTimes::new();
         let mut op_steps = 0;
         if !a.no_warmup {
@@ -210,6 +211,7 @@ fn bench_core<B: Backend>(
             let ms = t.full_steps_s * 1e3 / t.full_steps as f64;
             rates.push(b as f64 / (ms * 1e-3));
             step_ms.push(ms);
+            first_tokens_s.push(t.first_step_s);
             for (op, (secs, calls)) in t.full_step_ops {
                 add_op(&mut ops, op, secs, calls);
             }
@@ -222,6 +224,10 @@ fn bench_core<B: Backend>(
             "batch": b,
             "tokens_per_s": median(rates),
             "ms_per_step": median(step_ms),
+            // Until every sequence had its first token: the batch's prefill steps (with
+            // a step budget below the batch's prompts, later prompts prefill beside the
+            // decoding of earlier ones).
+            "first_tokens_s": median(first_tokens_s),
             "gpu_gap_us_per_step": gap_us,
             // Per-op time of the timed steps (DISAGG_CUDA_PROFILE; every op synchronized), and
             // on CUDA always the GPU's time between steps.

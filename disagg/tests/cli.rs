@@ -239,6 +239,7 @@ fn bench_engine_times_prefill_and_decode_in_either_order() {
         let batches: Vec<u64> = decode.iter().map(|d| d["batch"].as_u64().unwrap()).collect();
         assert_eq!(batches, [1, 2], "{v}");
         assert!(decode.iter().all(|d| d["ms_per_step"].as_f64().is_some_and(|m| m > 0.0 && m.is_finite())), "{v}");
+        assert!(decode.iter().all(|d| d["first_tokens_s"].as_f64().is_some_and(|s| s > 0.0 && s.is_finite())), "{v}");
         assert_eq!(v["prefill"]["steps"], 1, "the whole prompt in one step: {v}");
     }
 }

@@ -342,7 +342,8 @@ pub struct CudaBackend {
     pos: CudaSlice<i32>,
     table_off: CudaSlice<i32>,
     tables: CudaSlice<u32>,
-    /// The longest context among this step's tokens.
+    /// The longest context among this step's tokens (a split FP8 step: among those of
+    /// its flash launch, not the keys-on-M one's).
     max_ctx: usize,
     /// Split-K attention: keys per block (0: off), and the partials' scratch.
     attn_chunk: usize,
@@ -353,6 +354,11 @@ pub struct CudaBackend {
     fp8_f16_copy: bool,
     step_fp8_copy: bool,
     step_table_blocks: usize,
+    /// FP8 cache, a step that prefills beside one-row spans (`DISAGG_CUDA_FP8_SPLIT=1`):
+    /// those rows to the FP8 keys-on-M kernel in a launch of their own, and only the
+    /// prefilling sequences' blocks to the f16 copy. `step_km_part`: that launch.
+    fp8_split: bool,
+    step_km_part: Option<KmPart>,
     kv_copy: CudaSlice<u16>,
     iota: CudaSlice<u32>,
     /// Each token's RoPE cos/sin (head_dim floats: cos, sin per pair) as the grouped RoPE
@@ -373,7 +379,8 @@ pub struct CudaBackend {
     ids: CudaSlice<u32>,
     rows: CudaSlice<u32>,
     n_step: usize,
-    /// This step's longest context, on the device (the split-K chunk is made from it).
+    /// This step's longest context, on the device (the split-K chunk is made from it), and
+    /// a split FP8 step's keys-on-M rows' longest.
     max_ctx_dev: CudaSlice<i32>,
     /// The KV cache holds f16 (the flash kernels' element type) or FP8 (the keys-on-M
     /// decode kernel's other one).
@@ -578,6 +585,18 @@ fn km_kernel(head_dim: usize, fp8: bool) -> &'static str {
     }
 }
 
+/// The keys-on-M launch of a split FP8 step (`CudaBackend::fp8_split`): its tiles (one
+/// row each) at `at..at + n` of the step's tiles, after the other kernel's; its kernel,
+/// and its key splits, merged in clusters when more than one.
+#[derive(Clone, Copy, Debug)]
+struct KmPart {
+    at: usize,
+    n: usize,
+    kernel: &'static str,
+    splits: usize,
+    cluster: bool,
+}
+
 /// Key splits for `units` blocks of attention work over `chunks` chunks of keys, when
 /// `slots` blocks fit on the GPU at once: the split count (≤ `chunks`) with the least
 /// time in a model where each wave of resident blocks costs its chunks plus one
@@ -591,20 +610,24 @@ fn km_kernel(head_dim: usize, fp8: bool) -> &'static str {
 /// `slots`. The splits then either merge in clusters, at that residency, or run apart at
 /// `slots` for one unit more (the merge's own launch). Returns the split count and
 /// whether the splits merge in clusters; on a tie the fewer splits win, then the cluster.
+/// Without `apart`, splits merge in clusters or there is one (a launch that has no
+/// partials' scratch for its rows).
 fn attn_splits_by_waves(
     units: usize,
     chunks: usize,
     slots: usize,
     max_splits: usize,
     clustered: &[usize],
+    apart: bool,
 ) -> (usize, bool) {
     let units = units.max(1);
     let cost = |s: usize, slots: usize| (units * s).div_ceil(slots.max(1)) * (chunks.div_ceil(s) + 1);
     (1..=chunks.min(max_splits).max(1))
         .flat_map(|s| {
             let merged = (s > 1 && s < clustered.len()).then(|| (cost(s, clustered[s]), s, true));
-            let apart = (cost(s, slots) + usize::from(s > 1 && !clustered.is_empty()), s, false);
-            merged.into_iter().chain(std::iter::once(apart))
+            let apart =
+                (apart || s == 1).then(|| (cost(s, slots) + usize::from(s > 1 && !clustered.is_empty()), s, false));
+            merged.into_iter().chain(apart)
         })
         .min_by_key(|&(c, s, merged)| (c, s, !merged))
         .map_or((1, false), |(_, s, merged)| (s, merged))
@@ -760,7 +783,7 @@ impl CudaBackend {
             ids: stream.alloc_zeros::<u32>(1).map_err(dev_err)?,
             rows: stream.alloc_zeros::<u32>(1).map_err(dev_err)?,
             n_step: 0,
-            max_ctx_dev: stream.alloc_zeros::<i32>(1).map_err(dev_err)?,
+            max_ctx_dev: stream.alloc_zeros::<i32>(2).map_err(dev_err)?,
             kv_f16: Default::default(),
             kv_fp8: Default::default(),
             step_flash: false,
@@ -811,6 +834,8 @@ impl CudaBackend {
             fp8_f16_copy: !off(crate::env::CUDA_FP8_F16_COPY),
             step_fp8_copy: false,
             step_table_blocks: 0,
+            fp8_split: std::env::var(crate::env::CUDA_FP8_SPLIT).is_ok_and(|v| v == "1"),
+            step_km_part: None,
             kv_copy: stream.alloc_zeros::<u16>(1).map_err(dev_err)?,
             iota: stream.alloc_zeros::<u32>(1).map_err(dev_err)?,
             rope_cs: z(1)?,
@@ -935,6 +960,20 @@ impl CudaBackend {
     /// `begin_step`).
     pub fn step_fp8_copy(&self) -> bool {
         self.step_fp8_copy
+    }
+
+    /// With an FP8 cache, a step that prefills beside one-row spans (decoding sequences)
+    /// launches the FP8 keys-on-M kernel for those rows and copies only the prefilling
+    /// sequences' blocks to f16 (default: off unless `DISAGG_CUDA_FP8_SPLIT=1`; it needs
+    /// the keys-on-M kernel and its clusters, else the whole step takes the copy).
+    pub fn set_fp8_split(&mut self, on: bool) {
+        self.set_switch(on, |b| &mut b.fp8_split);
+    }
+
+    /// This step's keys-on-M launch beside its other kernel (a split FP8 step): its
+    /// kernel, rows and key splits (set by `begin_step`).
+    pub fn step_km_part(&self) -> Option<(&'static str, usize, usize)> {
+        self.step_km_part.map(|p| (p.kernel, p.n, p.splits))
     }
 
     /// The flash kernel this step launches (set by `begin_step`; "" where the step takes
@@ -1400,21 +1439,31 @@ impl CudaBackend {
     /// (tokens × query heads) bounds the partials), or by the earlier rule: split-K only
     /// when the `units` (blocks of work) alone leave SMs idle, enough to give every SM
     /// two blocks. `clustered`: the blocks resident at once when s splits launch as a
-    /// cluster that merges them (empty: the kernel never does). Returns the split count and
+    /// cluster that merges them (empty: the kernel never does). `pp`: the launch is the
+    /// warp-specialized kernel's; `max_ctx`: its longest context; without `apart`, splits
+    /// only in clusters (see [`attn_splits_by_waves`]). Returns the split count and
     /// whether the splits merge in clusters.
-    fn attn_splits(&self, units: usize, blocks_per_sm: usize, rows: usize, clustered: &[usize]) -> (usize, bool) {
+    fn attn_splits(
+        &self,
+        units: usize,
+        blocks_per_sm: usize,
+        rows: usize,
+        clustered: &[usize],
+        (pp, max_ctx, apart): (bool, usize, bool),
+    ) -> (usize, bool) {
         if self.attn_chunk == 0 {
             return (1, false);
         }
         // (The warp-specialized kernel splits at multiples of its 128-key tiles.)
-        let chunk = if self.step_pp { self.attn_chunk.next_multiple_of(128) } else { self.attn_chunk };
-        let chunks = self.max_ctx.div_ceil(chunk).max(1);
+        let chunk = if pp { self.attn_chunk.next_multiple_of(128) } else { self.attn_chunk };
+        let chunks = max_ctx.div_ceil(chunk).max(1);
         if self.attn_waves {
             let max_splits = (ATTN_PART_ROWS_PER_SM * self.n_sms / rows.max(1)).min(64);
-            return attn_splits_by_waves(units, chunks, self.n_sms * blocks_per_sm, max_splits, clustered);
+            return attn_splits_by_waves(units, chunks, self.n_sms * blocks_per_sm, max_splits, clustered, apart);
         }
         let want = (2 * self.n_sms).div_ceil(units.max(1));
         let s = if want > 1 { want.min(chunks) } else { 1 };
+        let s = if apart { s } else { s.min(clustered.len().saturating_sub(1)).max(1) };
         (s, s > 1 && s < clustered.len())
     }
 
@@ -1932,6 +1981,16 @@ impl CudaBackend {
                 self.attn_part = st.alloc_zeros::<f32>(need.next_power_of_two()).expect("CUDA: attention scratch");
             }
         }
+        // The flash kernels' switch bits bar RoPE and clusters (below).
+        let flash_flags = self.flash_lean_loads as i32
+            | (self.flash_wide_merge as i32) << 1
+            | (self.flash_mask_edge as i32) << 2
+            | (bf16_out as i32) << 3
+            | (self.flash_pair_loads as i32) << 4
+            | (self.km_early as i32) << 7
+            | (self.km_bulk as i32) << 8
+            | (self.flash_lazy_rescale as i32) << 9
+            | (self.flash_pp_turns as i32) << 10;
         match &mut kv.layers[layer] {
             c @ (KvBuf::F16(_) | KvBuf::Fp8(_)) if self.step_flash => {
                 let name = self.step_flash_kernel;
@@ -1971,17 +2030,9 @@ impl CudaBackend {
                 // The kernel's switch bits (FLASH_LEAN_LOADS, FLASH_WIDE_MERGE,
                 // FLASH_MASK_EDGE, FLASH_PAIR_LOADS in ops.cu), and
                 // FLASH_OUT_BF16: the bf16 GEMM scratch in place of `out`.
-                let flags = self.flash_lean_loads as i32
-                    | (self.flash_wide_merge as i32) << 1
-                    | (self.flash_mask_edge as i32) << 2
-                    | (bf16_out as i32) << 3
-                    | (self.flash_pair_loads as i32) << 4
+                let flags = flash_flags
                     | (rope.is_some() as i32) << 5
                     | (cluster as i32) << 6
-                    | (self.km_early as i32) << 7
-                    | (self.km_bulk as i32) << 8
-                    | (self.flash_lazy_rescale as i32) << 9
-                    | (self.flash_pp_turns as i32) << 10
                     | (q_rope.is_some() as i32) << 11;
                 if bf16_out && (!split || cluster) {
                     b.arg(&mut self.x_bf16);
@@ -2062,12 +2113,47 @@ impl CudaBackend {
             if bf16_out {
                 b.arg(&mut self.x_bf16);
             } else {
-                b.arg(out);
+                b.arg(&mut *out);
             }
             let bf16 = i32::from(bf16_out);
             b.arg(&bf16);
             // SAFETY: the partials were written just above for these tokens and heads.
             unsafe { b.launch(mcfg, self.pdl) }.expect("CUDA: attention merge");
+        }
+        // After the merge, which writes every row (a split step's keys-on-M rows too, from
+        // partials no kernel wrote for them).
+        if let Some(part) = self.step_km_part {
+            // A split FP8 step's one-row spans: the FP8 keys-on-M kernel over the cache
+            // itself, their tiles after the others', their own longest context; one
+            // split, or splits merged in clusters (no partials).
+            let KvBuf::Fp8(c8) = &mut kv.layers[layer] else { unreachable!("a split step: an FP8 cache") };
+            assert!(part.splits == 1 || part.cluster, "a split step's keys-on-M launch: clusters only");
+            assert!(rope.is_none() && q_rope.is_none(), "a split step: RoPE before the attention");
+            let cfg = LaunchConfig {
+                grid_dim: (part.n as u32, attn.n_kv_heads as u32, part.splits as u32),
+                block_dim: (super::flash_block_threads(part.kernel) as u32, 1, 1),
+                shared_mem_bytes: super::flash_smem_bytes(part.kernel, attn.head_dim) as u32,
+            };
+            let tiles = self.fa_tiles.slice(4 * part.at..4 * (part.at + part.n));
+            let ctx = self.max_ctx_dev.slice(1..2);
+            let (flags, il) = (flash_flags | i32::from(part.cluster) << 6, 0i32);
+            let mut b = Launch::new(&st, self.dev.func(part.kernel));
+            b.arg(qkv).arg(c8).arg(&half).arg(&tiles).arg(&self.tables);
+            b.arg(&nh).arg(&nkv).arg(&bs).arg(&scale).arg(&ctx);
+            if bf16_out {
+                b.arg(&mut self.x_bf16);
+            } else {
+                b.arg(&mut *out);
+            }
+            b.arg(&mut self.attn_part).arg(&flags);
+            b.arg(&self.inv_freq).arg(&self.slots).arg(&il);
+            if part.cluster {
+                b.cluster((1, 1, part.splits as u32));
+            }
+            // SAFETY: argument types match the kernel; its tiles (one row each) and
+            // their tables index the FP8 cache; its splits merge in clusters, so the
+            // partials' scratch is not written.
+            unsafe { b.launch(cfg, self.pdl) }.expect("CUDA: flash attention (keys on M)");
         }
         self.toc(if self.step_flash { "attention_flash" } else { "attention" }, t);
     }
@@ -2080,11 +2166,50 @@ impl CudaBackend {
         let mut pos = vec![0i32; batch.n_tokens];
         let mut table_off = vec![0i32; batch.n_tokens];
         let mut tables: Vec<u32> = Vec::new();
+        let group = attn.n_heads / attn.n_kv_heads.max(1);
+        // Some sequence computes more than one row (a prompt or a chunk of one).
+        let prefill = batch.seqs.iter().any(|s| s.rows.len() > 1);
+        // An FP8 cache takes its keys-on-M kernel for one-row spans (a group that fits its
+        // MMA's 8 columns): at decode (one token of every sequence) the whole step, and
+        // else the f16 kernels over a copy.
+        let km_fp8_fits = self.kv_fp8.get()
+            && group <= 8
+            && self.flash_decode
+            && self.decode_km
+            && self.dev.smem_fits(km_kernel(attn.head_dim, true));
+        let fp8_km = km_fp8_fits && batch.seqs.iter().all(|s| s.rows.len() == 1);
+        let shape_ok = matches!(attn.head_dim, 64 | 128) && (1..=64).contains(&group);
+        // A split FP8 step: a prompt beside one-row spans, which take the keys-on-M
+        // kernel in a launch of their own with splits merged in clusters (it has no
+        // partials' scratch); the others the f16 kernels over a copy of their blocks alone.
+        let km_clusters = self.attn_cluster && self.km_clustered.contains_key(km_kernel(attn.head_dim, true));
+        let fp8_split = self.fp8_split
+            && self.flash
+            && shape_ok
+            && km_fp8_fits
+            && km_clusters
+            && prefill
+            && batch.seqs.iter().any(|s| s.rows.len() == 1);
+        let km_span = |s: &crate::backend::SeqSpan| fp8_split && s.rows.len() == 1;
+        // (Split: the other spans' tables first, so that the copy holds them alone.)
+        let order: Vec<usize> = (0..batch.seqs.len())
+            .filter(|&i| !km_span(&batch.seqs[i]))
+            .chain((0..batch.seqs.len()).filter(|&i| km_span(&batch.seqs[i])))
+            .collect();
         self.max_ctx = 0;
-        for (s, span) in batch.seqs.iter().enumerate() {
-            self.max_ctx = self.max_ctx.max(span.pos0 + span.rows.len());
+        let (mut km_max_ctx, mut copy_blocks) = (0, 0);
+        for &s in &order {
+            let span = &batch.seqs[s];
+            // (A split step's launches each take their own rows' longest context.)
+            let ctx = span.pos0 + span.rows.len();
             let off = tables.len() as i32;
             tables.extend_from_slice(span.block_table);
+            if km_span(span) {
+                km_max_ctx = km_max_ctx.max(ctx);
+            } else {
+                self.max_ctx = self.max_ctx.max(ctx);
+                copy_blocks = tables.len();
+            }
             for (i, row) in span.rows.clone().enumerate() {
                 let p = span.pos0 + i;
                 slots[row] = batch.slot(s, p) as i64;
@@ -2092,30 +2217,19 @@ impl CudaBackend {
                 table_off[row] = off;
             }
         }
-        let group = attn.n_heads / attn.n_kv_heads.max(1);
-        // Some sequence computes more than one row (a prompt or a chunk of one).
-        let prefill = batch.seqs.iter().any(|s| s.rows.len() > 1);
-        // An FP8 cache takes its keys-on-M kernel at decode (one token of every sequence,
-        // a group that fits its MMA's 8 columns), and else the f16 kernels over a copy.
-        let fp8_km = self.kv_fp8.get()
-            && batch.seqs.iter().all(|s| s.rows.len() == 1)
-            && group <= 8
-            && self.flash_decode
-            && self.decode_km
-            && self.dev.smem_fits(km_kernel(attn.head_dim, true));
-        let shape_ok = matches!(attn.head_dim, 64 | 128) && (1..=64).contains(&group);
-        // Else an f16 copy of the step's blocks, where it fits (made here, outside any
-        // graph: a decode step with the keys-on-M kernel off may be captured); a copy
-        // that does not fit or cannot be made leaves the step to the per-token kernel.
-        let copy_bytes = 2 * 2 * tables.len() * batch.block_size * attn.n_kv_heads * attn.head_dim;
+        // Else an f16 copy of the step's blocks (a split step's other spans' blocks),
+        // where it fits (made here, outside any graph: a decode step with the keys-on-M
+        // kernel off may be captured); a copy that does not fit or cannot be made leaves
+        // the step to the per-token kernel.
+        let copy_bytes = 2 * 2 * copy_blocks * batch.block_size * attn.n_kv_heads * attn.head_dim;
         self.step_fp8_copy = self.flash
             && self.kv_fp8.get()
             && shape_ok
             && !fp8_km
             && self.fp8_f16_copy
             && fp8_copy_wanted(copy_bytes, prefill)
-            && self.fit_fp8_copy(copy_bytes / 2, tables.len());
-        self.step_table_blocks = tables.len();
+            && self.fit_fp8_copy(copy_bytes / 2, copy_blocks);
+        self.step_table_blocks = copy_blocks;
         self.step_flash =
             self.flash && shape_ok && (self.kv_f16.get() || (self.kv_fp8.get() && (fp8_km || self.step_fp8_copy)));
         // Flash tiles: ⌊64 / group⌋ tokens of one sequence each (their rows are the
@@ -2134,21 +2248,26 @@ impl CudaBackend {
             && attn.head_dim == 128
             && self.dev.smem_fits("flash_attn_pp_f16_d128");
         let mut tiles: Vec<[i32; 4]> = Vec::new();
+        // A split step's one-row spans: the keys-on-M launch's tiles, after the others.
+        let mut km_tiles: Vec<[i32; 4]> = Vec::new();
         if self.step_flash {
             let per = if self.step_pp { 128 } else { 64 } / group;
             let mut off = 0i32;
-            for span in batch.seqs {
+            for &s in &order {
+                let span = &batch.seqs[s];
+                let to = if km_span(span) { &mut km_tiles } else { &mut tiles };
                 for r in span.rows.clone().step_by(per) {
                     let rows = (span.rows.end - r).min(per);
-                    tiles.push([r as i32, rows as i32, (span.pos0 + r - span.rows.start) as i32, off]);
+                    to.push([r as i32, rows as i32, (span.pos0 + r - span.rows.start) as i32, off]);
                 }
                 off += span.block_table.len() as i32;
             }
             tiles.sort_by_key(|t| std::cmp::Reverse(t[2] + t[1]));
+            km_tiles.sort_by_key(|t| std::cmp::Reverse(t[2] + t[1]));
         }
         self.step_decode = self.flash_decode && tiles.iter().all(|t| t[1] as usize * group <= 16);
         self.n_fa_tiles = tiles.len();
-        let flat: Vec<i32> = tiles.concat();
+        let flat: Vec<i32> = tiles.iter().chain(&km_tiles).flatten().copied().collect();
         self.n_step = tokens.len();
         let packed = self.staging.packed;
         // Per-buffer uploads: the fed rows' pairs for feed_ids (packed: the ids carry them).
@@ -2164,7 +2283,7 @@ impl CudaBackend {
             + sz(8 * slots.len())
             + sz(4 * (pos.len() + table_off.len()))
             + sz(4 * tables.len())
-            + sz(4)
+            + sz(8)
             + sz(4 * flat.len())
             + sz(4 * fed.len());
         let sg = &mut self.staging;
@@ -2193,7 +2312,8 @@ impl CudaBackend {
         moved |= sg.put(&st, &mut self.pos, &pos);
         moved |= sg.put(&st, &mut self.table_off, &table_off);
         moved |= sg.put(&st, &mut self.tables, &tables);
-        moved |= sg.put(&st, &mut self.max_ctx_dev, &[self.max_ctx as i32]);
+        // (A split step's keys-on-M launch reads the second: its rows' longest context.)
+        moved |= sg.put(&st, &mut self.max_ctx_dev, &[self.max_ctx as i32, km_max_ctx as i32]);
         moved |= sg.put(&st, &mut self.fa_tiles, &flat);
         if packed {
             self.unpack_step(if batch.fed.is_empty() { -1 } else { ids_seg as i32 });
@@ -2237,8 +2357,26 @@ impl CudaBackend {
             Some([driver, full]) if km && self.attn_cluster => &(if self.cluster_waves { driver } else { full })[..],
             _ => &[],
         };
-        (self.step_splits, self.step_cluster) =
-            self.attn_splits(units, per_sm, batch.n_tokens * attn.n_heads, clustered);
+        (self.step_splits, self.step_cluster) = self.attn_splits(
+            units,
+            per_sm,
+            batch.n_tokens * attn.n_heads,
+            clustered,
+            (self.step_pp, self.max_ctx, true),
+        );
+        self.step_km_part = None;
+        if self.step_flash && !km_tiles.is_empty() {
+            let kernel = km_kernel(attn.head_dim, true);
+            let per_sm = self.flash_blocks_per_sm.get(kernel).copied().unwrap_or(1);
+            let clustered = match self.km_clustered.get(kernel) {
+                Some([driver, full]) => &(if self.cluster_waves { driver } else { full })[..],
+                None => &[],
+            };
+            let n = km_tiles.len();
+            let (splits, cluster) =
+                self.attn_splits(n * attn.n_kv_heads, per_sm, n * attn.n_heads, clustered, (false, km_max_ctx, false));
+            self.step_km_part = Some(KmPart { at: tiles.len(), n, kernel, splits, cluster });
+        }
         // (The same token and logit counts can be one token of each sequence or several
         // of fewer: the keys-on-M kernel's bit keeps their graphs apart; and the same
         // splits can merge in clusters or apart.)
@@ -3066,14 +3204,14 @@ mod tests {
     fn attention_splits_fill_whole_waves() {
         // Batch 64 of 1k tokens, 8 KV heads, 396 resident blocks: 2 waves at 65% fill
         // unsplit; 3 splits run 4 waves of a third of the keys.
-        assert_eq!(attn_splits_by_waves(512, 17, 396, 64, &[]), (3, false));
+        assert_eq!(attn_splits_by_waves(512, 17, 396, 64, &[], true), (3, false));
         // Batch 1: every chunk its own block (one wave).
-        assert_eq!(attn_splits_by_waves(8, 17, 396, 64, &[]), (17, false));
+        assert_eq!(attn_splits_by_waves(8, 17, 396, 64, &[], true), (17, false));
         // Batch 256: already many waves, no split.
-        assert_eq!(attn_splits_by_waves(2048, 17, 396, 64, &[]), (1, false));
+        assert_eq!(attn_splits_by_waves(2048, 17, 396, 64, &[], true), (1, false));
         // Bounded by the partials reserved, and by the chunks there are.
-        assert_eq!(attn_splits_by_waves(8, 513, 396, 20, &[]), (20, false));
-        assert_eq!(attn_splits_by_waves(8, 1, 396, 64, &[]), (1, false));
+        assert_eq!(attn_splits_by_waves(8, 513, 396, 20, &[], true), (20, false));
+        assert_eq!(attn_splits_by_waves(8, 1, 396, 64, &[], true), (1, false));
     }
 
     #[test]
@@ -3081,15 +3219,15 @@ mod tests {
         // Batch 1 of 1k keys on 264 slots (the H200's 132 SMs, two blocks each): 9 splits
         // of two chunks merged in the kernel tie with 17 of one and attention_merge, and
         // the fewer win.
-        assert_eq!(attn_splits_by_waves(8, 17, 264, 64, &full(264, 16)), (9, true));
+        assert_eq!(attn_splits_by_waves(8, 17, 264, 64, &full(264, 16), true), (9, true));
         // 8 splits at most in a cluster: those would take three chunks; 17 and the merge
         // cost less.
-        assert_eq!(attn_splits_by_waves(8, 17, 264, 64, &full(264, 8)), (17, false));
+        assert_eq!(attn_splits_by_waves(8, 17, 264, 64, &full(264, 8), true), (17, false));
         // 32k keys: many splits pay for the merge.
-        assert_eq!(attn_splits_by_waves(8, 513, 264, 64, &full(264, 16)), (33, false));
+        assert_eq!(attn_splits_by_waves(8, 513, 264, 64, &full(264, 16), true), (33, false));
         // Batch 16: two splits, merged in the kernel as before by attention_merge.
-        assert_eq!(attn_splits_by_waves(128, 17, 264, 64, &full(264, 16)), (2, true));
-        assert_eq!(attn_splits_by_waves(128, 17, 264, 64, &[]), (2, false));
+        assert_eq!(attn_splits_by_waves(128, 17, 264, 64, &full(264, 16), true), (2, true));
+        assert_eq!(attn_splits_by_waves(128, 17, 264, 64, &[], true), (2, false));
     }
 
     #[test]
@@ -3110,9 +3248,20 @@ mod tests {
         // 264 slots: 4 splits in clusters would take two waves, so they run apart in one
         // and attention_merge merges them.
         let half = vec![132; 17];
-        assert_eq!(attn_splits_by_waves(64, 514, 264, 64, &half), (4, false));
-        assert_eq!(attn_splits_by_waves(64, 514, 264, 64, &full(264, 16)), (4, true));
+        assert_eq!(attn_splits_by_waves(64, 514, 264, 64, &half, true), (4, false));
+        assert_eq!(attn_splits_by_waves(64, 514, 264, 64, &full(264, 16), true), (4, true));
         // Batch 1 of 1k keys: 72 blocks fit either way, and the cluster stays.
-        assert_eq!(attn_splits_by_waves(8, 17, 264, 64, &half), (9, true));
+        assert_eq!(attn_splits_by_waves(8, 17, 264, 64, &half, true), (9, true));
+    }
+
+    #[test]
+    fn attention_splits_without_partials_merge_in_clusters_or_not_at_all() {
+        // A launch with no partials' scratch (a split FP8 step's decode rows): batch 8 of
+        // 32k keys takes 2 splits in clusters where 4 apart would win, batch 1 at 32k 16
+        // (the largest cluster) where 33 apart would, and without clusters one split.
+        let half = vec![132; 17];
+        assert_eq!(attn_splits_by_waves(64, 514, 264, 64, &half, false), (2, true));
+        assert_eq!(attn_splits_by_waves(8, 513, 264, 64, &full(264, 16), false), (16, true));
+        assert_eq!(attn_splits_by_waves(64, 514, 264, 64, &[], false), (1, false));
     }
 }

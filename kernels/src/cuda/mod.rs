@@ -299,6 +299,11 @@ impl<T> KernelParam for &CudaSlice<T> {
         self.device_ptr(st).0
     }
 }
+impl<T> KernelParam for &cudarc::driver::CudaView<'_, T> {
+    fn word(self, st: &CudaStream) -> u64 {
+        self.device_ptr(st).0
+    }
+}
 impl<T> KernelParam for &mut CudaSlice<T> {
     fn word(self, st: &CudaStream) -> u64 {
         self.device_ptr_mut(st).0
