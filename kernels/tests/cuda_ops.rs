@@ -419,7 +419,8 @@ fn fp8_cache_attention_matches_cpu_and_the_f16_kernel() {
         // Random values in [-2, 2) stored as E4M3; the f16 cache holds the same values.
         let b8: Vec<u8> = data(n_blocks * shape8.block_bytes_per_layer(), 11).iter().map(|v| f32_to_e4m3(*v)).collect();
         let b16: Vec<u8> = b8.iter().flat_map(|b| half::f16::from_f32(e4m3_to_f32(*b)).to_le_bytes()).collect();
-        for seqs in MIXED_THEN_DECODE {
+        // (And a decode row with a longer context than the step's prompt.)
+        for seqs in MIXED_THEN_DECODE.into_iter().chain([&[(20, 40), (1200, 1)][..]]) {
             let tables = shuffled_tables(n_blocks, seqs, bs);
             let spans = spans_of(seqs, &tables);
             let n_tokens = spans.last().map_or(0, |s| s.rows.end);
@@ -428,6 +429,10 @@ fn fp8_cache_attention_matches_cpu_and_the_f16_kernel() {
             let rope = Rope { interleaved: false, inv_freq: vec![1.0; hd / 2] };
             let tokens = vec![0u32; n_tokens];
             let decode = seqs.iter().all(|s| s.1 == 1);
+            // The longest context of all rows, and of the prompts' (a split step's flash
+            // launch chunks its keys by the latter).
+            let ctx = |one_row: bool| seqs.iter().filter(|s| one_row || s.1 > 1).map(|s| s.0 + s.1).max();
+            let same_ctx = ctx(true) == ctx(false);
 
             let (want, range) = cpu_attention(shape8, &b8, &qkv, &batch, &attn);
 
@@ -468,6 +473,7 @@ fn fp8_cache_attention_matches_cpu_and_the_f16_kernel() {
                 (true, true, true, true, true, true),
                 (true, true, false, false, true, true),
                 (true, false, true, true, true, true),
+                (true, true, true, true, false, true),
             ];
             // The rows of one-row spans (a split step's keys-on-M launch takes them).
             let one_row: Vec<usize> = spans.iter().filter(|s| s.rows.len() == 1).map(|s| s.rows.start).collect();
@@ -518,10 +524,12 @@ fn fp8_cache_attention_matches_cpu_and_the_f16_kernel() {
                     match f16_runs.iter().find(|(c, k, _, _)| *c == chunk && **k == k16) {
                         Some((_, _, s16, b)) => {
                             // (A split step's keys-on-M rows are held to 1e-3, as that
-                            // kernel is; its other rows keep their bits where their split
-                            // count is the f16 run's.)
+                            // kernel is; its other rows keep their bits where their key
+                            // chunks are the f16 run's: the same split count, and one split
+                            // or the same longest context.)
                             let q = attn.q_dim();
-                            let exact = |i: &usize| !km_rows.contains(&(i / q)) && be.step_splits() == *s16;
+                            let chunks = be.step_splits() == *s16 && (*s16 == 1 || same_ctx);
+                            let exact = |i: &usize| !km_rows.contains(&(i / q)) && chunks;
                             let diff = b
                                 .iter()
                                 .zip(&got)

@@ -2184,6 +2184,7 @@ impl CudaBackend {
         // partials' scratch); the others the f16 kernels over a copy of their blocks alone.
         let km_clusters = self.attn_cluster && self.km_clustered.contains_key(km_kernel(attn.head_dim, true));
         let fp8_split = self.fp8_split
+            && self.fp8_f16_copy
             && self.flash
             && shape_ok
             && km_fp8_fits
@@ -2230,6 +2231,10 @@ impl CudaBackend {
             && fp8_copy_wanted(copy_bytes, prefill)
             && self.fit_fp8_copy(copy_bytes / 2, copy_blocks);
         self.step_table_blocks = copy_blocks;
+        // (A split step without its copy runs the per-token kernel over every row.)
+        if !self.step_fp8_copy {
+            self.max_ctx = self.max_ctx.max(km_max_ctx);
+        }
         self.step_flash =
             self.flash && shape_ok && (self.kv_f16.get() || (self.kv_fp8.get() && (fp8_km || self.step_fp8_copy)));
         // Flash tiles: ⌊64 / group⌋ tokens of one sequence each (their rows are the
