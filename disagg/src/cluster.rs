@@ -502,7 +502,15 @@ pub fn up(a: UpArgs) -> anyhow::Result<()> {
     let workers = a.prefill + a.decode;
     let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
     let threads = if a.engine.threads > 0 { a.engine.threads } else { (cores / workers).max(1) };
-    let e = &a.engine;
+    // On one GPU the workers share vLLM's default fraction of its memory (each worker's
+    // fraction is its own), unless the cache's size was given.
+    let mut e = a.engine.clone();
+    if opts.gpu_memory_utilization.is_some() && e.gpu_memory_utilization.is_none() && e.kv_cache_mib.is_none() {
+        let share = crate::GPU_MEMORY_UTILIZATION_DEFAULT / workers as f64;
+        eprintln!("disagg up: {workers} workers on {}, each at --gpu-memory-utilization {share:.3}", e.device);
+        e.gpu_memory_utilization = Some(share);
+    }
+    let e = &e;
     let engine_args = e.to_args(threads);
     let mut procs: Vec<Proc> = Vec::new();
     let mut etcd_dir = None;

@@ -64,9 +64,11 @@ pub struct EngineArgs {
     /// CPU threads (default: all cores, or DISAGG_THREADS).
     #[arg(long, default_value_t = 0)]
     pub threads: usize,
-    /// Host memory for the KV cache, in MiB.
-    #[arg(long, default_value_t = 512)]
-    pub kv_cache_mib: usize,
+    /// Memory for the KV cache, in MiB (host memory on the CPU, device memory on CUDA).
+    /// Default: 512 on the CPU; on CUDA the cache is sized by --gpu-memory-utilization,
+    /// 0.9 unless given (vLLM's default; `disagg up` shares it among its workers).
+    #[arg(long)]
+    pub kv_cache_mib: Option<usize>,
     /// KV cache element type: f16, f32 or fp8 (E4M3, unscaled; CUDA from compute
     /// capability 8.9, and the CPU backend).
     #[arg(long, default_value = "f16")]
@@ -87,7 +89,7 @@ pub struct EngineArgs {
     pub max_model_len: usize,
     /// CUDA: size the KV cache so the engine uses this fraction of the GPU's memory
     /// (its weights, activations and KV; other processes on the GPU are not counted),
-    /// instead of --kv-cache-mib.
+    /// instead of --kv-cache-mib. Default 0.9 when --kv-cache-mib is not given.
     #[arg(long)]
     pub gpu_memory_utilization: Option<f64>,
     /// Do not keep computed KV blocks for reuse by requests with the same prefix.
@@ -108,7 +110,6 @@ impl EngineArgs {
             ("--threads", threads.to_string()),
         ];
         v.extend([
-            ("--kv-cache-mib", self.kv_cache_mib.to_string()),
             ("--kv-dtype", self.kv_dtype.clone()),
             ("--block-size", self.block_size.to_string()),
             ("--max-num-seqs", self.max_num_seqs.to_string()),
@@ -116,6 +117,9 @@ impl EngineArgs {
             ("--host-cache-mib", self.host_cache_mib.to_string()),
         ]);
         let mut v: Vec<String> = v.into_iter().flat_map(|(k, x)| [k.to_string(), x]).collect();
+        if let Some(n) = self.kv_cache_mib {
+            v.extend(["--kv-cache-mib".into(), n.to_string()]);
+        }
         if let Some(n) = self.max_batched_tokens {
             v.extend(["--max-batched-tokens".into(), n.to_string()]);
         }
@@ -141,26 +145,43 @@ impl EngineArgs {
         } else {
             anyhow::bail!("--device {} is not a device; use cpu or cuda:N", self.device);
         };
+        let (kv_cache_mib, gpu_memory_utilization) =
+            kv_sizing(matches!(device, engine::load::Device::Cuda(_)), self.kv_cache_mib, self.gpu_memory_utilization);
         let kv_dtype = KvDtype::parse(&self.kv_dtype)
             .ok_or_else(|| anyhow::anyhow!("--kv-dtype must be f16, f32 or fp8, got '{}'", self.kv_dtype))?;
         let o = EngineOptions {
             device,
             model: self.model.clone(),
             threads: self.threads,
-            kv_cache_mib: self.kv_cache_mib,
+            kv_cache_mib,
             kv_dtype,
             block_size: self.block_size,
             max_num_seqs: self.max_num_seqs,
             max_batched_tokens: self.max_batched_tokens.unwrap_or(step_tokens.max(self.max_num_seqs)),
             max_model_len: self.max_model_len,
             prefix_caching: !self.no_enable_prefix_caching,
-            gpu_memory_utilization: self.gpu_memory_utilization,
+            gpu_memory_utilization,
             host_cache_mib: self.host_cache_mib,
             ..EngineOptions::default()
         };
         o.validate()?;
         Ok(o)
     }
+}
+
+/// The fraction of a GPU's memory an engine takes when neither `--kv-cache-mib` nor
+/// `--gpu-memory-utilization` is given (vLLM's default).
+pub const GPU_MEMORY_UTILIZATION_DEFAULT: f64 = 0.9;
+
+/// The KV cache's size flags as the engine takes them: `--kv-cache-mib` (512 on the CPU
+/// when not given) and `--gpu-memory-utilization` (which wins where both are given; on
+/// CUDA [`GPU_MEMORY_UTILIZATION_DEFAULT`] when neither is).
+fn kv_sizing(cuda: bool, kv_cache_mib: Option<usize>, utilization: Option<f64>) -> (usize, Option<f64>) {
+    let utilization = match (utilization, kv_cache_mib) {
+        (None, None) if cuda => Some(GPU_MEMORY_UTILIZATION_DEFAULT),
+        (u, _) => u,
+    };
+    (kv_cache_mib.unwrap_or(engine::load::EngineOptions::default().kv_cache_mib), utilization)
 }
 
 /// The default step budget on the CUDA device `name` of `total_bytes` of memory: vLLM's
@@ -212,5 +233,19 @@ mod tests {
         for (name, gib, want) in cards {
             assert_eq!(super::cuda_step_tokens(gib << 30, name), want, "{name}");
         }
+    }
+
+    #[test]
+    fn cuda_kv_cache_fills_the_gpu_unless_sized() {
+        use super::{kv_sizing, GPU_MEMORY_UTILIZATION_DEFAULT as D};
+        // The CPU: 512 MiB unless given; no fraction unless given (which validation refuses).
+        assert_eq!(kv_sizing(false, None, None), (512, None));
+        assert_eq!(kv_sizing(false, Some(64), None), (64, None));
+        assert_eq!(kv_sizing(false, None, Some(0.5)), (512, Some(0.5)));
+        // CUDA: vLLM's 0.9 unless a size or a fraction is given; a given fraction wins.
+        assert_eq!(kv_sizing(true, None, None), (512, Some(D)));
+        assert_eq!(kv_sizing(true, Some(24000), None), (24000, None));
+        assert_eq!(kv_sizing(true, None, Some(0.45)), (512, Some(0.45)));
+        assert_eq!(kv_sizing(true, Some(24000), Some(0.45)), (24000, Some(0.45)));
     }
 }
