@@ -393,6 +393,24 @@ pub(crate) struct Proc {
 
 /// Starts `disagg ARGS…` and waits for its ready line (the one containing `marker`);
 /// returns the process and that line. Later output is passed through.
+/// Has the child get SIGTERM when this process ends, however it ends: a killed `disagg up`
+/// leaves no worker holding a GPU's memory, nor an etcd its port. (The signal follows the
+/// thread that spawned the child; every caller spawns from the main thread, which lives as
+/// long as the process.) The crate's one `unsafe` outside the allocator: `pre_exec`.
+#[allow(unsafe_code)]
+fn dies_with_parent(cmd: &mut Command) -> &mut Command {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: prctl is async-signal-safe, and the closure touches nothing else.
+    unsafe {
+        cmd.pre_exec(|| {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        })
+    }
+}
+
 pub(crate) fn spawn_role(
     name: &str,
     args: &[String],
@@ -400,7 +418,9 @@ pub(crate) fn spawn_role(
     timeout: Duration,
 ) -> anyhow::Result<(Proc, String)> {
     let exe = std::env::current_exe()?;
-    let mut child = Command::new(exe).args(args).stdin(Stdio::null()).stdout(Stdio::piped()).spawn()?;
+    let mut cmd = Command::new(exe);
+    cmd.args(args).stdin(Stdio::null()).stdout(Stdio::piped());
+    let mut child = dies_with_parent(&mut cmd).spawn()?;
     let out = child.stdout.take().expect("piped stdout");
     let (tx, rx) = mpsc::channel();
     let marker = marker.to_string();
@@ -452,16 +472,16 @@ fn start_etcd() -> anyhow::Result<Option<(Proc, String, std::path::PathBuf)>> {
     let dir = std::env::temp_dir().join(format!("disagg-etcd-{}-{client}", std::process::id()));
     let c = format!("http://127.0.0.1:{client}");
     let p = format!("http://127.0.0.1:{peer}");
-    let child = Command::new("etcd")
-        .args(["--name", "disagg", "--data-dir"])
+    let mut cmd = Command::new("etcd");
+    cmd.args(["--name", "disagg", "--data-dir"])
         .arg(&dir)
         .args(["--listen-client-urls", &c, "--advertise-client-urls", &c])
         .args(["--listen-peer-urls", &p, "--initial-advertise-peer-urls", &p])
         .args(["--initial-cluster", &format!("disagg={p}")])
         .stdin(Stdio::null())
         .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()?;
+        .stderr(Stdio::null());
+    let child = dies_with_parent(&mut cmd).spawn()?;
     let mut proc = Proc { name: "etcd".into(), child };
     let deadline = std::time::Instant::now() + Duration::from_secs(15);
     while std::net::TcpStream::connect(("127.0.0.1", client)).is_err() {

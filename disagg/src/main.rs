@@ -65,8 +65,8 @@ pub struct EngineArgs {
     #[arg(long, default_value_t = 0)]
     pub threads: usize,
     /// Memory for the KV cache, in MiB (host memory on the CPU, device memory on CUDA).
-    /// Default: 512 on the CPU; on CUDA the cache is sized by --gpu-memory-utilization,
-    /// 0.9 unless given (vLLM's default; `disagg up` shares it among its workers).
+    /// Default: 512 on the CPU; on CUDA the cache is sized by --gpu-memory-utilization
+    /// instead.
     #[arg(long)]
     pub kv_cache_mib: Option<usize>,
     /// KV cache element type: f16, f32 or fp8 (E4M3, unscaled; CUDA from compute
@@ -89,7 +89,9 @@ pub struct EngineArgs {
     pub max_model_len: usize,
     /// CUDA: size the KV cache so the engine uses this fraction of the GPU's memory
     /// (its weights, activations and KV; other processes on the GPU are not counted),
-    /// instead of --kv-cache-mib. Default 0.9 when --kv-cache-mib is not given.
+    /// instead of --kv-cache-mib (give one of the two). Default when neither is given:
+    /// 0.9 (vLLM's), which `disagg up` divides among its workers; a fraction given to
+    /// `disagg up` is each worker's.
     #[arg(long)]
     pub gpu_memory_utilization: Option<f64>,
     /// Do not keep computed KV blocks for reuse by requests with the same prefix.
@@ -146,7 +148,7 @@ impl EngineArgs {
             anyhow::bail!("--device {} is not a device; use cpu or cuda:N", self.device);
         };
         let (kv_cache_mib, gpu_memory_utilization) =
-            kv_sizing(matches!(device, engine::load::Device::Cuda(_)), self.kv_cache_mib, self.gpu_memory_utilization);
+            kv_sizing(matches!(device, engine::load::Device::Cuda(_)), self.kv_cache_mib, self.gpu_memory_utilization)?;
         let kv_dtype = KvDtype::parse(&self.kv_dtype)
             .ok_or_else(|| anyhow::anyhow!("--kv-dtype must be f16, f32 or fp8, got '{}'", self.kv_dtype))?;
         let o = EngineOptions {
@@ -174,14 +176,21 @@ impl EngineArgs {
 pub const GPU_MEMORY_UTILIZATION_DEFAULT: f64 = 0.9;
 
 /// The KV cache's size flags as the engine takes them: `--kv-cache-mib` (512 on the CPU
-/// when not given) and `--gpu-memory-utilization` (which wins where both are given; on
-/// CUDA [`GPU_MEMORY_UTILIZATION_DEFAULT`] when neither is).
-fn kv_sizing(cuda: bool, kv_cache_mib: Option<usize>, utilization: Option<f64>) -> (usize, Option<f64>) {
+/// when not given) or `--gpu-memory-utilization` (on CUDA
+/// [`GPU_MEMORY_UTILIZATION_DEFAULT`] when neither is given), not both.
+fn kv_sizing(
+    cuda: bool,
+    kv_cache_mib: Option<usize>,
+    utilization: Option<f64>,
+) -> anyhow::Result<(usize, Option<f64>)> {
     let utilization = match (utilization, kv_cache_mib) {
+        (Some(_), Some(_)) => {
+            anyhow::bail!("--kv-cache-mib and --gpu-memory-utilization both size the KV cache; give one of them")
+        }
         (None, None) if cuda => Some(GPU_MEMORY_UTILIZATION_DEFAULT),
         (u, _) => u,
     };
-    (kv_cache_mib.unwrap_or(engine::load::EngineOptions::default().kv_cache_mib), utilization)
+    Ok((kv_cache_mib.unwrap_or(engine::load::EngineOptions::default().kv_cache_mib), utilization))
 }
 
 /// The default step budget on the CUDA device `name` of `total_bytes` of memory: vLLM's
@@ -239,13 +248,17 @@ mod tests {
     fn cuda_kv_cache_fills_the_gpu_unless_sized() {
         use super::{kv_sizing, GPU_MEMORY_UTILIZATION_DEFAULT as D};
         // The CPU: 512 MiB unless given; no fraction unless given (which validation refuses).
-        assert_eq!(kv_sizing(false, None, None), (512, None));
-        assert_eq!(kv_sizing(false, Some(64), None), (64, None));
-        assert_eq!(kv_sizing(false, None, Some(0.5)), (512, Some(0.5)));
-        // CUDA: vLLM's 0.9 unless a size or a fraction is given; a given fraction wins.
-        assert_eq!(kv_sizing(true, None, None), (512, Some(D)));
-        assert_eq!(kv_sizing(true, Some(24000), None), (24000, None));
-        assert_eq!(kv_sizing(true, None, Some(0.45)), (512, Some(0.45)));
-        assert_eq!(kv_sizing(true, Some(24000), Some(0.45)), (24000, Some(0.45)));
+        assert_eq!(kv_sizing(false, None, None).unwrap(), (512, None));
+        assert_eq!(kv_sizing(false, Some(64), None).unwrap(), (64, None));
+        assert_eq!(kv_sizing(false, None, Some(0.5)).unwrap(), (512, Some(0.5)));
+        // CUDA: vLLM's 0.9 unless a size or a fraction is given.
+        assert_eq!(kv_sizing(true, None, None).unwrap(), (512, Some(D)));
+        assert_eq!(kv_sizing(true, Some(24000), None).unwrap(), (24000, None));
+        assert_eq!(kv_sizing(true, None, Some(0.45)).unwrap(), (512, Some(0.45)));
+        // Both: refused, naming the two.
+        for cuda in [false, true] {
+            let e = kv_sizing(cuda, Some(24000), Some(0.45)).unwrap_err().to_string();
+            assert!(e.contains("--kv-cache-mib") && e.contains("--gpu-memory-utilization"), "{e}");
+        }
     }
 }

@@ -719,6 +719,48 @@ fn up_stops_everything_when_one_of_its_processes_dies() {
     }
 }
 
+#[test]
+fn a_killed_up_takes_its_processes_with_it() {
+    // SIGKILL leaves `up` no chance to stop anything: its children must go by themselves.
+    let mut up = Command::new(env!("CARGO_BIN_EXE_disagg"))
+        .args(["up", "--port", "0", "--threads", "1", "--kv-cache-mib", "64"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let out = up.stdout.take().unwrap();
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(out).lines().map_while(Result::ok) {
+            if line.contains("disagg serving") {
+                let _ = tx.send(());
+            }
+        }
+    });
+    rx.recv_timeout(Duration::from_secs(240)).expect("up is ready");
+    let all = Command::new("pgrep").args(["-P", &up.id().to_string()]).output().unwrap();
+    let all: Vec<String> = String::from_utf8_lossy(&all.stdout).split_whitespace().map(String::from).collect();
+    assert!(all.len() >= 3, "a prefill and a decode worker and a router: {all:?}");
+    up.kill().unwrap();
+    up.wait().unwrap();
+    // (A child that ended but that no one reaped yet is a zombie: gone for this purpose.)
+    let running = |pid: &str| {
+        std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .is_ok_and(|st| st.rsplit_once(')').is_some_and(|(_, rest)| !rest.trim_start().starts_with('Z')))
+    };
+    let deadline = Instant::now() + Duration::from_secs(20);
+    for c in all {
+        while running(&c) {
+            if Instant::now() > deadline {
+                let _ = Command::new("kill").args(["-KILL", &c]).status();
+                panic!("process {c} outlived a killed `disagg up`");
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+}
+
 /// Sends raw bytes as a gRPC message (to test what malformed input gets).
 #[derive(Default)]
 struct RawCodec;

@@ -247,24 +247,27 @@ pub fn cuda_engine(opts: &EngineOptions) -> Result<EngineCore<kernels::cuda::Cud
     let activations = 4.0 * (t * per_token + s * (2.0 * c.hidden as f64 + c.vocab as f64)) + 2.0 * t * widest;
     // cuBLAS workspace, step metadata and attention scratch.
     let margin = 512.0 * (1u64 << 20) as f64;
-    let plan = GpuMemPlan { frac, total, free_at_start, free, activations: activations + margin };
+    let plan =
+        GpuMemPlan { frac, total, free_at_start, free, weights: model.weight_bytes, activations: activations + margin };
     let kv = plan.kv_bytes();
     let block = (c.n_layers * 2 * opts.block_size * c.n_kv_heads * c.head_dim * opts.kv_dtype.bytes()) as f64;
     if kv < block {
-        let others = if plan.free_bound() {
+        let advice = if plan.free_bound() {
             format!(
-                "; only {:.0} MiB of the device is free (the CUDA context and other processes hold {:.0} MiB): free it, or run this \
-                 engine on another device",
+                "only {:.0} MiB of the device is free (the CUDA context and other processes hold {:.0} MiB): free \
+                 it, lower the other engines' --gpu-memory-utilization, or run this engine on another device",
                 mib(free as f64),
                 mib(plan.others() as f64)
             )
         } else {
-            String::new()
+            "raise --gpu-memory-utilization (0.9 unless given; `disagg up` divides it among its workers) or lower \
+             those flags"
+                .to_string()
         };
         return Err(EngineError::Model(format!(
             "out of GPU memory for the KV cache: --gpu-memory-utilization {frac} of {:.0} MiB leaves {:.0} MiB after \
              this engine's weights ({:.0} MiB) and activations (~{:.0} MiB for --max-batched-tokens {} / \
-             --max-num-seqs {}){others}; raise --gpu-memory-utilization or lower those flags",
+             --max-num-seqs {}); {advice}",
             mib(total as f64),
             mib(kv.max(0.0)),
             mib(plan.own() as f64),
@@ -304,6 +307,9 @@ struct GpuMemPlan {
     /// Free bytes before the weights were loaded, and now.
     free_at_start: usize,
     free: usize,
+    /// The weights' bytes as the model counts them: a floor under the measured figure,
+    /// which another process freeing memory during the load would lower.
+    weights: usize,
     /// Activations and scratch still to allocate, bytes.
     activations: f64,
 }
@@ -311,7 +317,7 @@ struct GpuMemPlan {
 impl GpuMemPlan {
     /// Bytes this engine holds: its weights.
     fn own(&self) -> usize {
-        self.free_at_start.saturating_sub(self.free)
+        self.free_at_start.saturating_sub(self.free).max(self.weights)
     }
     /// Bytes held before the weights: the CUDA context and other processes.
     fn others(&self) -> usize {
@@ -408,6 +414,7 @@ mod tests {
             total: 140 * GIB,
             free_at_start: 139 * GIB,
             free: 123 * GIB,
+            weights: 15 * GIB,
             activations: 3.0 * GIB as f64,
         };
         assert_eq!(alone.own(), 16 * GIB);
@@ -426,5 +433,10 @@ mod tests {
         // Too little left for anything: below zero.
         let full = GpuMemPlan { free_at_start: 18 * GIB, free: 2 * GIB, ..greedy };
         assert!(full.kv_bytes() < 0.0);
+        // Another process freed 10 GiB during the load: the measure says 6 GiB of
+        // weights, the model 15; the budget counts 15.
+        let freed = GpuMemPlan { free_at_start: 129 * GIB, free: 123 * GIB, ..alone };
+        assert_eq!(freed.own(), 15 * GIB);
+        assert_eq!(freed.kv_bytes(), 0.9 * (140 * GIB) as f64 - (18 * GIB) as f64);
     }
 }
