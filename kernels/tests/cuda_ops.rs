@@ -187,7 +187,9 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
             // the keys-on-M kernel (with every switch on; the cases that switch one off
             // test the flash kernel's decode form), its splits merged in the kernel as
             // thread block clusters (sm_90) and by attention_merge, its first tiles asked
-            // for before waiting for the kernel before and after: the same bits.
+            // for before waiting for the kernel before and after: the same bits. Split, the
+            // mixed step's decode row takes the keys-on-M kernel in a launch of its own
+            // (with clusters; without, the step is not split).
             #[derive(Clone, Copy, PartialEq)]
             struct Flash {
                 on: bool,
@@ -208,6 +210,7 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
                 pp: bool,
                 turns: bool,
                 pp_lean: bool,
+                split: bool,
             }
             let all = Flash {
                 on: true,
@@ -228,6 +231,7 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
                 pp: true,
                 turns: false,
                 pp_lean: true,
+                split: false,
             };
             let sa = Flash { km: false, ..all };
             let cases = [
@@ -250,6 +254,8 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
                 Flash { mask_edge: false, ..sa },
                 Flash { wgmma: false, ..sa },
                 Flash { pair: false, ..sa },
+                Flash { split: true, ..all },
+                Flash { split: true, cluster: false, ..all },
             ];
             let decode = seqs.iter().all(|s| s.1 == 1);
             let mut lazy_ref: Vec<(usize, Vec<u32>)> = Vec::new();
@@ -282,6 +288,7 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
                 be.set_flash_warp_spec(f.pp);
                 be.set_flash_pp_turns(f.turns);
                 be.set_flash_pp_lean(f.pp_lean);
+                be.set_mixed_split(f.split);
                 be.set_attn_chunk(chunk);
                 be.begin_step(&tokens, &batch, &rope, &attn, &[]);
                 // The decode-only step (one token per sequence) takes the keys-on-M
@@ -299,11 +306,25 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
                 {
                     failed.push(format!("{n_heads}/{n_kv} heads, {n_tokens} rows: kernel {}", be.step_flash_kernel()));
                 }
+                // Split exactly where asked on the mixed step, with clusters: its one-row spans.
+                let part = be.step_km_part();
+                let one_row = seqs.iter().filter(|s| s.1 == 1).count();
+                let want_part = f.split && f.cluster && !decode && be.km_cluster_residency(hd).is_some();
+                if part.is_some() != want_part
+                    || part.is_some_and(|(k, n, s)| n != one_row || !k.starts_with("flash_decode_km_f16") || s > 16)
+                {
+                    failed.push(format!("{n_heads}/{n_kv} heads, {n_tokens} rows, split: keys-on-M launch {part:?}"));
+                }
                 let mut out = be.act(n_tokens * attn.q_dim()).unwrap();
                 be.attention(&dq, 0, &batch, &attn, &mut gkv, &mut out);
                 let mut got = vec![0f32; n_tokens * attn.q_dim()];
                 be.to_host(&out, &mut got);
                 let err = max_abs(&got, &want) / range;
+                if let Some((k, n, s)) = part {
+                    println!(
+                        "{n_heads}/{n_kv} heads, {n_tokens} rows, chunk {chunk}: split, {n} rows on {k}, {s} splits"
+                    );
+                }
                 // Skipping the products with 1 changes no bit: `all` against the same
                 // kernels rescaling on every tile (the case right after, per chunk).
                 let bits: Vec<u32> = got.iter().map(|v| v.to_bits()).collect();
@@ -382,6 +403,7 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
             be.set_attn_cluster(true);
             be.set_km_early(true);
             be.set_km_bulk(true);
+            be.set_mixed_split(false);
             if let Err(e) = attention_residual_case(&mut be, &dq, &batch, &attn, &mut gkv, &want, &tokens, &rope) {
                 failed.push(format!("{n_heads}/{n_kv} heads, head_dim {hd}, block {bs}: {e}"));
             }
@@ -399,7 +421,7 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
 /// range of the f16 kernel's (a score rounding otherwise moves a probability by an f16
 /// ulp). A mixed step (a prefill chunk over a cached prefix, a fresh prompt, a decode
 /// row), and the decode step with the keys-on-M kernel off, take the f16 flash kernels
-/// over an f16 copy of the step's blocks: the f16 cache's bits. Split (`set_fp8_split`),
+/// over an f16 copy of the step's blocks: the f16 cache's bits. Split (`set_mixed_split`),
 /// the mixed step's decode row takes the FP8 keys-on-M kernel in a launch of its own
 /// (1e-3 of the range of the f16 kernel's) and the copy holds only the other rows' blocks
 /// (their bits unchanged where the split count is). All within the flash tolerance of the
@@ -484,7 +506,7 @@ fn fp8_cache_attention_matches_cpu_and_the_f16_kernel() {
                 be.set_km_early(early);
                 be.set_km_bulk(bulk);
                 be.set_fp8_f16_copy(copy);
-                be.set_fp8_split(split);
+                be.set_mixed_split(split);
                 be.set_attn_chunk(chunk);
                 be.begin_step(&tokens, &batch, &rope, &attn, &[]);
                 let kernel = be.step_flash_kernel();

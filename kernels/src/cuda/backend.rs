@@ -354,10 +354,10 @@ pub struct CudaBackend {
     fp8_f16_copy: bool,
     step_fp8_copy: bool,
     step_table_blocks: usize,
-    /// FP8 cache, a step that prefills beside one-row spans (`DISAGG_CUDA_FP8_SPLIT=1`):
-    /// those rows to the FP8 keys-on-M kernel in a launch of their own, and only the
-    /// prefilling sequences' blocks to the f16 copy. `step_km_part`: that launch.
-    fp8_split: bool,
+    /// A step that prefills beside one-row spans (`DISAGG_CUDA_MIXED_SPLIT=1`): those rows
+    /// to the keys-on-M kernel in a launch of their own (an FP8 cache: only the
+    /// prefilling sequences' blocks to the f16 copy). `step_km_part`: that launch.
+    mixed_split: bool,
     step_km_part: Option<KmPart>,
     kv_copy: CudaSlice<u16>,
     iota: CudaSlice<u32>,
@@ -585,7 +585,7 @@ fn km_kernel(head_dim: usize, fp8: bool) -> &'static str {
     }
 }
 
-/// The keys-on-M launch of a split FP8 step (`CudaBackend::fp8_split`): its tiles (one
+/// The keys-on-M launch of a split mixed step (`CudaBackend::mixed_split`): its tiles (one
 /// row each) at `at..at + n` of the step's tiles, after the other kernel's; its kernel,
 /// and its key splits, merged in clusters when more than one.
 #[derive(Clone, Copy, Debug)]
@@ -834,7 +834,7 @@ impl CudaBackend {
             fp8_f16_copy: !off(crate::env::CUDA_FP8_F16_COPY),
             step_fp8_copy: false,
             step_table_blocks: 0,
-            fp8_split: std::env::var(crate::env::CUDA_FP8_SPLIT).is_ok_and(|v| v == "1"),
+            mixed_split: std::env::var(crate::env::CUDA_MIXED_SPLIT).is_ok_and(|v| v == "1"),
             step_km_part: None,
             kv_copy: stream.alloc_zeros::<u16>(1).map_err(dev_err)?,
             iota: stream.alloc_zeros::<u32>(1).map_err(dev_err)?,
@@ -962,15 +962,16 @@ impl CudaBackend {
         self.step_fp8_copy
     }
 
-    /// With an FP8 cache, a step that prefills beside one-row spans (decoding sequences)
-    /// launches the FP8 keys-on-M kernel for those rows and copies only the prefilling
-    /// sequences' blocks to f16 (default: off unless `DISAGG_CUDA_FP8_SPLIT=1`; it needs
-    /// the keys-on-M kernel and its clusters, else the whole step takes the copy).
-    pub fn set_fp8_split(&mut self, on: bool) {
-        self.set_switch(on, |b| &mut b.fp8_split);
+    /// A step that prefills beside one-row spans (decoding sequences) launches the
+    /// keys-on-M kernel for those rows, after the flash kernel's launch for the others;
+    /// with an FP8 cache only the prefilling sequences' blocks go to the f16 copy (default:
+    /// off unless `DISAGG_CUDA_MIXED_SPLIT=1`; it needs the keys-on-M kernel and its
+    /// clusters, else the step takes one launch as before).
+    pub fn set_mixed_split(&mut self, on: bool) {
+        self.set_switch(on, |b| &mut b.mixed_split);
     }
 
-    /// This step's keys-on-M launch beside its other kernel (a split FP8 step): its
+    /// This step's keys-on-M launch beside its other kernel (a split mixed step): its
     /// kernel, rows and key splits (set by `begin_step`).
     pub fn step_km_part(&self) -> Option<(&'static str, usize, usize)> {
         self.step_km_part.map(|p| (p.kernel, p.n, p.splits))
@@ -1230,6 +1231,7 @@ impl CudaBackend {
         self.pp_rope
             && self.step_flash
             && super::is_pp_kernel(self.step_flash_kernel)
+            && self.step_km_part.is_none()
             && matches!(kv.layers.get(layer), Some(KvBuf::F16(_)))
     }
 
@@ -2123,10 +2125,9 @@ impl CudaBackend {
         // After the merge, which writes every row (a split step's keys-on-M rows too, from
         // partials no kernel wrote for them).
         if let Some(part) = self.step_km_part {
-            // A split FP8 step's one-row spans: the FP8 keys-on-M kernel over the cache
-            // itself, their tiles after the others', their own longest context; one
-            // split, or splits merged in clusters (no partials).
-            let KvBuf::Fp8(c8) = &mut kv.layers[layer] else { unreachable!("a split step: an FP8 cache") };
+            // A split mixed step's one-row spans: the keys-on-M kernel over the cache
+            // itself (an FP8 cache too), their tiles after the others', their own longest
+            // context; one split, or splits merged in clusters (no partials).
             assert!(part.splits == 1 || part.cluster, "a split step's keys-on-M launch: clusters only");
             assert!(rope.is_none() && q_rope.is_none(), "a split step: RoPE before the attention");
             let cfg = LaunchConfig {
@@ -2138,7 +2139,13 @@ impl CudaBackend {
             let ctx = self.max_ctx_dev.slice(1..2);
             let (flags, il) = (flash_flags | i32::from(part.cluster) << 6, 0i32);
             let mut b = Launch::new(&st, self.dev.func(part.kernel));
-            b.arg(qkv).arg(c8).arg(&half).arg(&tiles).arg(&self.tables);
+            b.arg(qkv);
+            match &mut kv.layers[layer] {
+                KvBuf::F16(c) => b.arg(c),
+                KvBuf::Fp8(c) => b.arg(c),
+                KvBuf::F32(_) => unreachable!("a split step: an f16 or FP8 cache"),
+            };
+            b.arg(&half).arg(&tiles).arg(&self.tables);
             b.arg(&nh).arg(&nkv).arg(&bs).arg(&scale).arg(&ctx);
             if bf16_out {
                 b.arg(&mut self.x_bf16);
@@ -2150,9 +2157,9 @@ impl CudaBackend {
             if part.cluster {
                 b.cluster((1, 1, part.splits as u32));
             }
-            // SAFETY: argument types match the kernel; its tiles (one row each) and
-            // their tables index the FP8 cache; its splits merge in clusters, so the
-            // partials' scratch is not written.
+            // SAFETY: argument types match the kernel (its cache's element type named in
+            // its name); its tiles (one row each) and their tables index the cache; its
+            // splits merge in clusters, so the partials' scratch is not written.
             unsafe { b.launch(cfg, self.pdl) }.expect("CUDA: flash attention (keys on M)");
         }
         self.toc(if self.step_flash { "attention_flash" } else { "attention" }, t);
@@ -2169,29 +2176,31 @@ impl CudaBackend {
         let group = attn.n_heads / attn.n_kv_heads.max(1);
         // Some sequence computes more than one row (a prompt or a chunk of one).
         let prefill = batch.seqs.iter().any(|s| s.rows.len() > 1);
-        // An FP8 cache takes its keys-on-M kernel for one-row spans (a group that fits its
-        // MMA's 8 columns): at decode (one token of every sequence) the whole step, and
-        // else the f16 kernels over a copy.
-        let km_fp8_fits = self.kv_fp8.get()
+        // The keys-on-M kernel takes one-row spans (a group that fits its MMA's 8 columns)
+        // on an f16 or FP8 cache. An FP8 cache takes it at decode (one token of every
+        // sequence) for the whole step, and else the f16 kernels over a copy.
+        let fp8 = self.kv_fp8.get();
+        let km_fits = (fp8 || self.kv_f16.get())
             && group <= 8
             && self.flash_decode
             && self.decode_km
-            && self.dev.smem_fits(km_kernel(attn.head_dim, true));
-        let fp8_km = km_fp8_fits && batch.seqs.iter().all(|s| s.rows.len() == 1);
+            && self.dev.smem_fits(km_kernel(attn.head_dim, fp8));
+        let fp8_km = fp8 && km_fits && batch.seqs.iter().all(|s| s.rows.len() == 1);
         let shape_ok = matches!(attn.head_dim, 64 | 128) && (1..=64).contains(&group);
-        // A split FP8 step: a prompt beside one-row spans, which take the keys-on-M
+        // A split mixed step: a prompt beside one-row spans, which take the keys-on-M
         // kernel in a launch of their own with splits merged in clusters (it has no
-        // partials' scratch); the others the f16 kernels over a copy of their blocks alone.
-        let km_clusters = self.attn_cluster && self.km_clustered.contains_key(km_kernel(attn.head_dim, true));
-        let fp8_split = self.fp8_split
-            && self.fp8_f16_copy
+        // partials' scratch); the others the flash kernel (an FP8 cache: over a copy of
+        // their blocks alone).
+        let km_clusters = self.attn_cluster && self.km_clustered.contains_key(km_kernel(attn.head_dim, fp8));
+        let mixed_split = self.mixed_split
+            && (self.fp8_f16_copy || !fp8)
             && self.flash
             && shape_ok
-            && km_fp8_fits
+            && km_fits
             && km_clusters
             && prefill
             && batch.seqs.iter().any(|s| s.rows.len() == 1);
-        let km_span = |s: &crate::backend::SeqSpan| fp8_split && s.rows.len() == 1;
+        let km_span = |s: &crate::backend::SeqSpan| mixed_split && s.rows.len() == 1;
         // (Split: the other spans' tables first, so that the copy holds them alone.)
         let order: Vec<usize> = (0..batch.seqs.len())
             .filter(|&i| !km_span(&batch.seqs[i]))
@@ -2231,12 +2240,13 @@ impl CudaBackend {
             && fp8_copy_wanted(copy_bytes, prefill)
             && self.fit_fp8_copy(copy_bytes / 2, copy_blocks);
         self.step_table_blocks = copy_blocks;
-        // (A split step without its copy runs the per-token kernel over every row.)
-        if !self.step_fp8_copy {
-            self.max_ctx = self.max_ctx.max(km_max_ctx);
-        }
         self.step_flash =
             self.flash && shape_ok && (self.kv_f16.get() || (self.kv_fp8.get() && (fp8_km || self.step_fp8_copy)));
+        // (A split step that takes no flash kernel, an FP8 one without its copy, runs the
+        // per-token kernel over every row.)
+        if !self.step_flash {
+            self.max_ctx = self.max_ctx.max(km_max_ctx);
+        }
         // Flash tiles: ⌊64 / group⌋ tokens of one sequence each (their rows are the
         // group's query heads), the latest first so the causal tail does not straggle; a
         // step with a tile of more than 16 rows (prefill; a span's first tile is its
@@ -2371,7 +2381,7 @@ impl CudaBackend {
         );
         self.step_km_part = None;
         if self.step_flash && !km_tiles.is_empty() {
-            let kernel = km_kernel(attn.head_dim, true);
+            let kernel = km_kernel(attn.head_dim, self.kv_fp8.get());
             let per_sm = self.flash_blocks_per_sm.get(kernel).copied().unwrap_or(1);
             let clustered = match self.km_clustered.get(kernel) {
                 Some([driver, full]) => &(if self.cluster_waves { driver } else { full })[..],
