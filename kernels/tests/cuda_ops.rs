@@ -128,7 +128,8 @@ fn embedding_gathers_rows_exactly_and_refuses_bad_ids() {
 /// Both CUDA attention kernels, whole and split-K, against the CPU backend's attention,
 /// on the same paged f16 cache (shuffled block tables) for a mixed step: a prefill chunk
 /// over a cached prefix, a fresh prompt whose length is not a multiple of the tile, and
-/// one decode row; then a decode-only step (the flash kernel's warps split the keys). Tolerances: the per-token kernel computes in f32 like the CPU (a few
+/// one decode row; a decode row reaching past its step's prompt; then a decode-only step
+/// (the flash kernel's warps split the keys). Tolerances: the per-token kernel computes in f32 like the CPU (a few
 /// ulp, 1e-4 of the value range here); the flash kernel rounds q·scale and the
 /// probabilities to f16 (2⁻¹¹ relative), measured at ~1e-3 and held to 5e-3 of the
 /// value range. Blocks of 16 tokens and of 12 (the flash loads' division path).
@@ -151,7 +152,8 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
         let blocks: Vec<u32> = (0..shape.n_blocks as u32).collect();
         let vals = data(shape.n_blocks * shape.block_bytes_per_layer() / 2, 11);
         let bytes: Vec<u8> = vals.iter().flat_map(|v| half::f16::from_f32(*v).to_le_bytes()).collect();
-        for seqs in MIXED_THEN_DECODE {
+        // (And a decode row with a longer context than the step's prompt.)
+        for seqs in MIXED_THEN_DECODE.into_iter().chain([LONG_DECODE_BESIDE_A_PROMPT]) {
             let tables = shuffled_tables(shape.n_blocks, seqs, bs);
             let spans = spans_of(seqs, &tables);
             let n_tokens = spans.last().map_or(0, |s| s.rows.end);
@@ -442,7 +444,7 @@ fn fp8_cache_attention_matches_cpu_and_the_f16_kernel() {
         let b8: Vec<u8> = data(n_blocks * shape8.block_bytes_per_layer(), 11).iter().map(|v| f32_to_e4m3(*v)).collect();
         let b16: Vec<u8> = b8.iter().flat_map(|b| half::f16::from_f32(e4m3_to_f32(*b)).to_le_bytes()).collect();
         // (And a decode row with a longer context than the step's prompt.)
-        for seqs in MIXED_THEN_DECODE.into_iter().chain([&[(20, 40), (1200, 1)][..]]) {
+        for seqs in MIXED_THEN_DECODE.into_iter().chain([LONG_DECODE_BESIDE_A_PROMPT]) {
             let tables = shuffled_tables(n_blocks, seqs, bs);
             let spans = spans_of(seqs, &tables);
             let n_tokens = spans.last().map_or(0, |s| s.rows.end);
@@ -461,6 +463,8 @@ fn fp8_cache_attention_matches_cpu_and_the_f16_kernel() {
             // The f16 flash kernels' outputs on the same values, whole and split, keys on
             // M on and off: (chunk, kernel, splits, outputs).
             let mut be16 = kernels::cuda::CudaBackend::new(0, true).expect("cuda:0 opens");
+            // (The reference: one launch for every row, whatever DISAGG_CUDA_MIXED_SPLIT says.)
+            be16.set_mixed_split(false);
             let mut g16 = be16.kv_cache(shape16).unwrap();
             be16.kv_import(&mut g16, 0, &blocks, &b16);
             let dq16 = be16.device().upload(&qkv).unwrap();
@@ -637,14 +641,21 @@ fn attention_residual_case(
     be.set_flash_pair_loads(true);
     for chunk in [0, 64] {
         be.set_attn_chunk(chunk);
-        for (km, wide) in [(true, true), (false, true), (false, false)] {
+        // (keys on M, wide merge, a mixed step split: its decode rows' launch writing the
+        // bf16 output too)
+        for (km, wide, split) in [(true, true, false), (false, true, false), (false, false, false), (true, true, true)]
+        {
             be.set_decode_km(km);
             be.set_flash_wide_merge(wide);
-            attention_residual_pair(be, dq, batch, attn, gkv, &x0, &lin, &reference, &scale, tokens, rope, chunk > 0)
-                .map_err(|e| format!("chunk {chunk}, keys on M {km}, wide merge {wide}: {e}"))?;
+            be.set_mixed_split(split);
+            // (A split step's flash launch splits by its prompts' context alone: not checked.)
+            let splits = (!split).then_some(chunk > 0);
+            attention_residual_pair(be, dq, batch, attn, gkv, &x0, &lin, &reference, &scale, tokens, rope, splits)
+                .map_err(|e| format!("chunk {chunk}, keys on M {km}, wide merge {wide}, split {split}: {e}"))?;
         }
     }
     be.set_flash_wide_merge(true);
+    be.set_mixed_split(false);
     Ok(())
 }
 
@@ -662,7 +673,7 @@ fn attention_residual_pair(
     scale: &[f64],
     tokens: &[u32],
     rope: &kernels::Rope,
-    split: bool,
+    split: Option<bool>,
 ) -> Result<(), String> {
     use kernels::Backend;
     let (rows, cols, n) = (reference.len() / batch.n_tokens, attn.q_dim(), batch.n_tokens);
@@ -670,7 +681,7 @@ fn attention_residual_pair(
     for on in [true, false] {
         be.set_attn_bf16(on);
         be.begin_step(tokens, batch, rope, attn, &[]);
-        if split != (be.step_splits() > 1) {
+        if split.is_some_and(|s| s != (be.step_splits() > 1)) {
             return Err(format!("{} key splits", be.step_splits()));
         }
         let mut x = be.device().upload(x0).unwrap();
@@ -1170,6 +1181,10 @@ fn prenormed_gemvs_match_the_gemvs_that_norm_themselves() {
 /// warp-specialized kernel's three-stage ring round twice), then decode only.
 const MIXED_THEN_DECODE: [&[(usize, usize)]; 2] =
     [&[(37, 100), (700, 70), (500, 1)], &[(500, 1), (37, 1), (0, 1), (900, 1)]];
+
+/// A mixed step whose decode row reaches further than its prompt: a split step's
+/// keys-on-M launch must take its own rows' longest context.
+const LONG_DECODE_BESIDE_A_PROMPT: &[(usize, usize)] = &[(20, 40), (1200, 1)];
 
 /// The CPU backend's attention over a one-layer cache of `bytes` (every block, in the
 /// transfer layout) for `batch`'s rows of `qkv`, and the largest |output| (the range the

@@ -2140,10 +2140,11 @@ impl CudaBackend {
             let (flags, il) = (flash_flags | i32::from(part.cluster) << 6, 0i32);
             let mut b = Launch::new(&st, self.dev.func(part.kernel));
             b.arg(qkv);
+            // (The kernel was named by the last cache made: this layer's must match it.)
             match &mut kv.layers[layer] {
-                KvBuf::F16(c) => b.arg(c),
-                KvBuf::Fp8(c) => b.arg(c),
-                KvBuf::F32(_) => unreachable!("a split step: an f16 or FP8 cache"),
+                KvBuf::F16(c) if !part.kernel.contains("_fp8_") => b.arg(c),
+                KvBuf::Fp8(c) if part.kernel.contains("_fp8_") => b.arg(c),
+                _ => unreachable!("a split step's {}: another cache element type in layer {layer}", part.kernel),
             };
             b.arg(&half).arg(&tiles).arg(&self.tables);
             b.arg(&nh).arg(&nkv).arg(&bs).arg(&scale).arg(&ctx);
