@@ -62,6 +62,13 @@ pub struct EngineBenchArgs {
     /// one step. (The bench sets the step budget itself: not with --max-batched-tokens.)
     #[arg(long)]
     prefill_chunk: Option<usize>,
+    /// Also time a mixed step in each decode batch: once the batch decodes, a new
+    /// request's prompt of this many tokens is prefilled in one step beside it. Reported
+    /// per batch as `mixed_step_ms`: that step's time (the two step calls around it, less
+    /// one whole-batch decode step, as asynchronous scheduling returns a step's work in
+    /// the next call).
+    #[arg(long)]
+    mixed_prompt_tokens: Option<usize>,
     /// Print JSON (the only output format; accepted for symmetry with other commands).
     #[arg(long)]
     json: bool,
@@ -141,6 +148,15 @@ fn engine_bench(a: EngineBenchArgs) -> anyhow::Result<()> {
         None => opts.max_batched_tokens.max(a.prompt_tokens),
     };
     opts.max_batched_tokens = prefill_step.max(step_floor);
+    match a.mixed_prompt_tokens {
+        Some(0) => anyhow::bail!("--mixed-prompt-tokens must be at least 1 token"),
+        Some(n) => {
+            // The mixed prompt in one step beside the largest batch, as one more sequence.
+            opts.max_batched_tokens = opts.max_batched_tokens.max(n + max_batch);
+            opts.max_num_seqs = opts.max_num_seqs.max(max_batch + 1);
+        }
+        None => {}
+    }
     let t_load = Instant::now();
     match opts.device {
         engine::load::Device::Cpu => bench_core(a, opts.clone(), cpu_engine(&opts)?, t_load),
@@ -160,7 +176,9 @@ fn bench_core<B: Backend>(
     let greedy = |n: usize| SamplingParams { max_tokens: Some(n), ignore_eos: true, ..SamplingParams::greedy() };
 
     // Warm up caches, page in weights, start the threads.
-    run_batch(&mut core, &mut next_id, vec![(prompt(64, 99, vocab), greedy(8))])?;
+    run_batch(&mut core, &mut next_id, vec![(prompt(64, 99, vocab), greedy(8))], None)?;
+    // A mixed step's new prompt, one token out.
+    let mixed = |salt: u64| a.mixed_prompt_tokens.map(|n| (prompt(n, salt, vocab), greedy(1)));
 
     // Prefill: one prompt of `prompt_tokens` in one step; time that step (after an
     // untimed one, unless --no-warmup). Before the decode batches with --prefill-first,
@@ -170,12 +188,12 @@ fn bench_core<B: Backend>(
     let mut time_prefill =
         |core: &mut engine::scheduler::EngineCore<B>, next_id: &mut u64| -> anyhow::Result<Vec<f64>> {
             if !a.no_warmup {
-                run_batch(core, next_id, vec![(prompt(a.prompt_tokens, 98, vocab), greedy(1))])?;
+                run_batch(core, next_id, vec![(prompt(a.prompt_tokens, 98, vocab), greedy(1))], None)?;
             }
             let mut prefill = Vec::new();
             for r in 0..a.repeat {
                 let p = prompt(a.prompt_tokens, r as u64, vocab);
-                let t = run_batch(core, next_id, vec![(p, greedy(1))])?;
+                let t = run_batch(core, next_id, vec![(p, greedy(1))], None)?;
                 prefill.push(a.prompt_tokens as f64 / t.first_step_s);
                 prefill_steps = t.first_steps;
             }
@@ -189,19 +207,20 @@ fn bench_core<B: Backend>(
         let mut rates = Vec::new();
         let mut step_ms = Vec::new();
         let mut first_tokens_s = Vec::new();
+        let mut mixed_ms = Vec::new();
         let mut ops = OpTimes::new();
         let mut op_steps = 0;
         if !a.no_warmup {
             // Untimed: the same batch and context, a few decode steps (a CUDA backend
             // runs a decode shape's first step op by op and captures its second).
             let reqs = (0..b).map(|i| (prompt(a.context, 500 + i as u64, vocab), greedy(4))).collect();
-            run_batch(&mut core, &mut next_id, reqs)?;
+            run_batch(&mut core, &mut next_id, reqs, mixed(700 + b as u64))?;
         }
         for r in 0..a.repeat {
             let reqs = (0..b)
                 .map(|i| (prompt(a.context, 1000 + (r * b + i) as u64, vocab), greedy(a.gen_tokens + 1)))
                 .collect();
-            let t = run_batch(&mut core, &mut next_id, reqs)?;
+            let t = run_batch(&mut core, &mut next_id, reqs, mixed(800 + (r * 1000 + b) as u64))?;
             if t.full_steps == 0 {
                 anyhow::bail!(
                     "batch {b}: no step had all {b} sequences decoding (the first finished before the last was \
@@ -212,6 +231,15 @@ fn bench_core<B: Backend>(
             rates.push(b as f64 / (ms * 1e-3));
             step_ms.push(ms);
             first_tokens_s.push(t.first_step_s);
+            if a.mixed_prompt_tokens.is_some() {
+                let Some(w) = t.mixed_window_s else {
+                    anyhow::bail!(
+                        "batch {b}: the mixed prompt was not prefilled in one step beside the whole batch; raise \
+                         --gen-tokens"
+                    );
+                };
+                mixed_ms.push(w * 1e3 - ms);
+            }
             for (op, (secs, calls)) in t.full_step_ops {
                 add_op(&mut ops, op, secs, calls);
             }
@@ -228,6 +256,7 @@ fn bench_core<B: Backend>(
             // a step budget below the batch's prompts, later prompts prefill beside the
             // decoding of earlier ones).
             "first_tokens_s": median(first_tokens_s),
+            "mixed_step_ms": (!mixed_ms.is_empty()).then(|| median(mixed_ms)),
             "gpu_gap_us_per_step": gap_us,
             // Per-op time of the timed steps (DISAGG_CUDA_PROFILE; every op synchronized), and
             // on CUDA always the GPU's time between steps.
@@ -284,6 +313,7 @@ fn bench_core<B: Backend>(
         "warmup": !a.no_warmup,
         "prefill_first": a.prefill_first,
         "prefill_chunk": a.prefill_chunk,
+        "mixed_prompt_tokens": a.mixed_prompt_tokens,
         "stats": core.stats(),
     });
     println!("{}", serde_json::to_string_pretty(&out)?);
@@ -308,13 +338,18 @@ struct Timing {
     full_steps_s: f64,
     /// The backend's per-op time in those steps, when it records it.
     full_step_ops: OpTimes,
+    /// With a mixed prompt: the step call that prefilled it beside the whole batch and
+    /// the call after it, seconds.
+    mixed_window_s: Option<f64>,
 }
 
-/// Runs a batch to completion; times the first step (all prefills) and the rest.
+/// Runs a batch to completion; times the first step (all prefills) and the rest. With
+/// `mixed`, that request joins after the batch's first whole decode step.
 fn run_batch<B: Backend>(
     core: &mut EngineCore<B>,
     next_id: &mut u64,
     reqs: Vec<(Vec<u32>, SamplingParams)>,
+    mut mixed: Option<(Vec<u32>, SamplingParams)>,
 ) -> anyhow::Result<Timing> {
     let n = reqs.len();
     for (p, s) in reqs {
@@ -327,13 +362,27 @@ fn run_batch<B: Backend>(
     let mut first_steps = 0;
     let (mut full_steps, mut full_steps_s) = (0, 0.0);
     let mut ops = OpTimes::new();
+    // (The mixed prompt's length once it joined; the call that prefilled it.)
+    let (mut mixed_len, mut mixed_dt, mut mixed_window_s) = (None, None, None);
     while core.has_work() {
+        if full_steps >= 1 {
+            if let Some((p, s)) = mixed.take() {
+                mixed_len = Some(p.len());
+                core.add_request(*next_id, p, s)?;
+                *next_id += 1;
+            }
+        }
         let before = core.backend().op_profile();
         let tokens_before = core.stats().forward_tokens;
         let ts = Instant::now();
         let outs = core.step();
         let dt = ts.elapsed().as_secs_f64();
         let ran = core.stats().forward_tokens - tokens_before;
+        if let Some(d) = mixed_dt.take() {
+            mixed_window_s = Some(d + dt);
+        } else if mixed_window_s.is_none() && mixed_len.is_some_and(|m| ran == (n + m) as u64) {
+            mixed_dt = Some(dt);
+        }
         // (Steps that ran tokens: with asynchronous scheduling the first token comes back
         // from the step call after its prefill's last.)
         if first_step_s.is_none() && ran > 0 {
@@ -355,5 +404,12 @@ fn run_batch<B: Backend>(
             first_step_s = Some(t0.elapsed().as_secs_f64());
         }
     }
-    Ok(Timing { first_step_s: first_step_s.unwrap_or(0.0), first_steps, full_steps, full_steps_s, full_step_ops: ops })
+    Ok(Timing {
+        first_step_s: first_step_s.unwrap_or(0.0),
+        first_steps,
+        full_steps,
+        full_steps_s,
+        full_step_ops: ops,
+        mixed_window_s,
+    })
 }
