@@ -391,8 +391,6 @@ pub(crate) struct Proc {
     child: Child,
 }
 
-/// Starts `disagg ARGS…` and waits for its ready line (the one containing `marker`);
-/// returns the process and that line. Later output is passed through.
 /// Has the child get SIGTERM when this process ends, however it ends: a killed `disagg up`
 /// leaves no worker holding a GPU's memory, nor an etcd its port. (The signal follows the
 /// thread that spawned the child; every caller spawns from the main thread, which lives as
@@ -411,6 +409,8 @@ fn dies_with_parent(cmd: &mut Command) -> &mut Command {
     }
 }
 
+/// Starts `disagg ARGS…` and waits for its ready line (the one containing `marker`);
+/// returns the process and that line. Later output is passed through.
 pub(crate) fn spawn_role(
     name: &str,
     args: &[String],
