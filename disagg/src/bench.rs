@@ -150,6 +150,12 @@ fn engine_bench(a: EngineBenchArgs) -> anyhow::Result<()> {
     opts.max_batched_tokens = prefill_step.max(step_floor);
     match a.mixed_prompt_tokens {
         Some(0) => anyhow::bail!("--mixed-prompt-tokens must be at least 1 token"),
+        Some(n) if a.prefill_chunk.is_some() && n + max_batch > opts.max_batched_tokens => anyhow::bail!(
+            "--mixed-prompt-tokens {n} beside a batch of {max_batch} needs steps of {} tokens, more than the \
+             {} that --prefill-chunk leaves; raise the chunk or shorten the prompt",
+            n + max_batch,
+            opts.max_batched_tokens
+        ),
         Some(n) => {
             // The mixed prompt in one step beside the largest batch, as one more sequence.
             opts.max_batched_tokens = opts.max_batched_tokens.max(n + max_batch);
@@ -177,8 +183,9 @@ fn bench_core<B: Backend>(
 
     // Warm up caches, page in weights, start the threads.
     run_batch(&mut core, &mut next_id, vec![(prompt(64, 99, vocab), greedy(8))], None)?;
-    // A mixed step's new prompt, one token out.
-    let mixed = |salt: u64| a.mixed_prompt_tokens.map(|n| (prompt(n, salt, vocab), greedy(1)));
+    // A mixed step's new prompt, one token out (its salts apart from every other prompt's,
+    // so that no prefix of it is cached).
+    let mixed = |salt: u64| a.mixed_prompt_tokens.map(|n| (prompt(n, 1 << 40 | salt, vocab), greedy(1)));
 
     // Prefill: one prompt of `prompt_tokens` in one step; time that step (after an
     // untimed one, unless --no-warmup). Before the decode batches with --prefill-first,
@@ -214,13 +221,13 @@ fn bench_core<B: Backend>(
             // Untimed: the same batch and context, a few decode steps (a CUDA backend
             // runs a decode shape's first step op by op and captures its second).
             let reqs = (0..b).map(|i| (prompt(a.context, 500 + i as u64, vocab), greedy(4))).collect();
-            run_batch(&mut core, &mut next_id, reqs, mixed(700 + b as u64))?;
+            run_batch(&mut core, &mut next_id, reqs, mixed(b as u64))?;
         }
         for r in 0..a.repeat {
             let reqs = (0..b)
                 .map(|i| (prompt(a.context, 1000 + (r * b + i) as u64, vocab), greedy(a.gen_tokens + 1)))
                 .collect();
-            let t = run_batch(&mut core, &mut next_id, reqs, mixed(800 + (r * 1000 + b) as u64))?;
+            let t = run_batch(&mut core, &mut next_id, reqs, mixed(((r as u64 + 1) << 20) | b as u64))?;
             if t.full_steps == 0 {
                 anyhow::bail!(
                     "batch {b}: no step had all {b} sequences decoding (the first finished before the last was \

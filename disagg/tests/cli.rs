@@ -273,23 +273,30 @@ fn bench_engine_prefills_in_chunks_when_asked() {
 fn bench_engine_times_a_mixed_step_when_asked() {
     // A 48-token prompt joins each decode batch once it decodes: one step prefills it
     // beside the batch's decode rows, and costs more than a step of those rows alone.
-    let args = ["bench", "engine", "--batch", "1,2", "--gen-tokens", "8", "--context", "8", "--prompt-tokens", "16"];
-    let (code, out, err) = disagg(&[&args[..], &["--repeat", "1", "--mixed-prompt-tokens", "48", "--json"]].concat());
+    let args = ["bench", "engine", "--gen-tokens", "8", "--context", "8", "--prompt-tokens", "16", "--repeat", "1"];
+    let (code, out, err) = disagg(&[&args[..], &["--batch", "1,2", "--mixed-prompt-tokens", "48", "--json"]].concat());
     assert_eq!(code, 0, "{err}");
     let v: serde_json::Value = serde_json::from_str(out.trim()).expect("one JSON object");
     assert_eq!(v["mixed_prompt_tokens"], 48, "{v}");
     let decode = v["decode"].as_array().expect("decode batches");
     assert_eq!(decode.len(), 2, "{v}");
     for d in decode {
-        assert!(d["mixed_step_ms"].as_f64().is_some_and(|m| m > 0.0 && m.is_finite()), "{v}");
+        let step = d["ms_per_step"].as_f64().unwrap();
+        assert!(d["mixed_step_ms"].as_f64().is_some_and(|m| m > step && m.is_finite()), "{v}");
     }
     // Without the flag: none.
-    let (code, out, err) = disagg(&[&args[..], &["--batch", "1", "--repeat", "1", "--json"]].concat());
+    let (code, out, err) = disagg(&[&args[..], &["--batch", "1", "--json"]].concat());
     assert_eq!(code, 0, "{err}");
     let v: serde_json::Value = serde_json::from_str(out.trim()).expect("one JSON object");
     assert!(v["decode"][0]["mixed_step_ms"].is_null() && v["mixed_prompt_tokens"].is_null(), "{v}");
-    // A prompt of no tokens is refused with what to change.
+    // A prompt of no tokens is refused with what to change, as is one that the prefill
+    // chunk's steps cannot hold beside the batch.
     let (code, _, err) = disagg(&[&args[..], &["--mixed-prompt-tokens", "0"]].concat());
     assert_ne!(code, 0);
     assert!(err.contains("--mixed-prompt-tokens must be at least 1"), "{err}");
+    // (Steps of 64 here: the chunk of 16 is raised to --max-num-seqs.)
+    let chunked = ["--batch", "2", "--prefill-chunk", "16", "--mixed-prompt-tokens", "100"];
+    let (code, _, err) = disagg(&[&args[..], &chunked].concat());
+    assert_ne!(code, 0);
+    assert!(err.contains("needs steps of 102 tokens, more than the 64 that --prefill-chunk leaves"), "{err}");
 }

@@ -437,11 +437,62 @@ fn programmatic_launch_changes_no_bits() {
     );
 }
 
+/// Mixed steps split (`set_mixed_split`): a prompt's chunk beside a decoding sequence, in
+/// 64-token steps, the decode row on the keys-on-M kernel in a launch of its own (q's
+/// RoPE then before the attention), on an f16 and an FP8 cache with bf16 weights. Against
+/// the same staggered requests unsplit: the split ran, every request's first token is the
+/// same (the prompts' rows are the same kernel's), and the greedy tokens agree on most
+/// requests (the decode rows' kernel sums in another order, so a near tie may turn).
+fn mixed_split_steps_keep_the_tokens() {
+    use kernels::KvDtype;
+    let r = reference();
+    let reqs: Vec<_> = r.cases.iter().map(|c| (c.prompt_ids.clone(), greedy(16))).collect();
+    for kv_dtype in [KvDtype::F16, KvDtype::Fp8] {
+        let opts = EngineOptions { kv_dtype, max_batched_tokens: 64, prefix_caching: false, ..gpu_options(false) };
+        let mut gpu = cuda_engine(&opts).expect("the GPU engine loads");
+        let mut runs = Vec::new();
+        for split in [false, true] {
+            gpu.backend_mut().set_mixed_split(split);
+            // The first request decodes before the others arrive, one a step.
+            let mut out: Vec<Vec<u32>> = vec![Vec::new(); reqs.len()];
+            let (mut next, mut split_steps, mut id0) = (0, 0, 0);
+            while next < reqs.len() || gpu.has_work() {
+                if next < reqs.len() && (next == 0 || out[0].len() >= 2) {
+                    if next == 0 {
+                        id0 = 1000 * (1 + u64::from(split));
+                    }
+                    gpu.add_request(id0 + next as u64, reqs[next].0.clone(), reqs[next].1.clone()).unwrap();
+                    next += 1;
+                }
+                for o in gpu.step() {
+                    out[(o.id - id0) as usize].extend(&o.new_token_ids);
+                }
+                split_steps += usize::from(gpu.backend().step_km_part().is_some());
+            }
+            assert_eq!(gpu.stats().kv_blocks_used, 0, "KV blocks leaked");
+            runs.push((out, split_steps));
+        }
+        let ((plain, none), (split, some)) = (&runs[0], &runs[1]);
+        let equal = plain.iter().zip(split).filter(|(a, b)| a == b).count();
+        let first = plain.iter().zip(split).filter(|(a, b)| a[0] == b[0]).count();
+        let n = reqs.len();
+        println!(
+            "mixed steps split, {kv_dtype:?} cache: {some} split steps (unsplit run: {none}); first token equal \
+             {first}/{n}, 16 tokens equal {equal}/{n}"
+        );
+        assert_eq!(*none, 0);
+        assert!(*some > 0, "no step was split");
+        assert_eq!(first, n);
+        assert!(equal * 4 >= n * 3, "{equal} of {n} requests' tokens equal");
+    }
+}
+
 fn main() {
     use libtest_mimic::{Arguments, Trial};
     let mut tests = Vec::new();
     if std::env::var_os(kernels::env::TEST_CUDA).is_some() {
-        let gpu_tests: [(&str, fn()); 8] = [
+        let gpu_tests: [(&str, fn()); 9] = [
+            ("mixed_split_steps_keep_the_tokens", mixed_split_steps_keep_the_tokens),
             ("fp8_cache_stays_close_to_cpu", fp8_cache_stays_close_to_cpu),
             ("async_scheduling_gives_the_same_tokens", async_scheduling_gives_the_same_tokens),
             ("device_sampling_matches_the_host_sampler", device_sampling_matches_the_host_sampler),

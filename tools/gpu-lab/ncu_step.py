@@ -33,6 +33,10 @@ ap.add_argument("--steps", type=int, default=1, help="this many steps from the m
 ap.add_argument("--all", action="store_true", help="every kernel in the file (a peer's profiled range)")
 ap.add_argument("--classes", action="store_true", help="also sum by kind of kernel")
 a = ap.parse_args()
+if a.steps < 1:
+    ap.error("--steps must be at least 1")
+if a.steps > 1 and (a.all or a.last):
+    ap.error("--steps counts from the marked step: not with --all or --last")
 rows = list(csv.reader(l for l in open(a.csv) if l.startswith('"')))
 head = rows[0]
 name, dur = head.index("Kernel Name"), head.index("gpu__time_duration.sum")

@@ -9,8 +9,9 @@
 #     --metrics gpu__time_duration.sum --cache-control none --clock-control none --csv \
 #     --page raw --print-units base --log-file vllm32k.csv python3 tools/gpu-lab/vllm_prefill.py 32768
 #   python3 tools/gpu-lab/ncu_step.py vllm32k.csv --all --classes
-# Ours, the same prompt in the same steps (the 32k prompt is two steps of 16k; the bench's
-# warm-up comes first, so --launch-count must reach past it):
+# Ours, a prompt of the same length in the same steps (two steps of 16k). The first step
+# over --min-us is the bench's untimed warm-up prompt, the same shapes as the timed one:
+# that is the one summed, and --launch-count only has to reach past it:
 #   DISAGG_CUDA_GRAPHS=0 ncu --metrics gpu__time_duration.sum --cache-control none \
 #     --clock-control none --launch-count 6000 --csv --page raw --print-units base \
 #     --log-file ours32k.csv $D bench engine --device cuda:0 --model random:llama3-8b --json \

@@ -342,7 +342,7 @@ pub struct CudaBackend {
     pos: CudaSlice<i32>,
     table_off: CudaSlice<i32>,
     tables: CudaSlice<u32>,
-    /// The longest context among this step's tokens (a split FP8 step: among those of
+    /// The longest context among this step's tokens (a split mixed step: among those of
     /// its flash launch, not the keys-on-M one's).
     max_ctx: usize,
     /// Split-K attention: keys per block (0: off), and the partials' scratch.
@@ -380,7 +380,7 @@ pub struct CudaBackend {
     rows: CudaSlice<u32>,
     n_step: usize,
     /// This step's longest context, on the device (the split-K chunk is made from it), and
-    /// a split FP8 step's keys-on-M rows' longest.
+    /// a split mixed step's keys-on-M rows' longest.
     max_ctx_dev: CudaSlice<i32>,
     /// The KV cache holds f16 (the flash kernels' element type) or FP8 (the keys-on-M
     /// decode kernel's other one).
@@ -3272,7 +3272,7 @@ mod tests {
 
     #[test]
     fn attention_splits_without_partials_merge_in_clusters_or_not_at_all() {
-        // A launch with no partials' scratch (a split FP8 step's decode rows): batch 8 of
+        // A launch with no partials' scratch (a split mixed step's decode rows): batch 8 of
         // 32k keys takes 2 splits in clusters where 4 apart would win, batch 1 at 32k 16
         // (the largest cluster) where 33 apart would, and without clusters one split.
         let half = vec![132; 17];
