@@ -243,8 +243,7 @@ fn up_gives_the_same_tokens_as_serve_at_1_and_64_concurrent() {
     assert_eq!(many, expect, "64 concurrent");
     drop(serve);
     // Ctrl-C (SIGTERM here) stops every process `up` started.
-    let out = Command::new("pgrep").args(["-P", &up.pid().to_string()]).output().unwrap();
-    let children: Vec<String> = String::from_utf8_lossy(&out.stdout).split_whitespace().map(String::from).collect();
+    let children = children_of(up.pid());
     let etcd = Command::new("etcd").arg("--version").stdout(Stdio::null()).status().is_ok();
     assert_eq!(children.len(), 5 + etcd as usize, "2 prefill + 2 decode workers, a router (and a private etcd)");
     drop(up);
@@ -673,14 +672,13 @@ fn one_trace_follows_a_request_through_router_decode_and_prefill() {
     assert_eq!(kids(&pre.span_id), ["kv_transfer", "prefill"]);
 }
 
-#[test]
-fn up_stops_everything_when_one_of_its_processes_dies() {
-    let log = std::env::temp_dir().join(format!("disagg-up-{}.log", std::process::id()));
+/// `disagg up` with one prefill and one decode worker, ready (its stdout read on).
+fn start_up(stderr: Stdio) -> Child {
     let mut up = Command::new(env!("CARGO_BIN_EXE_disagg"))
         .args(["up", "--port", "0", "--threads", "1", "--kv-cache-mib", "64"])
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
-        .stderr(std::fs::File::create(&log).unwrap())
+        .stderr(stderr)
         .spawn()
         .unwrap();
     let out = up.stdout.take().unwrap();
@@ -693,10 +691,22 @@ fn up_stops_everything_when_one_of_its_processes_dies() {
         }
     });
     rx.recv_timeout(Duration::from_secs(240)).expect("up is ready");
+    up
+}
+
+/// The pids of `pid`'s child processes.
+fn children_of(pid: u32) -> Vec<String> {
+    let out = Command::new("pgrep").args(["-P", &pid.to_string()]).output().unwrap();
+    String::from_utf8_lossy(&out.stdout).split_whitespace().map(String::from).collect()
+}
+
+#[test]
+fn up_stops_everything_when_one_of_its_processes_dies() {
+    let log = std::env::temp_dir().join(format!("disagg-up-{}.log", std::process::id()));
+    let mut up = start_up(std::fs::File::create(&log).unwrap().into());
     let kids = Command::new("pgrep").args(["-P", &up.id().to_string(), "-f", "disagg decode"]).output().unwrap();
     let decode = String::from_utf8_lossy(&kids.stdout).split_whitespace().next().expect("a decode worker").to_string();
-    let all = Command::new("pgrep").args(["-P", &up.id().to_string()]).output().unwrap();
-    let all: Vec<String> = String::from_utf8_lossy(&all.stdout).split_whitespace().map(String::from).collect();
+    let all = children_of(up.id());
     Command::new("kill").args(["-KILL", &decode]).status().unwrap();
     let deadline = Instant::now() + Duration::from_secs(15);
     let status = loop {
@@ -722,25 +732,8 @@ fn up_stops_everything_when_one_of_its_processes_dies() {
 #[test]
 fn a_killed_up_takes_its_processes_with_it() {
     // SIGKILL leaves `up` no chance to stop anything: its children must go by themselves.
-    let mut up = Command::new(env!("CARGO_BIN_EXE_disagg"))
-        .args(["up", "--port", "0", "--threads", "1", "--kv-cache-mib", "64"])
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let out = up.stdout.take().unwrap();
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(out).lines().map_while(Result::ok) {
-            if line.contains("disagg serving") {
-                let _ = tx.send(());
-            }
-        }
-    });
-    rx.recv_timeout(Duration::from_secs(240)).expect("up is ready");
-    let all = Command::new("pgrep").args(["-P", &up.id().to_string()]).output().unwrap();
-    let all: Vec<String> = String::from_utf8_lossy(&all.stdout).split_whitespace().map(String::from).collect();
+    let mut up = start_up(Stdio::null());
+    let all = children_of(up.id());
     assert!(all.len() >= 3, "a prefill and a decode worker and a router: {all:?}");
     up.kill().unwrap();
     up.wait().unwrap();
