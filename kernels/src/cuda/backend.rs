@@ -41,7 +41,9 @@ use cudarc::cublas::{result as blas, CudaBlas};
 use cudarc::driver::{CudaEvent, CudaGraph, CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 
 use super::{dev_err, CudaDevice, Launch};
-use crate::backend::{AttnShape, Backend, KvShape, Rope, SampleSpec, SampledRow, StepBatch, StepLimits, WeightPart};
+use crate::backend::{
+    AttnShape, Backend, KvShape, Rope, SampleSpec, SampledRow, SeqSpan, StepBatch, StepLimits, WeightPart,
+};
 use crate::cpu::ops::KvDtype;
 use crate::KernelError;
 
@@ -595,6 +597,62 @@ struct KmPart {
     kernel: &'static str,
     splits: usize,
     cluster: bool,
+}
+
+/// A step's block tables as the attention kernels read them (`prepare_step`): its spans'
+/// tables laid end to end, a split step's other spans first (so that an FP8 cache's f16
+/// copy of the first `copy_blocks` entries holds theirs alone), and each launch's longest
+/// context: `max_ctx` for the other spans, `km_max_ctx` for the one-row spans that the
+/// keys-on-M launch of a split step takes (`km_span`).
+#[derive(Debug, Default, PartialEq)]
+struct StepTables {
+    tables: Vec<u32>,
+    /// Where each span's table starts in `tables` (by the span's index in the step).
+    table_off: Vec<usize>,
+    copy_blocks: usize,
+    max_ctx: usize,
+    km_max_ctx: usize,
+}
+
+impl StepTables {
+    fn new(seqs: &[SeqSpan], km_span: impl Fn(&SeqSpan) -> bool) -> StepTables {
+        let mut t = StepTables { table_off: vec![0; seqs.len()], ..Default::default() };
+        for km in [false, true] {
+            for (s, span) in seqs.iter().enumerate().filter(|(_, span)| km_span(span) == km) {
+                t.table_off[s] = t.tables.len();
+                t.tables.extend_from_slice(span.block_table);
+                let ctx = span.pos0 + span.rows.len();
+                if km {
+                    t.km_max_ctx = t.km_max_ctx.max(ctx);
+                } else {
+                    t.max_ctx = t.max_ctx.max(ctx);
+                }
+            }
+            if !km {
+                t.copy_blocks = t.tables.len();
+            }
+        }
+        t
+    }
+
+    /// The flash kernels' query tiles, `[first row, rows, position of the first, table
+    /// offset]`: at most `per` rows of one span each (their rows are the group's query
+    /// heads), the latest first so that the causal tail does not straggle; the one-row
+    /// spans of a split step (`km_span`) in the second list, for the keys-on-M launch.
+    fn tiles(&self, seqs: &[SeqSpan], per: usize, km_span: impl Fn(&SeqSpan) -> bool) -> [Vec<[i32; 4]>; 2] {
+        let mut lists: [Vec<[i32; 4]>; 2] = Default::default();
+        for (s, span) in seqs.iter().enumerate() {
+            let to = &mut lists[usize::from(km_span(span))];
+            for r in span.rows.clone().step_by(per) {
+                let rows = (span.rows.end - r).min(per);
+                to.push([r as i32, rows as i32, (span.pos0 + r - span.rows.start) as i32, self.table_off[s] as i32]);
+            }
+        }
+        for l in &mut lists {
+            l.sort_by_key(|t| std::cmp::Reverse(t[2] + t[1]));
+        }
+        lists
+    }
 }
 
 /// Key splits for `units` blocks of attention work over `chunks` chunks of keys, when
@@ -2173,7 +2231,6 @@ impl CudaBackend {
         let mut slots = vec![0i64; batch.n_tokens];
         let mut pos = vec![0i32; batch.n_tokens];
         let mut table_off = vec![0i32; batch.n_tokens];
-        let mut tables: Vec<u32> = Vec::new();
         let group = attn.n_heads / attn.n_kv_heads.max(1);
         // Some sequence computes more than one row (a prompt or a chunk of one).
         let prefill = batch.seqs.iter().any(|s| s.rows.len() > 1);
@@ -2201,33 +2258,18 @@ impl CudaBackend {
             && km_clusters
             && prefill
             && batch.seqs.iter().any(|s| s.rows.len() == 1);
-        let km_span = |s: &crate::backend::SeqSpan| mixed_split && s.rows.len() == 1;
-        // (Split: the other spans' tables first, so that the copy holds them alone.)
-        let order: Vec<usize> = (0..batch.seqs.len())
-            .filter(|&i| !km_span(&batch.seqs[i]))
-            .chain((0..batch.seqs.len()).filter(|&i| km_span(&batch.seqs[i])))
-            .collect();
-        self.max_ctx = 0;
-        let (mut km_max_ctx, mut copy_blocks) = (0, 0);
-        for &s in &order {
-            let span = &batch.seqs[s];
-            // (A split step's launches each take their own rows' longest context.)
-            let ctx = span.pos0 + span.rows.len();
-            let off = tables.len() as i32;
-            tables.extend_from_slice(span.block_table);
-            if km_span(span) {
-                km_max_ctx = km_max_ctx.max(ctx);
-            } else {
-                self.max_ctx = self.max_ctx.max(ctx);
-                copy_blocks = tables.len();
-            }
+        let km_span = |s: &SeqSpan| mixed_split && s.rows.len() == 1;
+        let layout = StepTables::new(batch.seqs, km_span);
+        for (s, span) in batch.seqs.iter().enumerate() {
             for (i, row) in span.rows.clone().enumerate() {
                 let p = span.pos0 + i;
                 slots[row] = batch.slot(s, p) as i64;
                 pos[row] = p as i32;
-                table_off[row] = off;
+                table_off[row] = layout.table_off[s] as i32;
             }
         }
+        let (km_max_ctx, copy_blocks) = (layout.km_max_ctx, layout.copy_blocks);
+        self.max_ctx = layout.max_ctx;
         // Else an f16 copy of the step's blocks (a split step's other spans' blocks),
         // where it fits (made here, outside any graph: a decode step with the keys-on-M
         // kernel off may be captured); a copy that does not fit or cannot be made leaves
@@ -2263,24 +2305,12 @@ impl CudaBackend {
             && self.flash_smem32
             && attn.head_dim == 128
             && self.dev.smem_fits("flash_attn_pp_f16_d128");
-        let mut tiles: Vec<[i32; 4]> = Vec::new();
         // A split step's one-row spans: the keys-on-M launch's tiles, after the others.
-        let mut km_tiles: Vec<[i32; 4]> = Vec::new();
-        if self.step_flash {
-            let per = if self.step_pp { 128 } else { 64 } / group;
-            let mut off = 0i32;
-            for &s in &order {
-                let span = &batch.seqs[s];
-                let to = if km_span(span) { &mut km_tiles } else { &mut tiles };
-                for r in span.rows.clone().step_by(per) {
-                    let rows = (span.rows.end - r).min(per);
-                    to.push([r as i32, rows as i32, (span.pos0 + r - span.rows.start) as i32, off]);
-                }
-                off += span.block_table.len() as i32;
-            }
-            tiles.sort_by_key(|t| std::cmp::Reverse(t[2] + t[1]));
-            km_tiles.sort_by_key(|t| std::cmp::Reverse(t[2] + t[1]));
-        }
+        let [tiles, km_tiles] = if self.step_flash {
+            layout.tiles(batch.seqs, if self.step_pp { 128 } else { 64 } / group, km_span)
+        } else {
+            Default::default()
+        };
         self.step_decode = self.flash_decode && tiles.iter().all(|t| t[1] as usize * group <= 16);
         self.n_fa_tiles = tiles.len();
         let flat: Vec<i32> = tiles.iter().chain(&km_tiles).flatten().copied().collect();
@@ -2298,7 +2328,7 @@ impl CudaBackend {
             + if new_freq { sz(4 * rope.inv_freq.len()) } else { 0 }
             + sz(8 * slots.len())
             + sz(4 * (pos.len() + table_off.len()))
-            + sz(4 * tables.len())
+            + sz(4 * layout.tables.len())
             + sz(8)
             + sz(4 * flat.len())
             + sz(4 * fed.len());
@@ -2327,7 +2357,7 @@ impl CudaBackend {
         moved |= sg.put(&st, &mut self.slots, &slots);
         moved |= sg.put(&st, &mut self.pos, &pos);
         moved |= sg.put(&st, &mut self.table_off, &table_off);
-        moved |= sg.put(&st, &mut self.tables, &tables);
+        moved |= sg.put(&st, &mut self.tables, &layout.tables);
         // (A split step's keys-on-M launch reads the second: its rows' longest context.)
         moved |= sg.put(&st, &mut self.max_ctx_dev, &[self.max_ctx as i32, km_max_ctx as i32]);
         moved |= sg.put(&st, &mut self.fa_tiles, &flat);
@@ -3209,7 +3239,8 @@ impl Backend for CudaBackend {
 
 #[cfg(test)]
 mod tests {
-    use super::{attn_splits_by_waves, fp8_copy_wanted, FP8_COPY_MAX_BYTES};
+    use super::{attn_splits_by_waves, fp8_copy_wanted, StepTables, FP8_COPY_MAX_BYTES};
+    use crate::backend::SeqSpan;
 
     /// Clusters of up to `max` splits, each as resident as single blocks.
     fn full(slots: usize, max: usize) -> Vec<usize> {
@@ -3279,5 +3310,73 @@ mod tests {
         assert_eq!(attn_splits_by_waves(64, 514, 264, 64, &half, false), (2, true));
         assert_eq!(attn_splits_by_waves(8, 513, 264, 64, &full(264, 16), false), (16, true));
         assert_eq!(attn_splits_by_waves(64, 514, 264, 64, &[], false), (1, false));
+    }
+
+    fn span(rows: std::ops::Range<usize>, pos0: usize, block_table: &[u32]) -> SeqSpan<'_> {
+        SeqSpan { rows, pos0, block_table }
+    }
+
+    #[test]
+    fn split_steps_lay_the_other_spans_tables_first() {
+        // Blocks of 16: a decoding sequence at 20, a 40-token prompt, a decoding sequence
+        // at 70, a prompt's second chunk of 20 at 100.
+        let (a, b, c, d) = ([5, 6], [1, 2, 3], [7, 8, 9, 10, 11], [12, 13, 14, 15, 16, 17, 18, 19]);
+        let seqs = [span(0..1, 20, &a), span(1..41, 0, &b), span(41..42, 70, &c), span(42..62, 100, &d)];
+        let split = StepTables::new(&seqs, |s| s.rows.len() == 1);
+        assert_eq!(split.tables, [&b[..], &d, &a, &c].concat());
+        assert_eq!(split.table_off, [11, 0, 13, 3]);
+        // The copy: the prompts' 11 blocks; each launch its own rows' longest context.
+        assert_eq!((split.copy_blocks, split.max_ctx, split.km_max_ctx), (11, 120, 71));
+        let whole = StepTables::new(&seqs, |_| false);
+        assert_eq!(whole.tables, [&a[..], &b, &c, &d].concat());
+        assert_eq!(whole.table_off, [0, 2, 5, 10]);
+        assert_eq!((whole.copy_blocks, whole.max_ctx, whole.km_max_ctx), (18, 120, 0));
+    }
+
+    #[test]
+    fn step_tiles_cover_every_row_once_the_latest_first() {
+        let mut state = 0x9e37_79b9_7f4a_7c15_u64;
+        let mut next = |n: usize| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state % n as u64) as usize
+        };
+        for _ in 0..300 {
+            // One to six spans, a third of them one row, the rest up to 300, at positions
+            // up to 2k, in blocks of 16 numbered apart.
+            let mut specs = Vec::new();
+            let (mut row, mut block) = (0, 0u32);
+            for _ in 0..1 + next(6) {
+                let rows = if next(3) == 0 { 1 } else { 1 + next(300) };
+                let pos0 = next(2048);
+                let blocks = (pos0 + rows).div_ceil(16) as u32;
+                specs.push((row..row + rows, pos0, (block..block + blocks).collect::<Vec<u32>>()));
+                (row, block) = (row + rows, block + blocks);
+            }
+            let seqs: Vec<SeqSpan> = specs.iter().map(|(r, p, t)| span(r.clone(), *p, t)).collect();
+            for (split, per) in [false, true].into_iter().flat_map(|s| [1, 8, 16, 32, 64].map(|p| (s, p))) {
+                let km = |s: &SeqSpan| split && s.rows.len() == 1;
+                let t = StepTables::new(&seqs, km);
+                let others: Vec<u32> = seqs.iter().filter(|s| !km(s)).flat_map(|s| s.block_table.to_vec()).collect();
+                assert_eq!(t.tables[..t.copy_blocks], others);
+                let ctx = |k: bool| seqs.iter().filter(|s| km(s) == k).map(|s| s.pos0 + s.rows.len()).max();
+                assert_eq!((t.max_ctx, t.km_max_ctx), (ctx(false).unwrap_or(0), ctx(true).unwrap_or(0)));
+                let mut seen = vec![0; row];
+                for (list, on_km) in t.tiles(&seqs, per, km).iter().zip([false, true]) {
+                    assert!(list.windows(2).all(|w| w[0][2] + w[0][1] >= w[1][2] + w[1][1]), "latest first");
+                    for &[r, rows, p, off] in list {
+                        let (r, rows) = (r as usize, rows as usize);
+                        let s = seqs.iter().find(|s| s.rows.contains(&r)).expect("a tile's row is a span's");
+                        assert!((1..=per).contains(&rows) && r + rows <= s.rows.end);
+                        assert_eq!(p as usize, s.pos0 + r - s.rows.start);
+                        assert_eq!(t.tables[off as usize..][..s.block_table.len()], *s.block_table);
+                        assert_eq!(km(s), on_km);
+                        seen[r..r + rows].iter_mut().for_each(|n| *n += 1);
+                    }
+                }
+                assert!(seen.iter().all(|&n| n == 1), "every row in one tile: {seen:?}");
+            }
+        }
     }
 }
