@@ -76,9 +76,11 @@ pub struct EngineArgs {
     /// Tokens per KV block.
     #[arg(long, default_value_t = 16)]
     pub block_size: usize,
-    /// Sequences in one batch at most.
-    #[arg(long, default_value_t = 64)]
-    pub max_num_seqs: usize,
+    /// Sequences in one batch at most. Default: 64 on the CPU, 256 on CUDA (vLLM's figure
+    /// for GPUs below 70 GiB; on larger ones it takes 1024, which this engine has not yet
+    /// run).
+    #[arg(long)]
+    pub max_num_seqs: Option<usize>,
     /// Tokens in one step at most (decode tokens plus prefill chunks). Default: 512 on
     /// the CPU; on CUDA 8192 where the GPU has at least 70 GiB and is not an A100, else
     /// 2048 (vLLM's server defaults); never below --max-num-seqs.
@@ -114,13 +116,15 @@ impl EngineArgs {
         v.extend([
             ("--kv-dtype", self.kv_dtype.clone()),
             ("--block-size", self.block_size.to_string()),
-            ("--max-num-seqs", self.max_num_seqs.to_string()),
             ("--max-model-len", self.max_model_len.to_string()),
             ("--host-cache-mib", self.host_cache_mib.to_string()),
         ]);
         let mut v: Vec<String> = v.into_iter().flat_map(|(k, x)| [k.to_string(), x]).collect();
         if let Some(n) = self.kv_cache_mib {
             v.extend(["--kv-cache-mib".into(), n.to_string()]);
+        }
+        if let Some(n) = self.max_num_seqs {
+            v.extend(["--max-num-seqs".into(), n.to_string()]);
         }
         if let Some(n) = self.max_batched_tokens {
             v.extend(["--max-batched-tokens".into(), n.to_string()]);
@@ -135,15 +139,16 @@ impl EngineArgs {
     }
 
     pub fn options(&self) -> anyhow::Result<EngineOptions> {
-        // (The step budget's default: the CPU's, or on CUDA by the GPU's memory.)
-        let (device, step_tokens) = if let Some(n) = self.device.strip_prefix("cuda:") {
+        // (The step budget's and the batch's defaults: the CPU's, or on CUDA by the GPU.)
+        let (device, (max_num_seqs, max_batched_tokens)) = if let Some(n) = self.device.strip_prefix("cuda:") {
             let ordinal: usize =
                 n.parse().map_err(|_| anyhow::anyhow!("--device {}: give cuda:N with N a number", self.device))?;
             // A missing driver or device is reported as such, before any loading.
             let dev = kernels::cuda::CudaDevice::open(ordinal)?;
-            (engine::load::Device::Cuda(ordinal), cuda_step_tokens(dev.mem_info()?.1, &dev.name))
+            let gpu = (dev.mem_info()?.1, dev.name.as_str());
+            (engine::load::Device::Cuda(ordinal), batch_limits(Some(gpu), self.max_num_seqs, self.max_batched_tokens))
         } else if self.device == "cpu" {
-            (engine::load::Device::Cpu, EngineOptions::default().max_batched_tokens)
+            (engine::load::Device::Cpu, batch_limits(None, self.max_num_seqs, self.max_batched_tokens))
         } else {
             anyhow::bail!("--device {} is not a device; use cpu or cuda:N", self.device);
         };
@@ -158,8 +163,8 @@ impl EngineArgs {
             kv_cache_mib,
             kv_dtype,
             block_size: self.block_size,
-            max_num_seqs: self.max_num_seqs,
-            max_batched_tokens: self.max_batched_tokens.unwrap_or(step_tokens.max(self.max_num_seqs)),
+            max_num_seqs,
+            max_batched_tokens,
             max_model_len: self.max_model_len,
             prefix_caching: !self.no_enable_prefix_caching,
             gpu_memory_utilization,
@@ -174,6 +179,12 @@ impl EngineArgs {
 /// The fraction of a GPU's memory an engine takes when neither `--kv-cache-mib` nor
 /// `--gpu-memory-utilization` is given (vLLM's default).
 pub const GPU_MEMORY_UTILIZATION_DEFAULT: f64 = 0.9;
+
+/// Sequences in one batch on CUDA when `--max-num-seqs` is not given: vLLM's server
+/// default below 70 GiB. (vLLM takes 1024 on larger GPUs, beside the 8192-token step
+/// budget of [`cuda_step_tokens`]; decode steps of more than 256 sequences have not run
+/// on this engine's kernels yet, docs/PERF.md.)
+pub const CUDA_MAX_NUM_SEQS_DEFAULT: usize = 256;
 
 /// The KV cache's size flags as the engine takes them: `--kv-cache-mib` (512 on the CPU
 /// when not given) or `--gpu-memory-utilization` (on CUDA
@@ -191,6 +202,23 @@ fn kv_sizing(
         (u, _) => u,
     };
     Ok((kv_cache_mib.unwrap_or(engine::load::EngineOptions::default().kv_cache_mib), utilization))
+}
+
+/// `--max-num-seqs` and `--max-batched-tokens` as the engine takes them: as given, else
+/// the defaults of the CPU (`gpu` None) or of a CUDA GPU (its memory in bytes and its
+/// name); the step budget's default is never below the sequences'.
+fn batch_limits(
+    gpu: Option<(usize, &str)>,
+    max_num_seqs: Option<usize>,
+    max_batched_tokens: Option<usize>,
+) -> (usize, usize) {
+    let cpu = EngineOptions::default();
+    let (seqs, tokens) = match gpu {
+        Some((total_bytes, name)) => (CUDA_MAX_NUM_SEQS_DEFAULT, cuda_step_tokens(total_bytes, name)),
+        None => (cpu.max_num_seqs, cpu.max_batched_tokens),
+    };
+    let seqs = max_num_seqs.unwrap_or(seqs);
+    (seqs, max_batched_tokens.unwrap_or(tokens.max(seqs)))
 }
 
 /// The default step budget on the CUDA device `name` of `total_bytes` of memory: vLLM's
@@ -242,6 +270,22 @@ mod tests {
         for (name, gib, want) in cards {
             assert_eq!(super::cuda_step_tokens(gib << 30, name), want, "{name}");
         }
+    }
+
+    #[test]
+    fn batch_defaults_follow_the_device_unless_given() {
+        use super::batch_limits;
+        let h200 = Some((141usize << 30, "NVIDIA H200"));
+        let l40s = Some((48usize << 30, "NVIDIA L40S"));
+        // The CPU: 64 sequences, 512 tokens; CUDA: 256 sequences, the GPU's budget.
+        assert_eq!(batch_limits(None, None, None), (64, 512));
+        assert_eq!(batch_limits(h200, None, None), (256, 8192));
+        assert_eq!(batch_limits(l40s, None, None), (256, 2048));
+        // Given values stay; the budget's default rises to the sequences given.
+        assert_eq!(batch_limits(h200, Some(8), Some(100)), (8, 100));
+        assert_eq!(batch_limits(None, Some(1024), None), (1024, 1024));
+        assert_eq!(batch_limits(l40s, Some(4096), None), (4096, 4096));
+        assert_eq!(batch_limits(h200, None, Some(16384)), (256, 16384));
     }
 
     #[test]
