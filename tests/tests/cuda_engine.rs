@@ -204,13 +204,26 @@ fn graphs_replay_exactly_and_flash_prefill_stays_close() {
     assert_eq!(gpu.backend().n_graphs(), 0);
     gpu.backend_mut().set_graphs(true);
     let graphed = run_to_completion(&mut gpu, reqs.clone(), 100).unwrap();
-    let graphed_one = run_to_completion(&mut gpu, vec![(long, greedy(40))], 200).unwrap();
+    let graphed_one = run_to_completion(&mut gpu, vec![(long.clone(), greedy(40))], 200).unwrap();
     println!("decode shapes captured: {}", gpu.backend().n_graphs());
     assert!(gpu.backend().n_graphs() >= 2, "batch-{} and batch-1 decode steps were captured", reqs.len());
     for (i, (e, g)) in eager.iter().zip(&graphed).enumerate() {
         assert_eq!(e.output_ids, g.output_ids, "case {i}: graphs changed the output");
     }
     assert_eq!(eager_one[0].output_ids, graphed_one[0].output_ids, "batch 1 over a 300-token context");
+    // Room for one shape: the batched steps' graph makes way for the batch-1 steps' (whose
+    // split counts follow the growing context), and replays stay exact.
+    gpu.backend_mut().set_max_graphs(1);
+    let one_batched = run_to_completion(&mut gpu, reqs.clone(), 500).unwrap();
+    let one_long = run_to_completion(&mut gpu, vec![(long.clone(), greedy(40))], 600).unwrap();
+    let dropped = gpu.backend().graphs_dropped();
+    println!("room for one shape: {dropped} captured shapes dropped");
+    assert!(gpu.backend().n_graphs() == 1 && dropped >= 1, "one shape kept, others dropped ({dropped})");
+    for (i, (e, g)) in eager.iter().zip(&one_batched).enumerate() {
+        assert_eq!(e.output_ids, g.output_ids, "case {i}: graphs in a cache of one changed the output");
+    }
+    assert_eq!(eager_one[0].output_ids, one_long[0].output_ids, "batch 1, a cache of one graph");
+    gpu.backend_mut().set_max_graphs(512);
     // The batched decode steps' RoPE + KV write as a kernel of its own (the grouped kernel
     // with q, inside the graphs: each step's first launch makes that step's cos/sin, the
     // later layers read them), before the keys-on-M kernel and before the flash kernel's

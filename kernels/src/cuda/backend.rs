@@ -32,7 +32,8 @@
 //!   mode) take the per-token f32 kernel (same split rule over (token, head) pairs).
 //! - CUDA graphs: a decode-only step's ops are captured the second time its shape
 //!   (tokens, logit rows, attention splits) is seen and replayed from then on
-//!   (`DISAGG_CUDA_GRAPHS=0`: never). Everything a step reads from the host is uploaded
+//!   (`DISAGG_CUDA_GRAPHS=0`: never); at most 512 shapes are kept, a new one taking the
+//!   place of the least recently replayed. Everything a step reads from the host is uploaded
 //!   by `begin_step` into buffers whose addresses the graphs keep; when one of them must
 //!   grow, the graphs are dropped and captured again.
 
@@ -105,7 +106,7 @@ impl CudaKv {
 type GraphKey = (usize, usize, usize, u8);
 
 /// Captured decode steps by shape.
-struct Graphs(std::collections::HashMap<GraphKey, CudaGraph>);
+struct Graphs(ShapeCache<CudaGraph>);
 
 // SAFETY: a CUDA graph may be used from any thread as long as calls on it are
 // serialized; the backend is used through `&mut self` only.
@@ -301,8 +302,53 @@ impl Staging {
     }
 }
 
-/// At most this many decode shapes are captured; others run op by op.
+/// At most this many decode shapes are kept captured; a new one takes the place of the
+/// least recently replayed.
 const MAX_GRAPHS: usize = 512;
+
+/// Values by decode shape, at most `cap` of them: inserting a new shape where there is no
+/// room drops the one least recently inserted or got. A long-running server meets more
+/// shapes (batch sizes times attention split counts, which follow the contexts) than it
+/// keeps; before, shapes past the cap ran op by op for good, however often they came.
+struct ShapeCache<V> {
+    map: std::collections::HashMap<GraphKey, (V, u64)>,
+    clock: u64,
+    cap: usize,
+}
+
+impl<V> ShapeCache<V> {
+    fn new(cap: usize) -> Self {
+        ShapeCache { map: Default::default(), clock: 0, cap: cap.max(1) }
+    }
+
+    fn get(&mut self, key: &GraphKey) -> Option<&V> {
+        self.clock += 1;
+        let e = self.map.get_mut(key)?;
+        e.1 = self.clock;
+        Some(&e.0)
+    }
+
+    /// Inserts `value` for `key`; returns the shape dropped to make room, if any.
+    fn insert(&mut self, key: GraphKey, value: V) -> Option<GraphKey> {
+        self.clock += 1;
+        let dropped = if self.map.len() >= self.cap && !self.map.contains_key(&key) {
+            let lru = self.map.iter().min_by_key(|(_, e)| e.1).map(|(k, _)| *k);
+            lru.inspect(|k| drop(self.map.remove(k)))
+        } else {
+            None
+        };
+        self.map.insert(key, (value, self.clock));
+        dropped
+    }
+
+    fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    fn clear(&mut self) {
+        self.map.clear();
+    }
+}
 
 pub struct CudaBackend {
     /// `DISAGG_CUDA_PROFILE`: GPU time and calls per op, from CUDA events.
@@ -410,6 +456,8 @@ pub struct CudaBackend {
     seen: std::collections::HashSet<GraphKey>,
     step_key: GraphKey,
     capturing: bool,
+    /// Captured shapes dropped to make room for others.
+    graphs_dropped: u64,
     /// bf16 GEMMs of at most this many tokens take the GEMV kernel (0: never).
     gemv_max_tokens: usize,
     /// Attention key splits chosen by whole waves of resident blocks
@@ -833,10 +881,11 @@ impl CudaBackend {
             graphs_on: !off(crate::env::CUDA_GRAPHS) && profile.is_none(),
             // mma.sync m16n8k16 and cp.async need sm_80 or newer.
             flash: bf16_weights && !off(crate::env::CUDA_FLASH) && dev.arch.0 >= 8,
-            graphs: Graphs(Default::default()),
+            graphs: Graphs(ShapeCache::new(MAX_GRAPHS)),
             seen: Default::default(),
             step_key: (0, 0, 0, 0),
             capturing: false,
+            graphs_dropped: 0,
             _blas_ws: blas_ws,
             ids: stream.alloc_zeros::<u32>(1).map_err(dev_err)?,
             rows: stream.alloc_zeros::<u32>(1).map_err(dev_err)?,
@@ -1333,6 +1382,18 @@ impl CudaBackend {
     /// How many decode shapes are captured as graphs now.
     pub fn n_graphs(&self) -> usize {
         self.graphs.0.len()
+    }
+
+    /// Keeps at most `n` decode shapes captured (`MAX_GRAPHS` unless set; tests set fewer
+    /// to see shapes make room for others); drops those captured so far.
+    pub fn set_max_graphs(&mut self, n: usize) {
+        self.graphs = Graphs(ShapeCache::new(n));
+        self.seen.clear();
+    }
+
+    /// How many captured shapes were dropped to make room for others.
+    pub fn graphs_dropped(&self) -> u64 {
+        self.graphs_dropped
     }
 
     /// Per-op GPU time so far (`DISAGG_CUDA_PROFILE` set): name → (seconds, calls), as
@@ -2545,7 +2606,7 @@ impl CudaBackend {
         }
         // The first step of a shape runs op by op (sizing every scratch buffer); the
         // second is captured.
-        if self.seen.insert(key) || self.graphs.0.len() >= MAX_GRAPHS {
+        if self.seen.insert(key) {
             return body(self);
         }
         let st = self.dev.stream().clone();
@@ -2557,7 +2618,14 @@ impl CudaBackend {
         match st.end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0)) {
             Ok(Some(g)) => {
                 g.launch().expect("CUDA: launching a decode graph");
-                self.graphs.0.insert(key, g);
+                // (A graph dropped while in flight is freed when it completes. The shape
+                // it held runs op by op once more before it is captured again, so that
+                // more shapes than the cache keeps, taken in turn, are not captured at
+                // every step.)
+                if let Some(dropped) = self.graphs.0.insert(key, g) {
+                    self.seen.remove(&dropped);
+                    self.graphs_dropped += 1;
+                }
             }
             other => {
                 // Nothing ran during the capture: run the step op by op, and stop capturing.
@@ -3239,7 +3307,7 @@ impl Backend for CudaBackend {
 
 #[cfg(test)]
 mod tests {
-    use super::{attn_splits_by_waves, fp8_copy_wanted, StepTables, FP8_COPY_MAX_BYTES};
+    use super::{attn_splits_by_waves, fp8_copy_wanted, ShapeCache, StepTables, FP8_COPY_MAX_BYTES};
     use crate::backend::SeqSpan;
 
     /// Clusters of up to `max` splits, each as resident as single blocks.
@@ -3378,5 +3446,27 @@ mod tests {
                 assert!(seen.iter().all(|&n| n == 1), "every row in one tile: {seen:?}");
             }
         }
+    }
+
+    #[test]
+    fn the_shape_cache_drops_the_least_recently_used() {
+        let shape = |n: usize| (n, n, 1, 0u8);
+        let mut c = ShapeCache::new(3);
+        for n in 1..=3 {
+            assert_eq!(c.insert(shape(n), n), None);
+        }
+        // Shape 1 replayed: shape 2 is now the least recently used, and makes room for 4.
+        assert_eq!(c.get(&shape(1)), Some(&1));
+        assert_eq!(c.insert(shape(4), 4), Some(shape(2)));
+        assert_eq!(c.get(&shape(2)), None);
+        assert_eq!(c.len(), 3);
+        // A shape already held is replaced in place, dropping none.
+        assert_eq!(c.insert(shape(3), 30), None);
+        assert_eq!(c.get(&shape(3)), Some(&30));
+        // Then 1 (got before 4 was inserted) goes first, then 4.
+        assert_eq!(c.insert(shape(5), 5), Some(shape(1)));
+        assert_eq!(c.insert(shape(6), 6), Some(shape(4)));
+        c.clear();
+        assert_eq!(c.len(), 0);
     }
 }
