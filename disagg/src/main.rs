@@ -76,9 +76,9 @@ pub struct EngineArgs {
     /// Tokens per KV block.
     #[arg(long, default_value_t = 16)]
     pub block_size: usize,
-    /// Sequences in one batch at most. Default: 64 on the CPU, 256 on CUDA (vLLM's figure
-    /// for GPUs below 70 GiB; on larger ones it takes 1024, which this engine has not yet
-    /// run).
+    /// Sequences in one batch at most. Default: 64 on the CPU, 256 on CUDA (vLLM's figure,
+    /// except on GPUs of at least 70 GiB other than the A100, where it takes 1024, which
+    /// this engine has not yet run).
     #[arg(long)]
     pub max_num_seqs: Option<usize>,
     /// Tokens in one step at most (decode tokens plus prefill chunks). Default: 512 on
@@ -181,9 +181,9 @@ impl EngineArgs {
 pub const GPU_MEMORY_UTILIZATION_DEFAULT: f64 = 0.9;
 
 /// Sequences in one batch on CUDA when `--max-num-seqs` is not given: vLLM's server
-/// default below 70 GiB. (vLLM takes 1024 on larger GPUs, beside the 8192-token step
-/// budget of [`cuda_step_tokens`]; decode steps of more than 256 sequences have not run
-/// on this engine's kernels yet, docs/PERF.md.)
+/// default, except where it takes 1024 (the GPUs that [`cuda_step_tokens`] gives 8192
+/// tokens); decode steps of more than 256 sequences have not run on this engine's kernels
+/// yet (docs/PERF.md).
 pub const CUDA_MAX_NUM_SEQS_DEFAULT: usize = 256;
 
 /// The KV cache's size flags as the engine takes them: `--kv-cache-mib` (512 on the CPU

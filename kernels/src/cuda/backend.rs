@@ -1384,8 +1384,8 @@ impl CudaBackend {
         self.graphs.0.len()
     }
 
-    /// Keeps at most `n` decode shapes captured (`MAX_GRAPHS` unless set; tests set fewer
-    /// to see shapes make room for others); drops those captured so far.
+    /// Keeps at most `n` (at least 1) decode shapes captured (`MAX_GRAPHS` unless set;
+    /// tests set fewer to see shapes make room for others); drops those captured so far.
     pub fn set_max_graphs(&mut self, n: usize) {
         self.graphs = Graphs(ShapeCache::new(n));
         self.seen.clear();
