@@ -783,6 +783,7 @@ impl CudaBackend {
         let z = |n| stream.alloc_zeros::<f32>(n).map_err(dev_err);
         let profile = std::env::var_os(crate::env::CUDA_PROFILE).map(|_| Default::default());
         let off = |name| std::env::var(name).is_ok_and(|v| v == "0");
+        let on = |name| std::env::var(name).is_ok_and(|v| v == "1");
         // __match_any_sync: sm_70 or newer.
         let device_sampling = !off(crate::env::DEVICE_SAMPLING) && dev.arch.0 >= 7;
         let defer = !off(crate::env::ASYNC_SCHEDULING) && device_sampling && profile.is_none();
@@ -864,10 +865,10 @@ impl CudaBackend {
             attn_cluster: !off(crate::env::CUDA_ATTN_CLUSTER),
             step_cluster: false,
             km_early: !off(crate::env::CUDA_KM_EARLY),
-            km_bulk: std::env::var(crate::env::CUDA_KM_BULK).is_ok_and(|v| v == "1") && dev.arch.0 >= 9,
+            km_bulk: on(crate::env::CUDA_KM_BULK) && dev.arch.0 >= 9,
             flash_lazy_rescale: !off(crate::env::CUDA_FLASH_LAZY_RESCALE),
             flash_warp_spec: !off(crate::env::CUDA_FLASH_WARP_SPEC),
-            flash_pp_turns: std::env::var(crate::env::CUDA_FLASH_PP_TURNS).is_ok_and(|v| v == "1"),
+            flash_pp_turns: on(crate::env::CUDA_FLASH_PP_TURNS),
             flash_pp_lean: !off(crate::env::CUDA_FLASH_PP_LEAN),
             pp_rope: !off(crate::env::CUDA_PP_ROPE),
             rope_k_round: !off(crate::env::CUDA_ROPE_K_ROUND),
@@ -941,7 +942,7 @@ impl CudaBackend {
             fp8_f16_copy: !off(crate::env::CUDA_FP8_F16_COPY),
             step_fp8_copy: false,
             step_table_blocks: 0,
-            mixed_split: std::env::var(crate::env::CUDA_MIXED_SPLIT).is_ok_and(|v| v == "1"),
+            mixed_split: on(crate::env::CUDA_MIXED_SPLIT),
             step_km_part: None,
             kv_copy: stream.alloc_zeros::<u16>(1).map_err(dev_err)?,
             iota: stream.alloc_zeros::<u32>(1).map_err(dev_err)?,
