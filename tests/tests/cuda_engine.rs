@@ -187,6 +187,27 @@ fn kv_moves_between_gpu_and_cpu_unchanged() {
     assert_eq!(ids, expect.output_ids, "prefilled on the GPU, decoded on the CPU");
 }
 
+/// An FP8 cache with the keys-on-M kernel off: the decode steps' attention runs the f16
+/// flash kernels over a copy of the step's blocks, whose count grows with the context
+/// under one graph shape. Those steps run op by op (none is captured), and a 300-token
+/// prompt decoding 40 tokens (past three block boundaries) gives the tokens it gives
+/// with graphs off.
+fn fp8_copy_steps_are_not_replayed() {
+    use kernels::KvDtype;
+    let opts = EngineOptions { kv_dtype: KvDtype::Fp8, prefix_caching: false, ..gpu_options(false) };
+    let mut gpu = cuda_engine(&opts).expect("the GPU engine loads");
+    gpu.backend_mut().set_decode_km(false);
+    let long: Vec<u32> = (0..300).map(|i| 100 + (i * 37) % 5000).collect();
+    gpu.backend_mut().set_graphs(false);
+    let eager = run_to_completion(&mut gpu, vec![(long.clone(), greedy(40))], 1).unwrap();
+    gpu.backend_mut().set_graphs(true);
+    let graphed = run_to_completion(&mut gpu, vec![(long, greedy(40))], 100).unwrap();
+    assert!(gpu.backend().step_fp8_copy(), "the last decode step read the FP8 cache's f16 copy");
+    assert_eq!(gpu.backend().n_graphs(), 0, "a step over the f16 copy was captured");
+    assert_eq!(eager[0].output_ids, graphed[0].output_ids, "graphs on changed the tokens");
+    assert_eq!(gpu.stats().kv_blocks_used, 0, "KV blocks leaked");
+}
+
 /// bf16 weights (the fast path). CUDA graphs replay the very kernels the eager steps
 /// launch, so greedy outputs with graphs are identical to those without (also with the
 /// decode steps' RoPE in a kernel of its own, before either decode attention). The flash
@@ -504,8 +525,9 @@ fn main() {
     use libtest_mimic::{Arguments, Trial};
     let mut tests = Vec::new();
     if std::env::var_os(kernels::env::TEST_CUDA).is_some() {
-        let gpu_tests: [(&str, fn()); 9] = [
+        let gpu_tests: [(&str, fn()); 10] = [
             ("mixed_split_steps_keep_the_tokens", mixed_split_steps_keep_the_tokens),
+            ("fp8_copy_steps_are_not_replayed", fp8_copy_steps_are_not_replayed),
             ("fp8_cache_stays_close_to_cpu", fp8_cache_stays_close_to_cpu),
             ("async_scheduling_gives_the_same_tokens", async_scheduling_gives_the_same_tokens),
             ("device_sampling_matches_the_host_sampler", device_sampling_matches_the_host_sampler),

@@ -35,7 +35,9 @@
 //!   (`DISAGG_CUDA_GRAPHS=0`: never); at most 512 shapes are kept, a new one taking the
 //!   place of the least recently replayed. Everything a step reads from the host is uploaded
 //!   by `begin_step` into buffers whose addresses the graphs keep; when one of them must
-//!   grow, the graphs are dropped and captured again.
+//!   grow, the graphs are dropped and captured again. A decode step over an FP8 cache's
+//!   f16 copy (the keys-on-M kernel off or not fitting) runs op by op: the copy's block
+//!   count is a launch argument that grows with the contexts under one shape.
 
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
 use cudarc::cublas::{result as blas, CudaBlas};
@@ -981,9 +983,14 @@ impl CudaBackend {
         self.attn_chunk = keys;
     }
 
-    /// bf16 GEMMs of at most `n` tokens take the GEMV kernel (at most 8; 0: never).
+    /// bf16 GEMMs of at most `n` tokens take the GEMV kernel (at most 8; 0: never);
+    /// captured graphs hold the other choice, so they are dropped when it changes.
     pub fn set_gemv_max_tokens(&mut self, n: usize) {
-        self.gemv_max_tokens = n.min(super::GEMV_MAX_TOKENS);
+        let n = n.min(super::GEMV_MAX_TOKENS);
+        if n != self.gemv_max_tokens {
+            self.buffers_moving();
+            self.gemv_max_tokens = n;
+        }
     }
 
     /// Turns a kernel switch on or off; captured graphs hold the other kernels, so they
@@ -2597,7 +2604,10 @@ impl CudaBackend {
     /// [`Backend::run_step`] between its step events: the graph of this step's shape when
     /// there is one, else the body (captured on a shape's second step).
     fn run_step_body(&mut self, replayable: bool, body: &mut dyn FnMut(&mut Self)) {
-        if !(replayable && self.graphs_on) {
+        // (A step over an FP8 cache's f16 copy passes the copy's block count and its V
+        // half's offset by value; both grow with the contexts while the shape's key stays,
+        // so a replay would convert too few blocks.)
+        if !(replayable && self.graphs_on) || self.step_fp8_copy {
             return body(self);
         }
         let key = self.step_key;
