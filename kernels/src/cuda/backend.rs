@@ -2340,9 +2340,9 @@ impl CudaBackend {
         let (km_max_ctx, copy_blocks) = (layout.km_max_ctx, layout.copy_blocks);
         self.max_ctx = layout.max_ctx;
         // Else an f16 copy of the step's blocks (a split step's other spans' blocks),
-        // where it fits (made here, outside any graph: a decode step with the keys-on-M
-        // kernel off may be captured); a copy that does not fit or cannot be made leaves
-        // the step to the per-token kernel.
+        // where it fits (made here, before the step's kernel is chosen; a step over the
+        // copy is never captured); a copy that does not fit or cannot be made leaves the
+        // step to the per-token kernel.
         let copy_bytes = 2 * 2 * copy_blocks * batch.block_size * attn.n_kv_heads * attn.head_dim;
         self.step_fp8_copy = self.flash
             && self.kv_fp8.get()
