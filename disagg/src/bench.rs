@@ -223,6 +223,7 @@ fn bench_core<B: Backend>(
             let reqs = (0..b).map(|i| (prompt(a.context, 500 + i as u64, vocab), greedy(4))).collect();
             run_batch(&mut core, &mut next_id, reqs, mixed(b as u64))?;
         }
+        let s0 = core.stats();
         for r in 0..a.repeat {
             let reqs = (0..b)
                 .map(|i| (prompt(a.context, 1000 + (r * b + i) as u64, vocab), greedy(a.gen_tokens + 1)))
@@ -252,6 +253,7 @@ fn bench_core<B: Backend>(
             }
             op_steps += t.full_steps;
         }
+        let s1 = core.stats();
         // The GPU's time between two steps' forward passes (sampling, copies, and waiting
         // for the host unless async scheduling hid it), a mean per gap.
         let gap_us = ops.get(kernels::cuda::STEP_GAP_OP).map(|(s, n)| s * 1e6 / (*n).max(1) as f64);
@@ -265,6 +267,14 @@ fn bench_core<B: Backend>(
             "first_tokens_s": median(first_tokens_s),
             "mixed_step_ms": (!mixed_ms.is_empty()).then(|| median(mixed_ms)),
             "gpu_gap_us_per_step": gap_us,
+            // The timed runs' decode-only steps (the batch's and its tail's as sequences
+            // finish), those replayed from a CUDA graph and those that captured one (the
+            // rest ran op by op; zeros on the CPU).
+            "graph_steps": {
+                "decode_only": s1.decode_only_steps - s0.decode_only_steps,
+                "replayed": s1.graph_replays - s0.graph_replays,
+                "captured": s1.graph_captures - s0.graph_captures,
+            },
             // Per-op time of the timed steps (DISAGG_CUDA_PROFILE; every op synchronized), and
             // on CUDA always the GPU's time between steps.
             "op_us_per_step": ops.iter().map(|(op, (s, n))| json!({"op": op, "us": s * 1e6 / op_steps.max(1) as f64, "calls_per_step": *n as f64 / op_steps.max(1) as f64})).collect::<Vec<_>>(),

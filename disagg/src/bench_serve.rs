@@ -185,12 +185,14 @@ async fn direct_load(e: &EngineHandle, n: usize, c: usize, max_tokens: usize) ->
 }
 
 /// One measured run: wall time, the engine's time in steps, its steps and decode-only
-/// steps.
+/// steps, and those replayed from a CUDA graph or capturing one.
 struct Run {
     wall_s: f64,
     step_s: f64,
     steps: u64,
     decode_only_steps: u64,
+    graph_replays: u64,
+    graph_captures: u64,
 }
 
 /// The median, the middle two averaged for an even count (NaN when empty).
@@ -376,6 +378,8 @@ pub fn run(a: ServeBenchArgs) -> anyhow::Result<()> {
                         step_s: s1.step_s - s0.step_s,
                         steps: s1.steps - s0.steps,
                         decode_only_steps: s1.decode_only_steps - s0.decode_only_steps,
+                        graph_replays: s1.graph_replays - s0.graph_replays,
+                        graph_captures: s1.graph_captures - s0.graph_captures,
                     };
                     if is_http {
                         http_runs.push(run);
@@ -596,6 +600,16 @@ pub fn run(a: ServeBenchArgs) -> anyhow::Result<()> {
                 "engine_decode_only_steps": {
                     "http": sum(&http_runs, |r| r.decode_only_steps),
                     "direct": sum(&direct_runs, |r| r.decode_only_steps),
+                },
+                // Of those, the steps replayed from a CUDA graph and those that captured
+                // one (the rest ran op by op: a shape's first step, or one dropped from
+                // the graph cache; zeros on the CPU), and the engine's captured shapes at
+                // the end (held; dropped to make room, since it started).
+                "engine_graph_steps": {
+                    "replayed": {"http": sum(&http_runs, |r| r.graph_replays), "direct": sum(&direct_runs, |r| r.graph_replays)},
+                    "captured": {"http": sum(&http_runs, |r| r.graph_captures), "direct": sum(&direct_runs, |r| r.graph_captures)},
+                    "held": engine.stats().graphs_held,
+                    "dropped": engine.stats().graphs_dropped,
                 },
                 // On-CPU time of the gateway's and the load generator's threads during
                 // the HTTP runs, per streamed token (Linux schedstat; null elsewhere).

@@ -159,6 +159,13 @@ fn bench_serve_accounts_for_every_request() {
     let level = &v["levels"][0];
     assert_eq!(level["requests_measured"], 8);
     assert_eq!(level["matched_timings"], 8);
+    // The CPU replays no step from a graph.
+    let g = &level["engine_graph_steps"];
+    assert_eq!(
+        (g["replayed"]["http"].as_u64(), g["captured"]["direct"].as_u64(), g["held"].as_u64()),
+        (Some(0), Some(0), Some(0)),
+        "{g}"
+    );
     let gw = &level["gateway_overhead_ms"];
     let f = |x: &serde_json::Value| x.as_f64().unwrap_or_else(|| panic!("not a number: {x} in {gw}"));
     for (slowest, max, first_part) in
@@ -240,6 +247,13 @@ fn bench_engine_times_prefill_and_decode_in_either_order() {
         assert_eq!(batches, [1, 2], "{v}");
         assert!(decode.iter().all(|d| d["ms_per_step"].as_f64().is_some_and(|m| m > 0.0 && m.is_finite())), "{v}");
         assert!(decode.iter().all(|d| d["first_tokens_s"].as_f64().is_some_and(|s| s > 0.0 && s.is_finite())), "{v}");
+        // The timed runs' decode-only steps are counted (four tokens after the first),
+        // none of them from a graph on the CPU.
+        for d in decode {
+            let g = &d["graph_steps"];
+            assert!(g["decode_only"].as_u64().is_some_and(|n| n >= 4), "{v}");
+            assert_eq!((g["replayed"].as_u64(), g["captured"].as_u64()), (Some(0), Some(0)), "{v}");
+        }
         assert_eq!(v["prefill"]["steps"], 1, "the whole prompt in one step: {v}");
     }
 }

@@ -179,6 +179,14 @@ pub struct EngineStats {
     /// prefix_cache_queries / prefix_cache_hits).
     pub prefix_cache_queries: u64,
     pub prefix_cache_hits: u64,
+    /// Decode-only steps replayed from a CUDA graph, shapes captured (their step ran from
+    /// the new graph), captured shapes dropped to make room for others, and shapes held
+    /// now ([`kernels::GraphCounts`]; zeros on the CPU). The other decode-only steps ran
+    /// op by op.
+    pub graph_replays: u64,
+    pub graph_captures: u64,
+    pub graphs_dropped: u64,
+    pub graphs_held: usize,
 }
 
 struct Sequence {
@@ -327,7 +335,12 @@ impl<B: Backend> EngineCore<B> {
     }
 
     pub fn stats(&self) -> EngineStats {
+        let g = self.backend.graph_counts();
         EngineStats {
+            graph_replays: g.replayed,
+            graph_captures: g.captured,
+            graphs_dropped: g.dropped,
+            graphs_held: g.held,
             kv_blocks_used: self.alloc.n_used(),
             kv_blocks_cached: self.alloc.n_cached(),
             host_blocks_cached: self.host.as_ref().map_or(0, |h| h.len()),

@@ -203,6 +203,19 @@ impl StepBatch<'_> {
     }
 }
 
+/// Counts of a backend's step graphs since it was made: steps replayed from a captured
+/// graph, shapes captured (the step that captures a shape also runs from its graph),
+/// captured shapes dropped to make room for others, and shapes held now. A replayable
+/// step counted in neither of the first two ran op by op (a shape's first step, graphs
+/// off, a failed capture, a step the backend does not replay).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GraphCounts {
+    pub replayed: u64,
+    pub captured: u64,
+    pub dropped: u64,
+    pub held: usize,
+}
+
 /// The first index of the largest value (NaN never wins; all −∞ gives 0): greedy
 /// sampling, the same on every backend.
 pub fn argmax(v: &[f32]) -> u32 {
@@ -447,6 +460,12 @@ pub trait Backend {
     fn collect_sampled(&mut self, out: &mut Vec<u32>) {
         let _ = out;
         unreachable!("this backend does not defer sampling")
+    }
+
+    /// How the replayable steps given to [`Backend::run_step`] have run so far (CUDA
+    /// graphs); zeros for a backend that runs every step's ops.
+    fn graph_counts(&self) -> GraphCounts {
+        GraphCounts::default()
     }
 
     /// Diagnostics for benchmarks: time per op so far, `(op, seconds, calls)`, when the

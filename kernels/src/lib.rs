@@ -13,8 +13,8 @@ pub mod env;
 pub mod quant;
 
 pub use backend::{
-    AttnShape, Backend, FedToken, KvShape, LogitEdit, Rope, SampleSpec, SampledRow, SeqSpan, StepBatch, StepLimits,
-    WeightPart, SAMPLE_CANDIDATES,
+    AttnShape, Backend, FedToken, GraphCounts, KvShape, LogitEdit, Rope, SampleSpec, SampledRow, SeqSpan, StepBatch,
+    StepLimits, WeightPart, SAMPLE_CANDIDATES,
 };
 pub use cpu::ops::KvDtype;
 

@@ -204,6 +204,8 @@ fn fp8_copy_steps_are_not_replayed() {
     let graphed = run_to_completion(&mut gpu, vec![(long, greedy(40))], 100).unwrap();
     assert!(gpu.backend().step_fp8_copy(), "the last decode step read the FP8 cache's f16 copy");
     assert_eq!(gpu.backend().n_graphs(), 0, "a step over the f16 copy was captured");
+    let st = gpu.stats();
+    assert_eq!((st.graph_replays, st.graph_captures), (0, 0), "the stats count no graph step");
     assert_eq!(eager[0].output_ids, graphed[0].output_ids, "graphs on changed the tokens");
     assert_eq!(gpu.stats().kv_blocks_used, 0, "KV blocks leaked");
 }
@@ -223,10 +225,22 @@ fn graphs_replay_exactly_and_flash_prefill_stays_close() {
     let eager = run_to_completion(&mut gpu, reqs.clone(), 1).unwrap();
     let eager_one = run_to_completion(&mut gpu, vec![(long.clone(), greedy(40))], 50).unwrap();
     assert_eq!(gpu.backend().n_graphs(), 0);
+    let s0 = gpu.stats();
     gpu.backend_mut().set_graphs(true);
     let graphed = run_to_completion(&mut gpu, reqs.clone(), 100).unwrap();
     let graphed_one = run_to_completion(&mut gpu, vec![(long.clone(), greedy(40))], 200).unwrap();
     println!("decode shapes captured: {}", gpu.backend().n_graphs());
+    // The engine's stats count the steps each way: every shape captured is held (none
+    // dropped yet), and the decode-only steps neither replayed nor capturing ran op by op.
+    let s1 = gpu.stats();
+    let decode = s1.decode_only_steps - s0.decode_only_steps;
+    let (replayed, captured) = (s1.graph_replays - s0.graph_replays, s1.graph_captures - s0.graph_captures);
+    println!("graphs on: {decode} decode-only steps, {replayed} replayed, {captured} captured");
+    assert_eq!(
+        (captured as usize, s1.graphs_held, s1.graphs_dropped),
+        (gpu.backend().n_graphs(), gpu.backend().n_graphs(), 0)
+    );
+    assert!(replayed > 0 && replayed + captured <= decode, "{s1:?}");
     assert!(gpu.backend().n_graphs() >= 2, "batch-{} and batch-1 decode steps were captured", reqs.len());
     for (i, (e, g)) in eager.iter().zip(&graphed).enumerate() {
         assert_eq!(e.output_ids, g.output_ids, "case {i}: graphs changed the output");
@@ -237,7 +251,7 @@ fn graphs_replay_exactly_and_flash_prefill_stays_close() {
     gpu.backend_mut().set_max_graphs(1);
     let one_batched = run_to_completion(&mut gpu, reqs.clone(), 500).unwrap();
     let one_long = run_to_completion(&mut gpu, vec![(long.clone(), greedy(40))], 600).unwrap();
-    let dropped = gpu.backend().graphs_dropped();
+    let dropped = gpu.backend().graph_counts().dropped;
     println!("room for one shape: {dropped} captured shapes dropped");
     assert!(gpu.backend().n_graphs() == 1 && dropped >= 1, "one shape kept, others dropped ({dropped})");
     for (i, (e, g)) in eager.iter().zip(&one_batched).enumerate() {

@@ -45,7 +45,7 @@ use cudarc::driver::{CudaEvent, CudaGraph, CudaSlice, DevicePtr, DevicePtrMut, L
 
 use super::{dev_err, CudaDevice, Launch};
 use crate::backend::{
-    AttnShape, Backend, KvShape, Rope, SampleSpec, SampledRow, SeqSpan, StepBatch, StepLimits, WeightPart,
+    AttnShape, Backend, GraphCounts, KvShape, Rope, SampleSpec, SampledRow, SeqSpan, StepBatch, StepLimits, WeightPart,
 };
 use crate::cpu::ops::KvDtype;
 use crate::KernelError;
@@ -458,8 +458,8 @@ pub struct CudaBackend {
     seen: std::collections::HashSet<GraphKey>,
     step_key: GraphKey,
     capturing: bool,
-    /// Captured shapes dropped to make room for others.
-    graphs_dropped: u64,
+    /// Steps replayed, shapes captured and captured shapes dropped to make room for others.
+    graph_counts: GraphCounts,
     /// bf16 GEMMs of at most this many tokens take the GEMV kernel (0: never).
     gemv_max_tokens: usize,
     /// Attention key splits chosen by whole waves of resident blocks
@@ -888,7 +888,7 @@ impl CudaBackend {
             seen: Default::default(),
             step_key: (0, 0, 0, 0),
             capturing: false,
-            graphs_dropped: 0,
+            graph_counts: GraphCounts::default(),
             _blas_ws: blas_ws,
             ids: stream.alloc_zeros::<u32>(1).map_err(dev_err)?,
             rows: stream.alloc_zeros::<u32>(1).map_err(dev_err)?,
@@ -1397,11 +1397,6 @@ impl CudaBackend {
     pub fn set_max_graphs(&mut self, n: usize) {
         self.graphs = Graphs(ShapeCache::new(n));
         self.seen.clear();
-    }
-
-    /// How many captured shapes were dropped to make room for others.
-    pub fn graphs_dropped(&self) -> u64 {
-        self.graphs_dropped
     }
 
     /// Per-op GPU time so far (`DISAGG_CUDA_PROFILE` set): name → (seconds, calls), as
@@ -2613,6 +2608,7 @@ impl CudaBackend {
         let key = self.step_key;
         if let Some(g) = self.graphs.0.get(&key) {
             g.launch().expect("CUDA: launching a decode graph");
+            self.graph_counts.replayed += 1;
             return;
         }
         // The first step of a shape runs op by op (sizing every scratch buffer); the
@@ -2629,13 +2625,14 @@ impl CudaBackend {
         match st.end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0)) {
             Ok(Some(g)) => {
                 g.launch().expect("CUDA: launching a decode graph");
+                self.graph_counts.captured += 1;
                 // (A graph dropped while in flight is freed when it completes. The shape
                 // it held runs op by op once more before it is captured again, so that
                 // more shapes than the cache keeps, taken in turn, are not captured at
                 // every step.)
                 if let Some(dropped) = self.graphs.0.insert(key, g) {
                     self.seen.remove(&dropped);
-                    self.graphs_dropped += 1;
+                    self.graph_counts.dropped += 1;
                 }
             }
             other => {
@@ -3196,6 +3193,10 @@ impl Backend for CudaBackend {
         self.dev.synchronize().expect("CUDA: synchronize");
         self.settle();
         true
+    }
+
+    fn graph_counts(&self) -> GraphCounts {
+        GraphCounts { held: self.graphs.0.len(), ..self.graph_counts }
     }
 
     fn op_profile(&self) -> Vec<(&'static str, f64, u64)> {
