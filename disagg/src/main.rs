@@ -76,9 +76,8 @@ pub struct EngineArgs {
     /// Tokens per KV block.
     #[arg(long, default_value_t = 16)]
     pub block_size: usize,
-    /// Sequences in one batch at most. Default: 64 on the CPU, 256 on CUDA (vLLM's figure,
-    /// except on GPUs of at least 70 GiB other than the A100, where it takes 1024, which
-    /// this engine has not yet run).
+    /// Sequences in one batch at most. Default: 64 on the CPU; on CUDA 1024 where the GPU
+    /// has at least 70 GiB and is not an A100, else 256 (vLLM's server defaults).
     #[arg(long)]
     pub max_num_seqs: Option<usize>,
     /// Tokens in one step at most (decode tokens plus prefill chunks). Default: 512 on
@@ -181,10 +180,15 @@ impl EngineArgs {
 pub const GPU_MEMORY_UTILIZATION_DEFAULT: f64 = 0.9;
 
 /// Sequences in one batch on CUDA when `--max-num-seqs` is not given: vLLM's server
-/// default, except where it takes 1024 (the GPUs that [`cuda_step_tokens`] gives 8192
-/// tokens); decode steps of more than 256 sequences have not run on this engine's kernels
-/// yet (docs/PERF.md).
-pub const CUDA_MAX_NUM_SEQS_DEFAULT: usize = 256;
+/// default, 256, or 1024 on the GPUs that [`cuda_step_tokens`] gives 8192 tokens (decode
+/// at b1024 measured on the H200: docs/PERF.md, forty-third session).
+fn cuda_max_num_seqs(step_tokens: usize) -> usize {
+    if step_tokens >= 8192 {
+        1024
+    } else {
+        256
+    }
+}
 
 /// The KV cache's size flags as the engine takes them: `--kv-cache-mib` (512 on the CPU
 /// when not given) or `--gpu-memory-utilization` (on CUDA
@@ -214,7 +218,10 @@ fn batch_limits(
 ) -> (usize, usize) {
     let cpu = EngineOptions::default();
     let (seqs, tokens) = match gpu {
-        Some((total_bytes, name)) => (CUDA_MAX_NUM_SEQS_DEFAULT, cuda_step_tokens(total_bytes, name)),
+        Some((total_bytes, name)) => {
+            let tokens = cuda_step_tokens(total_bytes, name);
+            (cuda_max_num_seqs(tokens), tokens)
+        }
         None => (cpu.max_num_seqs, cpu.max_batched_tokens),
     };
     let seqs = max_num_seqs.unwrap_or(seqs);
@@ -277,15 +284,17 @@ mod tests {
         use super::batch_limits;
         let h200 = Some((141usize << 30, "NVIDIA H200"));
         let l40s = Some((48usize << 30, "NVIDIA L40S"));
-        // The CPU: 64 sequences, 512 tokens; CUDA: 256 sequences, the GPU's budget.
+        let a100 = Some((80usize << 30, "NVIDIA A100-SXM4-80GB"));
+        // The CPU: 64 sequences, 512 tokens; CUDA: the GPU's sequences and budget.
         assert_eq!(batch_limits(None, None, None), (64, 512));
-        assert_eq!(batch_limits(h200, None, None), (256, 8192));
+        assert_eq!(batch_limits(h200, None, None), (1024, 8192));
         assert_eq!(batch_limits(l40s, None, None), (256, 2048));
+        assert_eq!(batch_limits(a100, None, None), (256, 2048));
         // Given values stay; the budget's default rises to the sequences given.
         assert_eq!(batch_limits(h200, Some(8), Some(100)), (8, 100));
         assert_eq!(batch_limits(None, Some(1024), None), (1024, 1024));
         assert_eq!(batch_limits(l40s, Some(4096), None), (4096, 4096));
-        assert_eq!(batch_limits(h200, None, Some(16384)), (256, 16384));
+        assert_eq!(batch_limits(h200, None, Some(16384)), (1024, 16384));
     }
 
     #[test]
