@@ -513,6 +513,7 @@ pub fn run(a: ServeBenchArgs) -> anyhow::Result<()> {
             // run-to-run spread.
             let idle_ms = |runs: &[Run]| median_of(runs.iter().map(|r| (r.wall_s - r.step_s) * 1e3).collect());
             let sum = |runs: &[Run], f: fn(&Run) -> u64| runs.iter().map(f).sum::<u64>();
+            let end = engine.stats();
             let direct_text_ttft: Vec<f64> =
                 direct.iter().map(|d| d.first_text.duration_since(d.send).as_secs_f64() * 1e3).collect();
             let direct_ttft: Vec<f64> = direct.iter().map(|d| d.first.duration_since(d.send).as_secs_f64() * 1e3).collect();
@@ -608,8 +609,8 @@ pub fn run(a: ServeBenchArgs) -> anyhow::Result<()> {
                 "engine_graph_steps": {
                     "replayed": {"http": sum(&http_runs, |r| r.graph_replays), "direct": sum(&direct_runs, |r| r.graph_replays)},
                     "captured": {"http": sum(&http_runs, |r| r.graph_captures), "direct": sum(&direct_runs, |r| r.graph_captures)},
-                    "held": engine.stats().graphs_held,
-                    "dropped": engine.stats().graphs_dropped,
+                    "held": end.graphs_held,
+                    "dropped": end.graphs_dropped,
                 },
                 // On-CPU time of the gateway's and the load generator's threads during
                 // the HTTP runs, per streamed token (Linux schedstat; null elsewhere).

@@ -3196,7 +3196,7 @@ impl Backend for CudaBackend {
     }
 
     fn graph_counts(&self) -> GraphCounts {
-        GraphCounts { held: self.graphs.0.len(), ..self.graph_counts }
+        GraphCounts { held: self.n_graphs(), ..self.graph_counts }
     }
 
     fn op_profile(&self) -> Vec<(&'static str, f64, u64)> {
