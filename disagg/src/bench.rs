@@ -217,6 +217,7 @@ fn bench_core<B: Backend>(
         let mut mixed_ms = Vec::new();
         let mut ops = OpTimes::new();
         let mut op_steps = 0;
+        let (mut timed_replayed, mut timed_captured) = (0, 0);
         if !a.no_warmup {
             // Untimed: the same batch and context, a few decode steps (a CUDA backend
             // runs a decode shape's first step op by op and captures its second).
@@ -252,6 +253,8 @@ fn bench_core<B: Backend>(
                 add_op(&mut ops, op, secs, calls);
             }
             op_steps += t.full_steps;
+            timed_replayed += t.full_replayed;
+            timed_captured += t.full_captured;
         }
         let s1 = core.stats();
         // The GPU's time between two steps' forward passes (sampling, copies, and waiting
@@ -269,11 +272,15 @@ fn bench_core<B: Backend>(
             "gpu_gap_us_per_step": gap_us,
             // The timed runs' decode-only steps (the batch's and its tail's as sequences
             // finish), those replayed from a CUDA graph and those that captured one (the
-            // rest ran op by op; zeros on the CPU).
+            // rest ran op by op; zeros on the CPU); and the same for the steps that
+            // `ms_per_step` times (every sequence decoding).
             "graph_steps": {
                 "decode_only": s1.decode_only_steps - s0.decode_only_steps,
                 "replayed": s1.graph_replays - s0.graph_replays,
                 "captured": s1.graph_captures - s0.graph_captures,
+                "timed": op_steps,
+                "timed_replayed": timed_replayed,
+                "timed_captured": timed_captured,
             },
             // Per-op time of the timed steps (DISAGG_CUDA_PROFILE; every op synchronized), and
             // on CUDA always the GPU's time between steps.
@@ -355,6 +362,10 @@ struct Timing {
     full_steps_s: f64,
     /// The backend's per-op time in those steps, when it records it.
     full_step_ops: OpTimes,
+    /// How many of those steps the backend replayed from a CUDA graph, and how many
+    /// captured one (the rest ran op by op).
+    full_replayed: u64,
+    full_captured: u64,
     /// With a mixed prompt: the step call that prefilled it beside the whole batch and
     /// the call after it, seconds.
     mixed_window_s: Option<f64>,
@@ -378,6 +389,7 @@ fn run_batch<B: Backend>(
     let mut first_step_s = None;
     let mut first_steps = 0;
     let (mut full_steps, mut full_steps_s) = (0, 0.0);
+    let (mut full_replayed, mut full_captured) = (0, 0);
     let mut ops = OpTimes::new();
     // (The mixed prompt's length once it joined; the call that prefilled it.)
     let (mut mixed_len, mut mixed_dt, mut mixed_window_s) = (None, None, None);
@@ -390,6 +402,7 @@ fn run_batch<B: Backend>(
             }
         }
         let before = core.backend().op_profile();
+        let graphs_before = core.backend().graph_counts();
         let tokens_before = core.stats().forward_tokens;
         let ts = Instant::now();
         let outs = core.step();
@@ -411,6 +424,9 @@ fn run_batch<B: Backend>(
         if first_step_s.is_some() && one_each && outs.len() == n && outs.iter().all(|o| o.completion_tokens > 1) {
             full_steps += 1;
             full_steps_s += dt;
+            let g = core.backend().graph_counts();
+            full_replayed += g.replayed - graphs_before.replayed;
+            full_captured += g.captured - graphs_before.captured;
             for (op, secs, calls) in core.backend().op_profile() {
                 let (s0, c0) = before.iter().find(|b| b.0 == op).map_or((0.0, 0), |b| (b.1, b.2));
                 add_op(&mut ops, op, secs - s0, calls - c0);
@@ -427,6 +443,8 @@ fn run_batch<B: Backend>(
         full_steps,
         full_steps_s,
         full_step_ops: ops,
+        full_replayed,
+        full_captured,
         mixed_window_s,
     })
 }

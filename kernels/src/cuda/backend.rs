@@ -2614,6 +2614,9 @@ impl CudaBackend {
         // The first step of a shape runs op by op (sizing every scratch buffer); the
         // second is captured.
         if self.seen.insert(key) {
+            // (`DISAGG_LOG=kernels=debug` names each shape as it comes: (tokens, logit
+            // rows, attention splits, kernel bits).)
+            tracing::debug!(?key, "CUDA graphs: a new decode shape runs op by op");
             return body(self);
         }
         let st = self.dev.stream().clone();
