@@ -125,6 +125,9 @@ fn prompt(n: usize, salt: u64, vocab: usize) -> Vec<u32> {
 }
 
 fn engine_bench(a: EngineBenchArgs) -> anyhow::Result<()> {
+    // (Warnings on stderr, e.g. a CUDA graph capture that failed; `DISAGG_LOG` as the
+    // servers take it. The JSON goes to stdout.)
+    crate::serve::init_logging();
     let mut opts = a.engine.options()?;
     let max_batch = a.batch.iter().copied().max().unwrap_or(1);
     opts.max_num_seqs = opts.max_num_seqs.max(max_batch);
@@ -219,9 +222,12 @@ fn bench_core<B: Backend>(
         let mut op_steps = 0;
         let (mut timed_replayed, mut timed_captured) = (0, 0);
         if !a.no_warmup {
-            // Untimed: the same batch and context, a few decode steps (a CUDA backend
-            // runs a decode shape's first step op by op and captures its second).
-            let reqs = (0..b).map(|i| (prompt(a.context, 500 + i as u64, vocab), greedy(4))).collect();
+            // Untimed: a run like the timed ones (the same batch, context and tokens), so
+            // that every step shape they take has run twice before (a CUDA backend runs a
+            // decode shape's first step op by op and captures its second). Four tokens
+            // left too few whole-batch steps where the prompts' first tokens come far
+            // apart (b8 at 32k on the H200: a timed step captured its graph).
+            let reqs = (0..b).map(|i| (prompt(a.context, 500 + i as u64, vocab), greedy(a.gen_tokens + 1))).collect();
             run_batch(&mut core, &mut next_id, reqs, mixed(b as u64))?;
         }
         let s0 = core.stats();

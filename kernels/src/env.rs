@@ -125,8 +125,9 @@ pub const CUDA_FP8_F16_COPY: &str = "DISAGG_CUDA_FP8_F16_COPY";
 /// `1`: a step that prefills beside decoding sequences launches the keys-on-M kernel for
 /// the decode rows (their keys split in clusters) after the flash kernel's launch for the
 /// prompts, instead of one flash launch for all rows; with an FP8 KV cache only the
-/// prompts' blocks are then copied to f16, not every sequence's. Off by default until it
-/// is measured on the GPU.
+/// prompts' blocks are then copied to f16, not every sequence's. On by default (H200:
+/// faster in every measured case, as near the CPU's tokens as one launch; docs/PERF.md);
+/// `0` turns it off.
 pub const CUDA_MIXED_SPLIT: &str = "DISAGG_CUDA_MIXED_SPLIT";
 
 /// Largest token count whose bf16 GEMMs take the CUDA backend's own GEMV kernels (f32

@@ -405,7 +405,7 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
             be.set_attn_cluster(true);
             be.set_km_early(true);
             be.set_km_bulk(true);
-            be.set_mixed_split(false);
+            be.set_mixed_split(true);
             if let Err(e) = attention_residual_case(&mut be, &dq, &batch, &attn, &mut gkv, &want, &tokens, &rope) {
                 failed.push(format!("{n_heads}/{n_kv} heads, head_dim {hd}, block {bs}: {e}"));
             }
@@ -655,7 +655,7 @@ fn attention_residual_case(
         }
     }
     be.set_flash_wide_merge(true);
-    be.set_mixed_split(false);
+    be.set_mixed_split(true);
     Ok(())
 }
 

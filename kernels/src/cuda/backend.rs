@@ -404,7 +404,7 @@ pub struct CudaBackend {
     fp8_f16_copy: bool,
     step_fp8_copy: bool,
     step_table_blocks: usize,
-    /// A step that prefills beside one-row spans (`DISAGG_CUDA_MIXED_SPLIT=1`): those rows
+    /// A step that prefills beside one-row spans (unless `DISAGG_CUDA_MIXED_SPLIT=0`): those rows
     /// to the keys-on-M kernel in a launch of their own (an FP8 cache: only the
     /// prefilling sequences' blocks to the f16 copy). `step_km_part`: that launch.
     mixed_split: bool,
@@ -944,7 +944,7 @@ impl CudaBackend {
             fp8_f16_copy: !off(crate::env::CUDA_FP8_F16_COPY),
             step_fp8_copy: false,
             step_table_blocks: 0,
-            mixed_split: on(crate::env::CUDA_MIXED_SPLIT),
+            mixed_split: !off(crate::env::CUDA_MIXED_SPLIT),
             step_km_part: None,
             kv_copy: stream.alloc_zeros::<u16>(1).map_err(dev_err)?,
             iota: stream.alloc_zeros::<u32>(1).map_err(dev_err)?,
@@ -1080,7 +1080,7 @@ impl CudaBackend {
     /// A step that prefills beside one-row spans (decoding sequences) launches the
     /// keys-on-M kernel for those rows, after the flash kernel's launch for the others;
     /// with an FP8 cache only the prefilling sequences' blocks go to the f16 copy (default:
-    /// off unless `DISAGG_CUDA_MIXED_SPLIT=1`; it needs the keys-on-M kernel and its
+    /// on unless `DISAGG_CUDA_MIXED_SPLIT=0`; it needs the keys-on-M kernel and its
     /// clusters, else the step takes one launch as before).
     pub fn set_mixed_split(&mut self, on: bool) {
         self.set_switch(on, |b| &mut b.mixed_split);
