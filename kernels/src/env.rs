@@ -122,12 +122,11 @@ pub const CUDA_DECODE_KM: &str = "DISAGG_CUDA_DECODE_KM";
 /// flash kernels over an f16 copy of the step's blocks; for A/B runs.
 pub const CUDA_FP8_F16_COPY: &str = "DISAGG_CUDA_FP8_F16_COPY";
 
-/// `1`: a step that prefills beside decoding sequences launches the keys-on-M kernel for
-/// the decode rows (their keys split in clusters) after the flash kernel's launch for the
-/// prompts, instead of one flash launch for all rows; with an FP8 KV cache only the
-/// prompts' blocks are then copied to f16, not every sequence's. On by default (H200:
-/// faster in every measured case, as near the CPU's tokens as one launch; docs/PERF.md);
-/// `0` turns it off.
+/// On unless `0`: a step that prefills beside decoding sequences launches the keys-on-M
+/// kernel for the decode rows (their keys split in clusters) after the flash kernel's
+/// launch for the prompts, instead of one flash launch for all rows; with an FP8 KV cache
+/// only the prompts' blocks are then copied to f16, not every sequence's (H200: faster in
+/// every measured case, as near the CPU's tokens as one launch; docs/PERF.md).
 pub const CUDA_MIXED_SPLIT: &str = "DISAGG_CUDA_MIXED_SPLIT";
 
 /// Largest token count whose bf16 GEMMs take the CUDA backend's own GEMV kernels (f32
