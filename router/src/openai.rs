@@ -29,6 +29,11 @@ pub fn parse<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
             let field = if path == "." { field.to_string() } else { format!("{path}.{field}") };
             return ApiError::invalid(Some(field.clone()), format!("unrecognized request argument supplied: {field}"));
         }
+        // A required field that is absent is named as such, before any value is blamed.
+        if let Some(field) = inner.strip_prefix("missing field `").and_then(|r| r.split('`').next()) {
+            let field = if path == "." { field.to_string() } else { format!("{path}.{field}") };
+            return ApiError::invalid(Some(field.clone()), format!("missing required parameter '{field}'"));
+        }
         // Fields of flattened structs lose their path; find the culprit by trying each
         // top-level field on its own.
         let param = if path == "." { culprit(&raw) } else { Some(path.clone()) };
@@ -340,6 +345,14 @@ impl ChatRequest {
             }
             let _ = (&m.name, &m.tool_call_id);
             let content = match &m.content {
+                // Only an assistant turn may come without content (OpenAI's rule: it may
+                // carry tool calls instead); a system or user turn without it is a mistake.
+                None if role != "assistant" => {
+                    return Err(ApiError::invalid(
+                        Some(format!("messages[{i}].content")),
+                        format!("messages[{i}] ({}) needs 'content'", m.role),
+                    ))
+                }
                 None => String::new(),
                 Some(Content::Text(t)) => t.clone(),
                 Some(Content::Parts(parts)) => {

@@ -167,7 +167,19 @@ fn error_cases_have_openai_shape_and_status() {
             Some("response_format"),
         ),
         ("unknown model", json!({"model": "gpt-5", "messages": msgs}).to_string(), 404, Some("model")),
-        ("missing messages", json!({"model": MODEL}).to_string(), 400, None),
+        ("missing messages", json!({"model": MODEL}).to_string(), 400, Some("messages")),
+        (
+            "missing model beside a bad value",
+            json!({"messages": msgs, "max_tokens": -1}).to_string(),
+            400,
+            Some("model"),
+        ),
+        (
+            "user turn without content",
+            json!({"model": MODEL, "messages": [{"role": "user"}]}).to_string(),
+            400,
+            Some("messages[0].content"),
+        ),
         (
             "bad role",
             json!({"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}).to_string(),
