@@ -145,8 +145,11 @@ impl From<EngineError> for ApiError {
     fn from(e: EngineError) -> Self {
         match e {
             EngineError::InvalidRequest(m) => {
-                // The engine names the parameter first in its messages ("top_p must…").
+                // The engine names the parameter first in its messages ("top_p must…",
+                // "the prompt has…").
                 let param = m
+                    .strip_prefix("the ")
+                    .unwrap_or(&m)
                     .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
                     .next()
                     .filter(|w| w.contains('_') || ["temperature", "logprobs", "stop", "prompt", "n"].contains(w))

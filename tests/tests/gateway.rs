@@ -220,6 +220,12 @@ fn error_cases_have_openai_shape_and_status() {
         let (st, v) = post(&client, &format!("{}/v1/completions", srv.url), long).await;
         assert_eq!(st, 400, "{v}");
         assert!(v["error"]["message"].as_str().unwrap().contains("context length"), "{v}");
+        assert_eq!(v["error"]["param"], "prompt", "{v}");
+        // An empty prompt names the prompt too.
+        let empty = json!({"model": MODEL, "prompt": ""}).to_string();
+        let (st, v) = post(&client, &format!("{}/v1/completions", srv.url), empty).await;
+        assert_eq!(st, 400, "{v}");
+        assert_eq!(v["error"]["param"], "prompt", "{v}");
         // Unknown route and method.
         let r = client.get(format!("{}/v2/nothing", srv.url)).send().await.unwrap();
         assert_eq!(r.status().as_u16(), 404);
