@@ -128,6 +128,18 @@ fn engine_bench(a: EngineBenchArgs) -> anyhow::Result<()> {
     // (Warnings on stderr, e.g. a CUDA graph capture that failed; `DISAGG_LOG` as the
     // servers take it. The JSON goes to stdout.)
     crate::serve::init_logging();
+    if a.repeat == 0 {
+        anyhow::bail!("--repeat must be at least 1 (the median of that many runs is reported)");
+    }
+    if a.batch.is_empty() || a.batch.contains(&0) {
+        anyhow::bail!("--batch takes decode batch sizes of at least 1, e.g. --batch 1,8,32");
+    }
+    if a.context == 0 || a.prompt_tokens == 0 {
+        anyhow::bail!("--context and --prompt-tokens must be at least 1 token");
+    }
+    if a.gen_tokens < 2 {
+        anyhow::bail!("--gen-tokens must be at least 2: the prefill gives the first token, decode steps the rest");
+    }
     let mut opts = a.engine.options()?;
     let max_batch = a.batch.iter().copied().max().unwrap_or(1);
     opts.max_num_seqs = opts.max_num_seqs.max(max_batch);

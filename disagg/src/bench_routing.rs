@@ -263,6 +263,13 @@ fn workload(a: &RoutingBenchArgs, policy: &str) -> anyhow::Result<serde_json::Va
 }
 
 pub fn run(a: RoutingBenchArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(a.blocks >= 1 && a.decisions >= 1, "--blocks and --decisions must be at least 1");
+    if a.workload {
+        anyhow::ensure!(
+            a.decode >= 1 && a.sessions >= 1 && a.turns >= 1 && a.first_tokens >= 1 && a.answer_tokens >= 1,
+            "--decode, --sessions, --turns, --first-tokens and --answer-tokens must be at least 1 for --workload"
+        );
+    }
     let mut out = serde_json::Map::new();
     out.insert("decision".into(), decision_latency(&a)?);
     if a.workload {

@@ -284,6 +284,12 @@ pub fn run(a: ServeBenchArgs) -> anyhow::Result<()> {
     // Held for the whole run (system-wide, so also over `--mode up`'s processes).
     let _qos =
         a.cpu_latency_qos.then(|| crate::serve::hold_cpu_latency(crate::serve::CPU_DMA_LATENCY, 0)).transpose()?;
+    anyhow::ensure!(
+        !a.concurrency.is_empty() && !a.concurrency.contains(&0),
+        "--concurrency takes stream counts of at least 1, e.g. --concurrency 1,64,256"
+    );
+    anyhow::ensure!(a.max_tokens >= 1, "--max-tokens must be at least 1");
+    anyhow::ensure!(a.requests != Some(0), "--requests must be at least 1");
     match a.mode.as_str() {
         "in-process" => {}
         "up" => return crate::bench_up::run(a),

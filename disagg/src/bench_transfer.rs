@@ -31,6 +31,9 @@ pub struct TransferBenchArgs {
 const LAYOUT: KvLayout = KvLayout { n_layers: 30, block_size: 16, n_kv_heads: 3, head_dim: 64, dtype_bytes: 2 };
 
 pub fn run(a: TransferBenchArgs) -> anyhow::Result<()> {
+    if a.tokens == 0 || a.repeat == 0 {
+        anyhow::bail!("--tokens and --repeat must be at least 1");
+    }
     let n_blocks = a.tokens.div_ceil(LAYOUT.block_size as usize) as u32;
     let layer: Vec<u8> = (0..n_blocks as usize * LAYOUT.block_bytes()).map(|i| (i * 7 + i / 4096) as u8).collect();
     let total = layer.len() as f64 * LAYOUT.n_layers as f64;

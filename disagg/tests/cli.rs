@@ -104,6 +104,15 @@ fn bad_flags_say_what_to_change() {
         (&["generate", "--prompt", "x", "--gpu-memory-utilization", "0.9"], "on the CPU use --kv-cache-mib"),
         (&["generate", "--prompt", "x", "--model", "random:gpt5"], "random:llama3-8b"),
         (&["bench", "routing", "--workers", "65"], "--workers"),
+        (&["bench", "routing", "--blocks", "0"], "--blocks"),
+        // Zero counts in the benches are refused before anything loads (they panicked).
+        (&["bench", "engine", "--repeat", "0"], "--repeat"),
+        (&["bench", "engine", "--batch", "1,0"], "--batch"),
+        (&["bench", "engine", "--gen-tokens", "1"], "--gen-tokens"),
+        (&["bench", "engine", "--context", "0"], "--context"),
+        (&["bench", "transfer", "--repeat", "0"], "--repeat"),
+        (&["bench", "serve", "--concurrency", "0"], "--concurrency"),
+        (&["bench", "serve", "--max-tokens", "0"], "--max-tokens"),
     ];
     for (args, needle) in cases {
         let (code, _, err) = disagg(args);
