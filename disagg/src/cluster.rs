@@ -391,6 +391,40 @@ pub(crate) struct Proc {
     child: Child,
 }
 
+/// How `disagg up` starts a worker again after it exits: the same arguments at the
+/// address it first got, so the router (its static list or etcd) finds it where it was.
+struct Respawn {
+    args: Vec<String>,
+    marker: &'static str,
+    exits: Restarts,
+}
+
+/// A worker that exits this often within `RESTART_WINDOW` is not started again: the
+/// cluster stops instead of looping on a crash (like a container's restart back-off).
+const MAX_RESTARTS: usize = 3;
+const RESTART_WINDOW: Duration = Duration::from_secs(60);
+
+/// The times of a worker's recent exits.
+#[derive(Default)]
+struct Restarts(Vec<std::time::Instant>);
+
+impl Restarts {
+    /// Records an exit at `now`; false when it is the `MAX_RESTARTS`+1-th within the window.
+    fn allow(&mut self, now: std::time::Instant) -> bool {
+        self.0.retain(|t| now.duration_since(*t) < RESTART_WINDOW);
+        self.0.push(now);
+        self.0.len() <= MAX_RESTARTS
+    }
+}
+
+/// The port of a ready line's `http://host:port` address.
+fn port_of(url: &str) -> anyhow::Result<u16> {
+    url.rsplit(':')
+        .next()
+        .and_then(|p| p.trim_end_matches('/').parse().ok())
+        .ok_or_else(|| anyhow::anyhow!("no port in the address {url:?}"))
+}
+
 /// Has the child get SIGTERM when this process ends, however it ends: a killed `disagg up`
 /// leaves no worker holding a GPU's memory, nor an etcd its port. (The signal follows the
 /// thread that spawned the child; every caller spawns from the main thread, which lives as
@@ -512,6 +546,9 @@ pub(crate) fn stop_all(procs: &mut [Proc]) {
     }
 }
 
+/// How long a worker may take from its start to its ready line (model load included).
+const WORKER_START: Duration = Duration::from_secs(300);
+
 pub fn up(a: UpArgs) -> anyhow::Result<()> {
     if a.decode == 0 {
         anyhow::bail!("--decode must be at least 1");
@@ -553,24 +590,23 @@ pub fn up(a: UpArgs) -> anyhow::Result<()> {
         }
         args
     };
+    // Per process in `procs`: how to start it again when it exits (workers only).
+    let mut respawn: Vec<Option<Respawn>> = procs.iter().map(|_| None).collect();
     let result = (|| -> anyhow::Result<String> {
         let (mut prefill, mut decode) = (Vec::new(), Vec::new());
-        for i in 0..a.prefill {
-            let mut args = vec!["prefill".to_string(), "--port".into(), "0".into()];
-            args.extend(engine_args.iter().cloned());
-            let args = with_etcd(args);
-            let (p, line) =
-                spawn_role(&format!("prefill-{i}"), &args, "prefill worker ready", Duration::from_secs(300))?;
-            procs.push(p);
-            prefill.push(url_in(&line)?);
-        }
-        for i in 0..a.decode {
-            let mut args = vec!["decode".to_string(), "--port".into(), "0".into()];
-            args.extend(engine_args.iter().cloned());
-            let args = with_etcd(args);
-            let (p, line) = spawn_role(&format!("decode-{i}"), &args, "decode worker ready", Duration::from_secs(300))?;
-            procs.push(p);
-            decode.push(url_in(&line)?);
+        let roles = [("prefill", a.prefill, "prefill worker ready"), ("decode", a.decode, "decode worker ready")];
+        for (role, n, marker) in roles {
+            for i in 0..n {
+                let mut args = vec![role.to_string(), "--port".into(), "0".into()];
+                args.extend(engine_args.iter().cloned());
+                let mut args = with_etcd(args);
+                let (p, line) = spawn_role(&format!("{role}-{i}"), &args, marker, WORKER_START)?;
+                let url = url_in(&line)?;
+                args[2] = port_of(&url)?.to_string();
+                procs.push(p);
+                respawn.push(Some(Respawn { args, marker, exits: Restarts::default() }));
+                if role == "prefill" { &mut prefill } else { &mut decode }.push(url);
+            }
         }
         let mut args = vec![
             "router".to_string(),
@@ -596,6 +632,7 @@ pub fn up(a: UpArgs) -> anyhow::Result<()> {
         }
         let (p, line) = spawn_role("router", &args, "disagg serving", Duration::from_secs(120))?;
         procs.push(p);
+        respawn.push(None);
         url_in(&line)
     })();
     let url = match result {
@@ -615,7 +652,9 @@ pub fn up(a: UpArgs) -> anyhow::Result<()> {
         procs.last().map(|p| p.child.id()).unwrap_or(0)
     );
     println!("disagg serving '{}' at {url}/v1", e.model);
-    // Stop everything on Ctrl-C / SIGTERM, or when any process dies.
+    // Stop everything on Ctrl-C / SIGTERM, or when the router or etcd dies, or a worker
+    // exits too often; a worker that exits is started again at its address (the router
+    // retries its failed requests elsewhere meanwhile, and reads its KV events afresh).
     let (stop_tx, stop_rx) = mpsc::channel::<String>();
     {
         let tx = stop_tx.clone();
@@ -630,10 +669,27 @@ pub fn up(a: UpArgs) -> anyhow::Result<()> {
             break r;
         }
         let mut died = None;
-        for p in procs.iter_mut() {
-            if let Ok(Some(status)) = p.child.try_wait() {
-                died = Some(format!("the {} (pid {}) exited: {status}", p.name, p.child.id()));
+        for (p, again) in procs.iter_mut().zip(respawn.iter_mut()) {
+            let Ok(Some(status)) = p.child.try_wait() else { continue };
+            let what = format!("the {} (pid {}) exited: {status}", p.name, p.child.id());
+            let Some(r) = again else {
+                died = Some(what);
                 break;
+            };
+            if !r.exits.allow(std::time::Instant::now()) {
+                died = Some(format!("{what}, its {} exit within {} s", MAX_RESTARTS + 1, RESTART_WINDOW.as_secs()));
+                break;
+            }
+            eprintln!("disagg up: {what}; starting it again");
+            match spawn_role(&p.name, &r.args, r.marker, WORKER_START) {
+                Ok((q, line)) => {
+                    eprintln!("disagg up: {} started again (pid {}): {line}", q.name, q.child.id());
+                    *p = q;
+                }
+                Err(e) => {
+                    died = Some(format!("{what}, and could not be started again: {e}"));
+                    break;
+                }
             }
         }
         if let Some(d) = died {
@@ -649,5 +705,31 @@ pub fn up(a: UpArgs) -> anyhow::Result<()> {
         Ok(())
     } else {
         anyhow::bail!("{reason}; stopped the cluster")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Instant;
+
+    #[test]
+    fn a_worker_is_started_again_until_it_exits_too_often() {
+        let t0 = Instant::now();
+        let mut r = Restarts::default();
+        for i in 0..MAX_RESTARTS {
+            assert!(r.allow(t0 + Duration::from_secs(i as u64)), "exit {i} within the window");
+        }
+        assert!(!r.allow(t0 + Duration::from_secs(10)), "one exit too many within the window");
+        // Exits older than the window are forgotten.
+        let later = t0 + RESTART_WINDOW + Duration::from_secs(11);
+        assert!(r.allow(later));
+    }
+
+    #[test]
+    fn the_port_comes_from_the_ready_address() {
+        assert_eq!(port_of("http://127.0.0.1:40053").unwrap(), 40053);
+        assert_eq!(port_of("http://[::1]:8000/").unwrap(), 8000);
+        assert!(port_of("http://127.0.0.1").is_err());
     }
 }

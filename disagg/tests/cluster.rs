@@ -673,7 +673,8 @@ fn one_trace_follows_a_request_through_router_decode_and_prefill() {
 }
 
 /// `disagg up` with one prefill and one decode worker, ready (its stdout read on).
-fn start_up(stderr: Stdio) -> Child {
+/// Starts `disagg up`; returns it and its base URL once it serves.
+fn start_up(stderr: Stdio) -> (Child, String) {
     let mut up = Command::new(env!("CARGO_BIN_EXE_disagg"))
         .args(["up", "--port", "0", "--threads", "1", "--kv-cache-mib", "64"])
         .stdin(Stdio::null())
@@ -686,12 +687,19 @@ fn start_up(stderr: Stdio) -> Child {
     std::thread::spawn(move || {
         for line in BufReader::new(out).lines().map_while(Result::ok) {
             if line.contains("disagg serving") {
-                let _ = tx.send(());
+                let _ = tx.send(line);
             }
         }
     });
-    rx.recv_timeout(Duration::from_secs(240)).expect("up is ready");
-    up
+    let line = rx.recv_timeout(Duration::from_secs(240)).expect("up is ready");
+    let url = line.split_whitespace().find(|w| w.starts_with("http://")).expect("an address").trim_end_matches("/v1");
+    (up, url.to_string())
+}
+
+/// The pid of `up`'s child whose command line contains `what`.
+fn child_matching(up: u32, what: &str) -> Option<String> {
+    let kids = Command::new("pgrep").args(["-P", &up.to_string(), "-f", what]).output().unwrap();
+    String::from_utf8_lossy(&kids.stdout).split_whitespace().next().map(String::from)
 }
 
 /// The pids of `pid`'s child processes.
@@ -701,13 +709,12 @@ fn children_of(pid: u32) -> Vec<String> {
 }
 
 #[test]
-fn up_stops_everything_when_one_of_its_processes_dies() {
+fn up_stops_everything_when_its_router_dies() {
     let log = std::env::temp_dir().join(format!("disagg-up-{}.log", std::process::id()));
-    let mut up = start_up(std::fs::File::create(&log).unwrap().into());
-    let kids = Command::new("pgrep").args(["-P", &up.id().to_string(), "-f", "disagg decode"]).output().unwrap();
-    let decode = String::from_utf8_lossy(&kids.stdout).split_whitespace().next().expect("a decode worker").to_string();
+    let (mut up, _) = start_up(std::fs::File::create(&log).unwrap().into());
+    let router = child_matching(up.id(), "disagg router").expect("a router");
     let all = children_of(up.id());
-    Command::new("kill").args(["-KILL", &decode]).status().unwrap();
+    Command::new("kill").args(["-KILL", &router]).status().unwrap();
     let deadline = Instant::now() + Duration::from_secs(15);
     let status = loop {
         if let Some(s) = up.try_wait().unwrap() {
@@ -715,14 +722,14 @@ fn up_stops_everything_when_one_of_its_processes_dies() {
         }
         if Instant::now() > deadline {
             let _ = up.kill();
-            panic!("`disagg up` did not stop after a worker died");
+            panic!("`disagg up` did not stop after its router died");
         }
         std::thread::sleep(Duration::from_millis(100));
     };
     assert!(!status.success());
     let err = std::fs::read_to_string(&log).unwrap();
     let _ = std::fs::remove_file(&log);
-    assert!(err.contains("decode-0") && err.contains("exited") && err.contains("stopped the cluster"), "{err}");
+    assert!(err.contains("router") && err.contains("exited") && err.contains("stopped the cluster"), "{err}");
     for c in all {
         let alive = Command::new("kill").args(["-0", &c]).stderr(Stdio::null()).status().unwrap().success();
         assert!(!alive, "process {c} outlived `disagg up`");
@@ -730,9 +737,56 @@ fn up_stops_everything_when_one_of_its_processes_dies() {
 }
 
 #[test]
+fn up_starts_a_dead_worker_again_at_its_address() {
+    let log = std::env::temp_dir().join(format!("disagg-up-restart-{}.log", std::process::id()));
+    let (mut up, url) = start_up(std::fs::File::create(&log).unwrap().into());
+    let prefill = child_matching(up.id(), "disagg prefill").expect("a prefill worker");
+    let decode = child_matching(up.id(), "disagg decode").expect("a decode worker");
+    Command::new("kill").args(["-KILL", &prefill]).status().unwrap();
+    // `up` says so and starts it again; the rest of the cluster stays as it was.
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let again = loop {
+        let err = std::fs::read_to_string(&log).unwrap();
+        if let Some(line) = err.lines().find(|l| l.contains("prefill-0 started again")) {
+            break line.to_string();
+        }
+        assert!(up.try_wait().unwrap().is_none(), "`disagg up` stopped after a worker died: {err}");
+        assert!(Instant::now() < deadline, "the prefill worker was not started again: {err}");
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let err = std::fs::read_to_string(&log).unwrap();
+    assert!(err.contains(&format!("prefill-0 (pid {prefill}) exited")), "{err}");
+    let restarted = child_matching(up.id(), "disagg prefill").expect("a prefill worker again");
+    assert_ne!(restarted, prefill);
+    assert_eq!(child_matching(up.id(), "disagg decode").as_deref(), Some(decode.as_str()));
+    let worker = again.split_whitespace().find(|w| w.starts_with("http://")).expect("its address").to_string();
+    rt().block_on(async {
+        // Requests succeed, and the router sends prefills to the new worker again (the
+        // router sees it healthy within a poll; until then the decode worker prefills).
+        let c = reqwest::Client::new();
+        let deadline = Instant::now() + Duration::from_secs(60);
+        for i in 0.. {
+            let body = json!({"model": "smollm2-135m-instruct", "prompt": prompt(i), "max_tokens": 2});
+            let (status, v) = complete(&c, &url, body).await;
+            assert_eq!(status, 200, "{v}");
+            let mut p = PrefillWorkerClient::connect(worker.clone()).await.unwrap();
+            if p.info(WorkerInfoRequest {}).await.unwrap().into_inner().prefix_cache_queries > 0 {
+                break;
+            }
+            assert!(Instant::now() < deadline, "no prefill reached the restarted worker at {worker}");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    });
+    assert!(up.try_wait().unwrap().is_none(), "`disagg up` still runs");
+    let _ = Command::new("kill").args(["-TERM", &up.id().to_string()]).status();
+    let _ = up.wait();
+    let _ = std::fs::remove_file(&log);
+}
+
+#[test]
 fn a_killed_up_takes_its_processes_with_it() {
     // SIGKILL leaves `up` no chance to stop anything: its children must go by themselves.
-    let mut up = start_up(Stdio::null());
+    let (mut up, _) = start_up(Stdio::null());
     let all = children_of(up.id());
     assert!(all.len() >= 3, "a prefill and a decode worker and a router: {all:?}");
     up.kill().unwrap();
