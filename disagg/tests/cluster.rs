@@ -624,6 +624,41 @@ fn full_decode_workers_queue_requests_and_bad_worker_calls_are_refused() {
 }
 
 #[test]
+fn requests_waiting_for_kv_blocks_are_admitted_in_arrival_order() {
+    // Room for one long prompt at a time (as above): the later requests wait at the
+    // router, and must get the blocks first come, first served (polling let a later
+    // request take freed blocks first, and an early one could wait out the limit).
+    let p = prefill(&[]);
+    let d =
+        Proc::start(&["decode", "--port", "0", "--threads", "1", "--kv-cache-mib", "12"], "decode worker ready", &[]);
+    let r = router(&[&p], &[&d], &[]);
+    let rt = rt();
+    rt.block_on(async {
+        let c = reqwest::Client::new();
+        let done = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let mut tasks = Vec::new();
+        for i in 0..5 {
+            let (c, base, done) = (c.clone(), r.url.clone(), done.clone());
+            tasks.push(tokio::spawn(async move {
+                let body = json!({"model": "smollm2-135m-instruct", "prompt": prompt(8 * i + 3), "max_tokens": 16,
+                                  "temperature": 0, "ignore_eos": true});
+                let (status, v) = complete(&c, &base, body).await;
+                (status, v, done.fetch_add(1, std::sync::atomic::Ordering::SeqCst))
+            }));
+            tokio::time::sleep(Duration::from_millis(300)).await;
+        }
+        let mut order = Vec::new();
+        for t in tasks {
+            let (status, v, rank) = t.await.unwrap();
+            assert_eq!(status, 200, "{v}");
+            order.push(rank);
+        }
+        assert_eq!(order, (0..5).collect::<Vec<_>>(), "finishing rank of each request, in arrival order");
+        until_no_blocks(&d.url, "decode").await;
+    });
+}
+
+#[test]
 fn one_trace_follows_a_request_through_router_decode_and_prefill() {
     let rt = rt();
     let collector = disagg_tests::Collector::default();

@@ -23,7 +23,9 @@
 //! out of blocks, prefill worker or transfer failed) is retried on other workers, up
 //! to [`MAX_ATTEMPTS`] times; once a token was sent, a failure ends the request with
 //! an error (the client saw part of the answer). When every decode worker is out of
-//! KV blocks, a request waits (backing off up to [`QUEUE_LIMIT`]) instead of failing.
+//! KV blocks, a request waits instead of failing: requests queue first come, first
+//! served, and the head of the queue retries (backing off) until a worker takes it, or
+//! fails after [`QUEUE_LIMIT`] at the head with no worker taking it.
 //! Workers are polled for their state
 //! every [`POLL`]; one that does not answer is skipped until it does again.
 
@@ -47,7 +49,7 @@ use tonic::transport::Channel;
 use crate::kv_index::{KvIndex, Overlaps};
 
 pub const MAX_ATTEMPTS: usize = 3;
-/// How long a request waits for KV blocks when every decode worker is full.
+/// How long the head of the queue for KV blocks waits, every decode worker full.
 pub const QUEUE_LIMIT: Duration = Duration::from_secs(60);
 pub const POLL: Duration = Duration::from_millis(500);
 
@@ -262,7 +264,34 @@ pub struct Cluster {
     /// Session key → (decode worker address, prompt blocks of its last turn).
     sessions: Mutex<HashMap<String, (String, usize, Instant)>>,
     rng: AtomicU64,
+    /// Requests waiting for KV blocks, first come first served: the one holding this
+    /// lock (tokio's is fair) retries the decode workers; the others queue behind it.
+    waiting: Arc<tokio::sync::Mutex<()>>,
+    /// Requests in that queue, its head included; a new request joins the queue while
+    /// it is not empty instead of taking blocks before those waiting.
+    queued: Arc<AtomicUsize>,
 }
+
+/// A request's place in the queue for KV blocks; leaving it (dropped) lets the next in.
+struct Queued {
+    count: Arc<AtomicUsize>,
+    head: Option<tokio::sync::OwnedMutexGuard<()>>,
+}
+
+impl Drop for Queued {
+    fn drop(&mut self) {
+        self.head.take();
+        self.count.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// How long an attempt from the head of the queue may go unanswered before the head
+/// passes its turn on: a decode worker refuses within a round trip, so an attempt that
+/// is not refused by then holds its blocks, and the next request may try (the call's
+/// answer waits for the whole prefill).
+const ADMIT_GRACE: Duration = Duration::from_millis(50);
+/// The longest pause between the queue head's attempts.
+const HEAD_POLL: Duration = Duration::from_millis(100);
 
 /// Sessions remembered at most (the oldest hour is dropped beyond it).
 const MAX_SESSIONS: usize = 100_000;
@@ -278,7 +307,18 @@ impl Cluster {
             index: Mutex::new(KvIndex::new()),
             sessions: Mutex::new(HashMap::new()),
             rng: AtomicU64::new(0x9E37_79B9_7F4A_7C15),
+            waiting: Arc::new(tokio::sync::Mutex::new(())),
+            queued: Arc::new(AtomicUsize::new(0)),
         })
+    }
+
+    /// Joins the queue for KV blocks and waits to be its head.
+    async fn wait_turn(&self) -> Queued {
+        self.queued.fetch_add(1, Ordering::SeqCst);
+        // Counted before the wait, so that a request cancelled while it waits leaves.
+        let mut q = Queued { count: self.queued.clone(), head: None };
+        q.head = Some(self.waiting.clone().lock_owned().await);
+        q
     }
 
     fn index(&self) -> std::sync::MutexGuard<'_, KvIndex> {
@@ -574,7 +614,14 @@ impl Cluster {
         let mut avoid = Vec::new();
         let mut last_error = String::from("no decode worker is available");
         let (mut attempts, mut waited, mut backoff) = (0, Duration::ZERO, Duration::from_millis(20));
+        // Held while this request is the head of the queue for KV blocks.
+        let mut turn: Option<Queued> = None;
         while attempts < MAX_ATTEMPTS {
+            if turn.is_none() && self.queued.load(Ordering::SeqCst) > 0 {
+                // Others wait for blocks: behind them, not before them.
+                turn = Some(self.wait_turn().await);
+                (waited, backoff) = (Duration::ZERO, Duration::from_millis(20));
+            }
             let Some((d, p)) = self.choose(&route, prompt.len(), &avoid) else { break };
             let _dg = InFlight::new(&d, route.blocks);
             let _pg = p.as_ref().map(|p| InFlight::new(p, route.blocks - route.overlap(p)));
@@ -590,8 +637,23 @@ impl Cluster {
             if let Some(v) = trace.as_deref().and_then(|t| t.parse().ok()) {
                 call.metadata_mut().insert("traceparent", v);
             }
-            let mut stream = match client.generate(call).await {
+            let answer = if turn.is_some() {
+                let call = client.generate(call);
+                tokio::pin!(call);
+                tokio::select! {
+                    r = &mut call => r,
+                    _ = tokio::time::sleep(ADMIT_GRACE) => {
+                        turn = None;
+                        call.await
+                    }
+                }
+            } else {
+                client.generate(call).await
+            };
+            let mut stream = match answer {
                 Ok(s) => {
+                    // Taken: the next in the queue may try.
+                    drop(turn.take());
                     // The prefill part is over once the call is answered.
                     drop(_pg);
                     s.into_inner()
@@ -606,6 +668,14 @@ impl Cluster {
                         .iter()
                         .any(|w| w.role == Role::Decode && w.is_healthy() && !avoid.contains(&w.addr));
                     if !others {
+                        if turn.is_none() {
+                            // Wait for the head of the queue, then try again at once.
+                            drop(_dg);
+                            turn = Some(self.wait_turn().await);
+                            (waited, backoff) = (Duration::ZERO, Duration::from_millis(20));
+                            avoid.clear();
+                            continue;
+                        }
                         if waited >= QUEUE_LIMIT {
                             last_error = format!(
                                 "every decode worker stayed out of KV blocks for {} s ({last_error})",
@@ -616,7 +686,8 @@ impl Cluster {
                         drop(_dg);
                         tokio::time::sleep(backoff).await;
                         waited += backoff;
-                        backoff = (backoff * 2).min(Duration::from_millis(500));
+                        // Only the head polls, so it may poll often.
+                        backoff = (backoff * 2).min(HEAD_POLL);
                         avoid.clear();
                     }
                     continue;
