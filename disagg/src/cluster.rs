@@ -397,23 +397,29 @@ struct Respawn {
     args: Vec<String>,
     marker: &'static str,
     exits: Restarts,
+    /// When it was last ready (its uptime at an exit).
+    ready_at: std::time::Instant,
+    /// While it starts again: its ready line's channel and the time it has to send it.
+    starting: Option<(mpsc::Receiver<String>, std::time::Instant)>,
 }
 
-/// A worker that exits this often within `RESTART_WINDOW` is not started again: the
-/// cluster stops instead of looping on a crash (like a container's restart back-off).
+/// A worker that exits within `RESTART_WINDOW` of its start this many times in a row
+/// is not started again: the cluster stops instead of looping on a crash.
 const MAX_RESTARTS: usize = 3;
 const RESTART_WINDOW: Duration = Duration::from_secs(60);
 
-/// The times of a worker's recent exits.
+/// A worker's exits in a row that came soon after its start.
 #[derive(Default)]
-struct Restarts(Vec<std::time::Instant>);
+struct Restarts {
+    quick: usize,
+}
 
 impl Restarts {
-    /// Records an exit at `now`; false when it is the `MAX_RESTARTS`+1-th within the window.
-    fn allow(&mut self, now: std::time::Instant) -> bool {
-        self.0.retain(|t| now.duration_since(*t) < RESTART_WINDOW);
-        self.0.push(now);
-        self.0.len() <= MAX_RESTARTS
+    /// Records an exit after `uptime`; false when it is the `MAX_RESTARTS`+1-th quick
+    /// exit in a row (a worker that ran `RESTART_WINDOW` or longer starts the count over).
+    fn allow(&mut self, uptime: Duration) -> bool {
+        self.quick = if uptime < RESTART_WINDOW { self.quick + 1 } else { 0 };
+        self.quick <= MAX_RESTARTS
     }
 }
 
@@ -451,6 +457,24 @@ pub(crate) fn spawn_role(
     marker: &str,
     timeout: Duration,
 ) -> anyhow::Result<(Proc, String)> {
+    let (mut p, rx) = start_role(name, args, marker)?;
+    match rx.recv_timeout(timeout) {
+        Ok(line) => Ok((p, line)),
+        Err(_) => {
+            let status = p.child.try_wait()?;
+            let _ = p.child.kill();
+            let _ = p.child.wait();
+            match status {
+                Some(s) => anyhow::bail!("the {name} exited before it was ready ({s}); its error is above"),
+                None => anyhow::bail!("the {name} was not ready within {} s", timeout.as_secs()),
+            }
+        }
+    }
+}
+
+/// Starts `disagg ARGS…`; its ready line (the one containing `marker`) comes on the
+/// returned channel, its other output is passed through.
+fn start_role(name: &str, args: &[String], marker: &str) -> anyhow::Result<(Proc, mpsc::Receiver<String>)> {
     let exe = std::env::current_exe()?;
     let mut cmd = Command::new(exe);
     cmd.args(args).stdin(Stdio::null()).stdout(Stdio::piped());
@@ -470,19 +494,7 @@ pub(crate) fn spawn_role(
             }
         }
     });
-    let mut p = Proc { name: name.to_string(), child };
-    match rx.recv_timeout(timeout) {
-        Ok(line) => Ok((p, line)),
-        Err(_) => {
-            let status = p.child.try_wait()?;
-            let _ = p.child.kill();
-            let _ = p.child.wait();
-            match status {
-                Some(s) => anyhow::bail!("the {name} exited before it was ready ({s}); its error is above"),
-                None => anyhow::bail!("the {name} was not ready within {} s", timeout.as_secs()),
-            }
-        }
-    }
+    Ok((Proc { name: name.to_string(), child }, rx))
 }
 
 pub(crate) fn url_in(line: &str) -> anyhow::Result<String> {
@@ -604,7 +616,8 @@ pub fn up(a: UpArgs) -> anyhow::Result<()> {
                 let url = url_in(&line)?;
                 args[2] = port_of(&url)?.to_string();
                 procs.push(p);
-                respawn.push(Some(Respawn { args, marker, exits: Restarts::default() }));
+                let ready_at = std::time::Instant::now();
+                respawn.push(Some(Respawn { args, marker, exits: Restarts::default(), ready_at, starting: None }));
                 if role == "prefill" { &mut prefill } else { &mut decode }.push(url);
             }
         }
@@ -670,21 +683,48 @@ pub fn up(a: UpArgs) -> anyhow::Result<()> {
         }
         let mut died = None;
         for (p, again) in procs.iter_mut().zip(respawn.iter_mut()) {
+            // A worker starting again: ready yet? (Not waited for here, so that Ctrl-C
+            // and the other processes are still watched meanwhile.)
+            if let Some(r) = again.as_mut() {
+                if let Some((rx, deadline)) = &r.starting {
+                    match rx.try_recv() {
+                        Ok(line) => {
+                            eprintln!("disagg up: {} started again (pid {}): {line}", p.name, p.child.id());
+                            r.starting = None;
+                            r.ready_at = std::time::Instant::now();
+                        }
+                        Err(mpsc::TryRecvError::Empty) if std::time::Instant::now() > *deadline => {
+                            died = Some(format!(
+                                "the {} was not ready within {} s of its restart",
+                                p.name,
+                                WORKER_START.as_secs()
+                            ));
+                            break;
+                        }
+                        Err(_) => {}
+                    }
+                }
+            }
             let Ok(Some(status)) = p.child.try_wait() else { continue };
             let what = format!("the {} (pid {}) exited: {status}", p.name, p.child.id());
             let Some(r) = again else {
                 died = Some(what);
                 break;
             };
-            if !r.exits.allow(std::time::Instant::now()) {
-                died = Some(format!("{what}, its {} exit within {} s", MAX_RESTARTS + 1, RESTART_WINDOW.as_secs()));
+            let uptime = if r.starting.is_some() { Duration::ZERO } else { r.ready_at.elapsed() };
+            if !r.exits.allow(uptime) {
+                died = Some(format!(
+                    "{what}; its last {} exits each came within {} s of its start",
+                    MAX_RESTARTS + 1,
+                    RESTART_WINDOW.as_secs()
+                ));
                 break;
             }
             eprintln!("disagg up: {what}; starting it again");
-            match spawn_role(&p.name, &r.args, r.marker, WORKER_START) {
-                Ok((q, line)) => {
-                    eprintln!("disagg up: {} started again (pid {}): {line}", q.name, q.child.id());
+            match start_role(&p.name, &r.args, r.marker) {
+                Ok((q, rx)) => {
                     *p = q;
+                    r.starting = Some((rx, std::time::Instant::now() + WORKER_START));
                 }
                 Err(e) => {
                     died = Some(format!("{what}, and could not be started again: {e}"));
@@ -711,19 +751,22 @@ pub fn up(a: UpArgs) -> anyhow::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::time::Instant;
 
     #[test]
-    fn a_worker_is_started_again_until_it_exits_too_often() {
-        let t0 = Instant::now();
+    fn a_worker_is_started_again_until_it_exits_soon_after_its_start_too_often() {
         let mut r = Restarts::default();
+        let soon = Duration::from_secs(5);
         for i in 0..MAX_RESTARTS {
-            assert!(r.allow(t0 + Duration::from_secs(i as u64)), "exit {i} within the window");
+            assert!(r.allow(soon), "quick exit {i}");
         }
-        assert!(!r.allow(t0 + Duration::from_secs(10)), "one exit too many within the window");
-        // Exits older than the window are forgotten.
-        let later = t0 + RESTART_WINDOW + Duration::from_secs(11);
-        assert!(r.allow(later));
+        assert!(!r.allow(soon), "one quick exit too many in a row");
+        // A worker that ran a while starts the count over.
+        let mut r = Restarts::default();
+        for _ in 0..10 {
+            assert!(r.allow(soon));
+            assert!(r.allow(soon));
+            assert!(r.allow(RESTART_WINDOW));
+        }
     }
 
     #[test]

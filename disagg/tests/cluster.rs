@@ -95,6 +95,10 @@ fn decode() -> Proc {
 }
 
 fn router(prefill: &[&Proc], decode: &[&Proc], extra: &[&str]) -> Proc {
+    router_with_env(prefill, decode, extra, &[])
+}
+
+fn router_with_env(prefill: &[&Proc], decode: &[&Proc], extra: &[&str], env: &[(&str, &str)]) -> Proc {
     let p: Vec<&str> = prefill.iter().map(|p| p.url.as_str()).collect();
     let d: Vec<&str> = decode.iter().map(|p| p.url.as_str()).collect();
     let (p, d) = (p.join(","), d.join(","));
@@ -103,7 +107,7 @@ fn router(prefill: &[&Proc], decode: &[&Proc], extra: &[&str]) -> Proc {
         a.extend(["--prefill", &p]);
     }
     a.extend(extra);
-    Proc::start(&a, "disagg serving", &[])
+    Proc::start(&a, "disagg serving", env)
 }
 
 fn rt() -> tokio::runtime::Runtime {
@@ -628,10 +632,12 @@ fn requests_waiting_for_kv_blocks_are_admitted_in_arrival_order() {
     // Room for one long prompt at a time (as above): the later requests wait at the
     // router, and must get the blocks first come, first served (polling let a later
     // request take freed blocks first, and an early one could wait out the limit).
+    // The head's attempt keeps its turn until answered (a long admit grace): on a
+    // loaded 2-core machine a refusal can take longer than the default 50 ms.
     let p = prefill(&[]);
     let d =
         Proc::start(&["decode", "--port", "0", "--threads", "1", "--kv-cache-mib", "12"], "decode worker ready", &[]);
-    let r = router(&[&p], &[&d], &[]);
+    let r = router_with_env(&[&p], &[&d], &[], &[("DISAGG_ROUTER_ADMIT_GRACE_MS", "30000")]);
     let rt = rt();
     rt.block_on(async {
         let c = reqwest::Client::new();
@@ -816,6 +822,38 @@ fn up_starts_a_dead_worker_again_at_its_address() {
     let _ = Command::new("kill").args(["-TERM", &up.id().to_string()]).status();
     let _ = up.wait();
     let _ = std::fs::remove_file(&log);
+}
+
+#[test]
+fn up_stops_when_a_worker_keeps_dying_soon_after_its_start() {
+    let log = std::env::temp_dir().join(format!("disagg-up-loop-{}.log", std::process::id()));
+    let (mut up, _) = start_up(std::fs::File::create(&log).unwrap().into());
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut last = String::new();
+    // Kill the decode worker as soon as each new one appears: four exits in a row.
+    let status = loop {
+        if let Some(s) = up.try_wait().unwrap() {
+            break s;
+        }
+        match child_matching(up.id(), "disagg decode") {
+            Some(pid) if pid != last => {
+                Command::new("kill").args(["-KILL", &pid]).status().unwrap();
+                last = pid;
+            }
+            _ => {}
+        }
+        if Instant::now() > deadline {
+            let _ = up.kill();
+            panic!("`disagg up` kept starting a worker that dies at once: {}", std::fs::read_to_string(&log).unwrap());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(!status.success());
+    let err = std::fs::read_to_string(&log).unwrap();
+    let _ = std::fs::remove_file(&log);
+    assert_eq!(err.matches("decode-0 (pid").count(), 4, "{err}");
+    assert!(err.contains("its last 4 exits each came within 60 s of its start"), "{err}");
+    assert!(err.contains("stopped the cluster"), "{err}");
 }
 
 #[test]

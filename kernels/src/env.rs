@@ -48,6 +48,13 @@ pub const OTLP_ENDPOINT: &str = "OTEL_EXPORTER_OTLP_ENDPOINT";
 /// the second range. Unset or `none`: no fault.
 pub const KV_FAULT: &str = "DISAGG_KV_FAULT";
 
+/// Milliseconds an attempt by the head of the router's queue for KV blocks may go
+/// unanswered before the next waiting request may try too (default 50; a decode worker
+/// refuses as soon as its engine thread takes the reservation, between two steps, while
+/// an accepted attempt is answered only after its prefill). Larger values keep the
+/// admissions strictly in arrival order on slow or loaded machines (tests).
+pub const ROUTER_ADMIT_GRACE_MS: &str = "DISAGG_ROUTER_ADMIT_GRACE_MS";
+
 /// Set on the GPU machine to run the CUDA tests (`kernels/tests/cuda_ops.rs`); unset,
 /// they check only the no-driver error and never pretend to have run on a GPU.
 pub const TEST_CUDA: &str = "DISAGG_TEST_CUDA";

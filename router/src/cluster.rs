@@ -24,10 +24,10 @@
 //! to [`MAX_ATTEMPTS`] times; once a token was sent, a failure ends the request with
 //! an error (the client saw part of the answer). When every decode worker is out of
 //! KV blocks, a request waits instead of failing: requests queue first come, first
-//! served, and the head of the queue retries (backing off) until a worker takes it, or
-//! fails after [`QUEUE_LIMIT`] at the head with no worker taking it.
-//! Workers are polled for their state
-//! every [`POLL`]; one that does not answer is skipped until it does again.
+//! served (see [`BlockQueue`]), and the head of the queue retries (backing off) until a
+//! worker takes it; waiting fails after [`QUEUE_LIMIT`] in which no request got blocks.
+//! Workers are polled for their state every [`POLL`]; one that does not answer is
+//! skipped until it does again.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
@@ -49,7 +49,8 @@ use tonic::transport::Channel;
 use crate::kv_index::{KvIndex, Overlaps};
 
 pub const MAX_ATTEMPTS: usize = 3;
-/// How long the head of the queue for KV blocks waits, every decode worker full.
+/// How long requests wait for KV blocks while no request gets any (every decode worker
+/// full and none freeing blocks).
 pub const QUEUE_LIMIT: Duration = Duration::from_secs(60);
 pub const POLL: Duration = Duration::from_millis(500);
 
@@ -264,32 +265,128 @@ pub struct Cluster {
     /// Session key → (decode worker address, prompt blocks of its last turn).
     sessions: Mutex<HashMap<String, (String, usize, Instant)>>,
     rng: AtomicU64,
-    /// Requests waiting for KV blocks, first come first served: the one holding this
-    /// lock (tokio's is fair) retries the decode workers; the others queue behind it.
-    waiting: Arc<tokio::sync::Mutex<()>>,
-    /// Requests in that queue, its head included; a new request joins the queue while
-    /// it is not empty instead of taking blocks before those waiting.
-    queued: Arc<AtomicUsize>,
+    /// Requests waiting for KV blocks when every decode worker is full.
+    queue: BlockQueue,
+    /// See [`kernels::env::ROUTER_ADMIT_GRACE_MS`].
+    admit_grace: Duration,
 }
 
-/// A request's place in the queue for KV blocks; leaving it (dropped) lets the next in.
-struct Queued {
-    count: Arc<AtomicUsize>,
-    head: Option<tokio::sync::OwnedMutexGuard<()>>,
+/// Requests waiting for KV blocks, first come first served. Each holds a ticket (its
+/// arrival order); only the lowest waiting ticket, the head, tries the decode workers.
+/// An attempt of the head that is not refused within the admit grace has most likely
+/// reserved its blocks (the answer waits for the whole prefill), so the head steps
+/// aside and the next may try; if that attempt is refused after all, the head takes
+/// its place at the front again. A new request queues behind those waiting.
+struct BlockQueue {
+    state: Mutex<QueueState>,
+    changed: tokio::sync::Notify,
 }
 
-impl Drop for Queued {
-    fn drop(&mut self) {
-        self.head.take();
-        self.count.fetch_sub(1, Ordering::SeqCst);
+struct QueueState {
+    next: u64,
+    waiting: std::collections::BTreeSet<u64>,
+    /// When a request last got a decode worker's blocks: waiting fails only after
+    /// [`QUEUE_LIMIT`] without such progress.
+    last_admit: Instant,
+}
+
+/// A request's place in the [`BlockQueue`]; dropped, it leaves the queue.
+struct Ticket<'a> {
+    queue: &'a BlockQueue,
+    n: u64,
+    since: Instant,
+}
+
+impl BlockQueue {
+    fn new() -> BlockQueue {
+        let state = QueueState { next: 0, waiting: Default::default(), last_admit: Instant::now() };
+        BlockQueue { state: Mutex::new(state), changed: tokio::sync::Notify::new() }
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, QueueState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Whether requests wait for blocks.
+    fn busy(&self) -> bool {
+        !self.state().waiting.is_empty()
+    }
+
+    fn join(&self) -> Ticket<'_> {
+        let mut s = self.state();
+        let n = s.next;
+        s.next += 1;
+        s.waiting.insert(n);
+        Ticket { queue: self, n, since: Instant::now() }
+    }
+
+    /// A request got its blocks (queued or not): the cluster makes progress.
+    fn admitted(&self) {
+        self.state().last_admit = Instant::now();
     }
 }
 
-/// How long an attempt from the head of the queue may go unanswered before the head
-/// passes its turn on: a decode worker refuses within a round trip, so an attempt that
-/// is not refused by then holds its blocks, and the next request may try (the call's
-/// answer waits for the whole prefill).
-const ADMIT_GRACE: Duration = Duration::from_millis(50);
+impl Ticket<'_> {
+    /// When waiting gives up: [`QUEUE_LIMIT`] after the later of this request's arrival
+    /// in the queue and the last admission.
+    fn deadline(&self) -> Instant {
+        self.since.max(self.queue.state().last_admit) + QUEUE_LIMIT
+    }
+
+    /// Waits until this ticket is the head (at once if it is); false once the queue
+    /// made no progress for [`QUEUE_LIMIT`].
+    async fn turn(&self) -> bool {
+        loop {
+            // Created before the check, so that no change between them is missed
+            // (`notify_waiters` reaches every `Notified` that exists).
+            let changed = self.queue.changed.notified();
+            if self.queue.state().waiting.first() == Some(&self.n) {
+                return true;
+            }
+            let deadline = self.deadline();
+            if Instant::now() >= deadline
+                || tokio::time::timeout_at(deadline.into(), changed).await.is_err() && Instant::now() >= self.deadline()
+            {
+                return false;
+            }
+        }
+    }
+
+    /// The head's attempt went unanswered past the grace: let the next one try.
+    fn step_aside(&self) {
+        if self.queue.state().waiting.remove(&self.n) {
+            self.queue.changed.notify_waiters();
+        }
+    }
+
+    /// Back in the queue at this ticket's place (after an attempt it stepped aside for).
+    fn rejoin(&self) {
+        self.queue.state().waiting.insert(self.n);
+    }
+}
+
+impl Drop for Ticket<'_> {
+    fn drop(&mut self) {
+        self.queue.state().waiting.remove(&self.n);
+        self.queue.changed.notify_waiters();
+    }
+}
+
+/// [`kernels::env::ROUTER_ADMIT_GRACE_MS`], 50 ms by default.
+fn admit_grace() -> Duration {
+    let var = kernels::env::ROUTER_ADMIT_GRACE_MS;
+    match std::env::var(var) {
+        Err(_) => Duration::from_millis(50),
+        Ok(v) => match v.parse() {
+            Ok(ms) => Duration::from_millis(ms),
+            Err(_) => {
+                tracing::warn!("{var}={v} is not a number of milliseconds; using 50");
+                Duration::from_millis(50)
+            }
+        },
+    }
+}
+
 /// The longest pause between the queue head's attempts.
 const HEAD_POLL: Duration = Duration::from_millis(100);
 
@@ -307,18 +404,9 @@ impl Cluster {
             index: Mutex::new(KvIndex::new()),
             sessions: Mutex::new(HashMap::new()),
             rng: AtomicU64::new(0x9E37_79B9_7F4A_7C15),
-            waiting: Arc::new(tokio::sync::Mutex::new(())),
-            queued: Arc::new(AtomicUsize::new(0)),
+            queue: BlockQueue::new(),
+            admit_grace: admit_grace(),
         })
-    }
-
-    /// Joins the queue for KV blocks and waits to be its head.
-    async fn wait_turn(&self) -> Queued {
-        self.queued.fetch_add(1, Ordering::SeqCst);
-        // Counted before the wait, so that a request cancelled while it waits leaves.
-        let mut q = Queued { count: self.queued.clone(), head: None };
-        q.head = Some(self.waiting.clone().lock_owned().await);
-        q
     }
 
     fn index(&self) -> std::sync::MutexGuard<'_, KvIndex> {
@@ -613,14 +701,22 @@ impl Cluster {
         let route = self.route(&prompt, &params, session);
         let mut avoid = Vec::new();
         let mut last_error = String::from("no decode worker is available");
-        let (mut attempts, mut waited, mut backoff) = (0, Duration::ZERO, Duration::from_millis(20));
-        // Held while this request is the head of the queue for KV blocks.
-        let mut turn: Option<Queued> = None;
+        let (mut attempts, mut backoff) = (0, Duration::from_millis(20));
+        // This request's place in the queue for KV blocks, once it waits for them.
+        let mut ticket: Option<Ticket> = None;
         while attempts < MAX_ATTEMPTS {
-            if turn.is_none() && self.queued.load(Ordering::SeqCst) > 0 {
+            if ticket.is_none() && self.queue.busy() {
                 // Others wait for blocks: behind them, not before them.
-                turn = Some(self.wait_turn().await);
-                (waited, backoff) = (Duration::ZERO, Duration::from_millis(20));
+                ticket = Some(self.queue.join());
+            }
+            if let Some(t) = &ticket {
+                if !t.turn().await {
+                    last_error = format!(
+                        "every decode worker stayed out of KV blocks for {} s ({last_error})",
+                        QUEUE_LIMIT.as_secs()
+                    );
+                    break;
+                }
             }
             let Some((d, p)) = self.choose(&route, prompt.len(), &avoid) else { break };
             let _dg = InFlight::new(&d, route.blocks);
@@ -637,23 +733,25 @@ impl Cluster {
             if let Some(v) = trace.as_deref().and_then(|t| t.parse().ok()) {
                 call.metadata_mut().insert("traceparent", v);
             }
-            let answer = if turn.is_some() {
-                let call = client.generate(call);
-                tokio::pin!(call);
-                tokio::select! {
-                    r = &mut call => r,
-                    _ = tokio::time::sleep(ADMIT_GRACE) => {
-                        turn = None;
-                        call.await
+            let answer = match &ticket {
+                Some(t) => {
+                    let call = client.generate(call);
+                    tokio::pin!(call);
+                    tokio::select! {
+                        r = &mut call => r,
+                        _ = tokio::time::sleep(self.admit_grace) => {
+                            t.step_aside();
+                            call.await
+                        }
                     }
                 }
-            } else {
-                client.generate(call).await
+                None => client.generate(call).await,
             };
             let mut stream = match answer {
                 Ok(s) => {
                     // Taken: the next in the queue may try.
-                    drop(turn.take());
+                    self.queue.admitted();
+                    drop(ticket.take());
                     // The prefill part is over once the call is answered.
                     drop(_pg);
                     s.into_inner()
@@ -663,29 +761,22 @@ impl Cluster {
                     // for blocks to free (the request queues here, bounded in time).
                     last_error = format!("decode worker {}: {}", d.addr, e.message());
                     avoid.push(d.addr.clone());
+                    // A queued request keeps its place (it may have stepped aside).
+                    if let Some(t) = &ticket {
+                        t.rejoin();
+                    }
                     let others = self
                         .workers()
                         .iter()
                         .any(|w| w.role == Role::Decode && w.is_healthy() && !avoid.contains(&w.addr));
                     if !others {
-                        if turn.is_none() {
-                            // Wait for the head of the queue, then try again at once.
-                            drop(_dg);
-                            turn = Some(self.wait_turn().await);
-                            (waited, backoff) = (Duration::ZERO, Duration::from_millis(20));
-                            avoid.clear();
-                            continue;
-                        }
-                        if waited >= QUEUE_LIMIT {
-                            last_error = format!(
-                                "every decode worker stayed out of KV blocks for {} s ({last_error})",
-                                QUEUE_LIMIT.as_secs()
-                            );
-                            break;
+                        // Wait in the queue, at the back the first time.
+                        if ticket.is_none() {
+                            ticket = Some(self.queue.join());
+                            backoff = Duration::from_millis(20);
                         }
                         drop(_dg);
                         tokio::time::sleep(backoff).await;
-                        waited += backoff;
                         // Only the head polls, so it may poll often.
                         backoff = (backoff * 2).min(HEAD_POLL);
                         avoid.clear();
@@ -704,6 +795,10 @@ impl Cluster {
                     if !retry {
                         let _ = tx.send(Err(e.message().to_string()));
                         return;
+                    }
+                    // A queued request keeps its place for the next attempt.
+                    if let Some(t) = &ticket {
+                        t.rejoin();
                     }
                     avoid.push(d.addr.clone());
                     if let Some(p) = &p {
@@ -1071,5 +1166,41 @@ mod tests {
             assert_eq!(c.decide(&other, &p, Some("s")).unwrap().0, first.addr);
         }
         let _ = (a, b);
+    }
+
+    #[test]
+    fn the_block_queue_serves_in_arrival_order_and_keeps_a_place_that_stepped_aside() {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        rt.block_on(async {
+            let q = BlockQueue::new();
+            assert!(!q.busy());
+            let (a, b, c) = (q.join(), q.join(), q.join());
+            assert!(q.busy());
+            let now = |t: &Ticket| futures::FutureExt::now_or_never(t.turn());
+            assert_eq!(now(&a), Some(true), "the first is the head");
+            assert_eq!(now(&b), None, "the second waits");
+            // The head's attempt goes unanswered past the grace: the next may try.
+            a.step_aside();
+            assert_eq!(now(&b), Some(true));
+            // Refused after all: the first is the head again, ahead of the second.
+            a.rejoin();
+            assert_eq!(now(&a), Some(true));
+            assert_eq!(now(&b), None);
+            // A waiter is woken when the one before it leaves.
+            let waiter = async {
+                assert!(b.turn().await);
+                "b's turn"
+            };
+            let leave = async {
+                tokio::task::yield_now().await;
+                drop(a);
+            };
+            let (got, ()) = tokio::join!(waiter, leave);
+            assert_eq!(got, "b's turn");
+            drop(b);
+            assert_eq!(now(&c), Some(true));
+            drop(c);
+            assert!(!q.busy());
+        });
     }
 }
