@@ -693,7 +693,7 @@ pub fn up(a: UpArgs) -> anyhow::Result<()> {
                             r.starting = None;
                             r.ready_at = std::time::Instant::now();
                         }
-                        Err(mpsc::TryRecvError::Empty) if std::time::Instant::now() > *deadline => {
+                        Err(_) if std::time::Instant::now() > *deadline => {
                             died = Some(format!(
                                 "the {} was not ready within {} s of its restart",
                                 p.name,

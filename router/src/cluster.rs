@@ -284,6 +284,8 @@ struct BlockQueue {
 
 struct QueueState {
     next: u64,
+    /// Tickets held (waiting or in an attempt they stepped aside for).
+    live: usize,
     waiting: std::collections::BTreeSet<u64>,
     /// When a request last got a decode worker's blocks: waiting fails only after
     /// [`QUEUE_LIMIT`] without such progress.
@@ -299,7 +301,7 @@ struct Ticket<'a> {
 
 impl BlockQueue {
     fn new() -> BlockQueue {
-        let state = QueueState { next: 0, waiting: Default::default(), last_admit: Instant::now() };
+        let state = QueueState { next: 0, live: 0, waiting: Default::default(), last_admit: Instant::now() };
         BlockQueue { state: Mutex::new(state), changed: tokio::sync::Notify::new() }
     }
 
@@ -307,15 +309,16 @@ impl BlockQueue {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Whether requests wait for blocks.
+    /// Whether requests wait for blocks (also one whose attempt is past the grace).
     fn busy(&self) -> bool {
-        !self.state().waiting.is_empty()
+        self.state().live > 0
     }
 
     fn join(&self) -> Ticket<'_> {
         let mut s = self.state();
         let n = s.next;
         s.next += 1;
+        s.live += 1;
         s.waiting.insert(n);
         Ticket { queue: self, n, since: Instant::now() }
     }
@@ -334,21 +337,21 @@ impl Ticket<'_> {
     }
 
     /// Waits until this ticket is the head (at once if it is); false once the queue
-    /// made no progress for [`QUEUE_LIMIT`].
+    /// made no progress for [`QUEUE_LIMIT`] (the head's own refusals included).
     async fn turn(&self) -> bool {
         loop {
             // Created before the check, so that no change between them is missed
             // (`notify_waiters` reaches every `Notified` that exists).
             let changed = self.queue.changed.notified();
+            let deadline = self.deadline();
+            if Instant::now() >= deadline {
+                return false;
+            }
             if self.queue.state().waiting.first() == Some(&self.n) {
                 return true;
             }
-            let deadline = self.deadline();
-            if Instant::now() >= deadline
-                || tokio::time::timeout_at(deadline.into(), changed).await.is_err() && Instant::now() >= self.deadline()
-            {
-                return false;
-            }
+            // Woken by a change, or at the deadline (which may have moved meanwhile).
+            let _ = tokio::time::timeout_at(deadline.into(), changed).await;
         }
     }
 
@@ -367,7 +370,11 @@ impl Ticket<'_> {
 
 impl Drop for Ticket<'_> {
     fn drop(&mut self) {
-        self.queue.state().waiting.remove(&self.n);
+        {
+            let mut s = self.queue.state();
+            s.waiting.remove(&self.n);
+            s.live -= 1;
+        }
         self.queue.changed.notify_waiters();
     }
 }
@@ -1200,6 +1207,13 @@ mod tests {
             drop(b);
             assert_eq!(now(&c), Some(true));
             drop(c);
+            assert!(!q.busy());
+            // A lone ticket whose attempt is past the grace still holds the queue, so a
+            // new request does not take blocks before it.
+            let d = q.join();
+            d.step_aside();
+            assert!(q.busy());
+            drop(d);
             assert!(!q.busy());
         });
     }
