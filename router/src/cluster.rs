@@ -1208,12 +1208,18 @@ mod tests {
             assert_eq!(now(&c), Some(true));
             drop(c);
             assert!(!q.busy());
-            // A lone ticket whose attempt is past the grace still holds the queue, so a
-            // new request does not take blocks before it.
+            // A lone ticket whose attempt is past the grace still counts, so a new
+            // request joins the queue behind it: it may try meanwhile, but is behind it
+            // again if that attempt is refused after all.
             let d = q.join();
             d.step_aside();
             assert!(q.busy());
+            let e = q.join();
+            assert_eq!(now(&e), Some(true));
+            d.rejoin();
+            assert_eq!(now(&e), None);
             drop(d);
+            drop(e);
             assert!(!q.busy());
         });
     }
