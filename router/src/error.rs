@@ -128,6 +128,15 @@ impl ApiError {
         }
     }
 
+    /// In a chat request the prompt is made of the messages: an error about the prompt
+    /// names `messages` as its param.
+    pub fn in_chat(mut self) -> Self {
+        if self.param.as_deref() == Some("prompt") {
+            self.param = Some("messages".into());
+        }
+        self
+    }
+
     pub fn body(&self) -> serde_json::Value {
         json!({"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}})
     }

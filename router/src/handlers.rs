@@ -679,7 +679,7 @@ pub async fn chat(State(s): State<Arc<AppState>>, headers: HeaderMap, body: Body
     let max_tokens = req.max_completion_tokens.or(req.sampling.max_tokens);
     let params = req.sampling.to_params(max_tokens, req.top_logprobs()?, e.limits.vocab)?;
     let n = req.sampling.n();
-    let streams = submit_n(&s, &e, &prompt, &params, n, session(&headers, &req.sampling))?;
+    let streams = submit_n(&s, &e, &prompt, &params, n, session(&headers, &req.sampling)).map_err(ApiError::in_chat)?;
     let submitted = Instant::now();
     marks.submitted();
     let format = ChatChunks {

@@ -221,6 +221,12 @@ fn error_cases_have_openai_shape_and_status() {
         assert_eq!(st, 400, "{v}");
         assert!(v["error"]["message"].as_str().unwrap().contains("context length"), "{v}");
         assert_eq!(v["error"]["param"], "prompt", "{v}");
+        // In a chat request the messages are the prompt.
+        let long = json!({"model": MODEL, "messages": [{"role": "user", "content": "hello ".repeat(9000)}]});
+        let (st, v) = post(&client, &chat, long.to_string()).await;
+        assert_eq!(st, 400, "{v}");
+        assert!(v["error"]["message"].as_str().unwrap().contains("context length"), "{v}");
+        assert_eq!(v["error"]["param"], "messages", "{v}");
         // An empty prompt names the prompt too.
         let empty = json!({"model": MODEL, "prompt": ""}).to_string();
         let (st, v) = post(&client, &format!("{}/v1/completions", srv.url), empty).await;
