@@ -713,8 +713,8 @@ fn one_trace_follows_a_request_through_router_decode_and_prefill() {
     assert_eq!(kids(&pre.span_id), ["kv_transfer", "prefill"]);
 }
 
-/// `disagg up` with one prefill and one decode worker, ready (its stdout read on).
-/// Starts `disagg up`; returns it and its base URL once it serves.
+/// `disagg up` with one prefill and one decode worker, ready (its stdout read on); with
+/// its base URL.
 fn start_up(stderr: Stdio) -> (Child, String) {
     let mut up = Command::new(env!("CARGO_BIN_EXE_disagg"))
         .args(["up", "--port", "0", "--threads", "1", "--kv-cache-mib", "64"])
