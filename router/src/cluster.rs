@@ -381,17 +381,8 @@ impl Drop for Ticket<'_> {
 
 /// [`kernels::env::ROUTER_ADMIT_GRACE_MS`], 50 ms by default.
 fn admit_grace() -> Duration {
-    let var = kernels::env::ROUTER_ADMIT_GRACE_MS;
-    match std::env::var(var) {
-        Err(_) => Duration::from_millis(50),
-        Ok(v) => match v.parse() {
-            Ok(ms) => Duration::from_millis(ms),
-            Err(_) => {
-                tracing::warn!("{var}={v} is not a number of milliseconds; using 50");
-                Duration::from_millis(50)
-            }
-        },
-    }
+    let ms = std::env::var(kernels::env::ROUTER_ADMIT_GRACE_MS).ok().and_then(|v| v.parse().ok());
+    Duration::from_millis(ms.unwrap_or(50))
 }
 
 /// The longest pause between the queue head's attempts.
@@ -754,6 +745,11 @@ impl Cluster {
                 }
                 None => client.generate(call).await,
             };
+            // Refused or failed: a queued request keeps its place (it may have stepped
+            // aside) for its next attempt.
+            if let (Err(_), Some(t)) = (&answer, &ticket) {
+                t.rejoin();
+            }
             let mut stream = match answer {
                 Ok(s) => {
                     // Taken: the next in the queue may try.
@@ -768,10 +764,6 @@ impl Cluster {
                     // for blocks to free (the request queues here, bounded in time).
                     last_error = format!("decode worker {}: {}", d.addr, e.message());
                     avoid.push(d.addr.clone());
-                    // A queued request keeps its place (it may have stepped aside).
-                    if let Some(t) = &ticket {
-                        t.rejoin();
-                    }
                     let others = self
                         .workers()
                         .iter()
@@ -780,7 +772,6 @@ impl Cluster {
                         // Wait in the queue, at the back the first time.
                         if ticket.is_none() {
                             ticket = Some(self.queue.join());
-                            backoff = Duration::from_millis(20);
                         }
                         drop(_dg);
                         tokio::time::sleep(backoff).await;
@@ -802,10 +793,6 @@ impl Cluster {
                     if !retry {
                         let _ = tx.send(Err(e.message().to_string()));
                         return;
-                    }
-                    // A queued request keeps its place for the next attempt.
-                    if let Some(t) = &ticket {
-                        t.rejoin();
                     }
                     avoid.push(d.addr.clone());
                     if let Some(p) = &p {
