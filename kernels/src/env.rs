@@ -33,6 +33,11 @@ pub const CPU_THREADS: &str = "DISAGG_THREADS";
 /// software prefetch off).
 pub const CPU_PREFETCH: &str = "DISAGG_CPU_PREFETCH";
 
+/// `0`: the CPU attention runs its kernel from before the flash kernel (scores of all
+/// keys, then the softmax, then the values; a dot product per score). Default: the flash
+/// kernel (one pass over the cache, online softmax, the query rows on the SIMD lanes).
+pub const CPU_FLASH_ATTN: &str = "DISAGG_CPU_FLASH_ATTN";
+
 /// API key the gateway requires when `--api-key` is not given (`Authorization: Bearer`).
 pub const API_KEY: &str = "DISAGG_API_KEY";
 

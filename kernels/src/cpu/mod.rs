@@ -1,6 +1,7 @@
 //! The CPU backend: packed quantized weights, SIMD kernels chosen at run time, a
 //! persistent thread pool, and the paged KV cache in host memory.
 
+mod attn;
 pub mod isa;
 pub mod matmul;
 pub mod ops;
@@ -9,9 +10,10 @@ pub mod pool;
 
 use std::cell::UnsafeCell;
 
+use attn::{flash_attention, two_pass_task, AttnScratch, ATTN_QUERY_TILE};
 pub use isa::Isa;
 use matmul::{matmul, Input, MatmulMode, OutSpec, Q8Acts, SendPtr};
-use ops::{dot16, exp_f32, f32_to_kv, kv_to_f32, rms_norm_rows, rope_head, silu_mul_rows};
+use ops::{f32_to_kv, kv_to_f32, rms_norm_rows, rope_head, silu_mul_rows};
 pub use packed::{PackedKind, PackedMatrix, TILE_ROWS};
 pub use pool::ThreadPool;
 
@@ -52,7 +54,7 @@ macro_rules! isa_variants {
 
 isa_variants!(fn rms_norm_isa => rms_norm_rows(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]));
 isa_variants!(fn silu_mul_isa => silu_mul_rows(gu: &[f32], ff: usize, out: &mut [f32]));
-isa_variants!(fn attention_isa => attention_task(
+isa_variants!(fn two_pass_attention_isa => two_pass_task(
     batch: &StepBatch,
     attn: &AttnShape,
     kv: &CpuKv,
@@ -151,18 +153,14 @@ impl<T> PerThread<T> {
     }
 }
 
-#[derive(Default)]
-struct AttnScratch {
-    scores: Vec<f32>,
-    kbuf: Vec<f32>,
-}
-
 pub struct CpuBackend {
     pool: ThreadPool,
     isa: Isa,
     mode: MatmulMode,
     q8: Q8Acts,
     attn_scratch: PerThread<AttnScratch>,
+    /// The attention kernel: the flash kernel (default) or the two-pass kernel before it.
+    flash_attn: bool,
     /// cos/sin per token of the current step: `[token][head_dim/2]` each.
     rope_cos: Vec<f32>,
     rope_sin: Vec<f32>,
@@ -174,9 +172,6 @@ pub struct CpuBackend {
     deferred: std::collections::VecDeque<Vec<u32>>,
     fed_ids: Vec<u32>,
 }
-
-/// Query rows handled together by one attention task (they share each K/V block load).
-const ATTN_QUERY_TILE: usize = 16;
 
 impl CpuBackend {
     /// A backend with `n_threads` threads, the ISA from [`Isa::current`] and the matmul
@@ -194,6 +189,7 @@ impl CpuBackend {
             mode,
             q8: Q8Acts::default(),
             attn_scratch: PerThread((0..n).map(|_| UnsafeCell::new(AttnScratch::default())).collect()),
+            flash_attn: attn::flash_enabled(),
             rope_cos: Vec::new(),
             rope_sin: Vec::new(),
             defer: std::env::var(crate::env::ASYNC_SCHEDULING).is_ok_and(|v| v == "1"),
@@ -207,6 +203,12 @@ impl CpuBackend {
     /// to overlap; tests turn it on to check the engine's async path).
     pub fn set_defer_sampling(&mut self, on: bool) {
         self.defer = on;
+    }
+
+    /// Chooses the attention kernel: the flash kernel (`true`, the default unless
+    /// `DISAGG_CPU_FLASH_ATTN=0`) or the two-pass kernel before it (tests compare both).
+    pub fn set_flash_attention(&mut self, on: bool) {
+        self.flash_attn = on;
     }
 
     pub fn n_threads(&self) -> usize {
@@ -472,7 +474,7 @@ impl Backend for CpuBackend {
                 }
             }
         }
-        let isa = self.isa;
+        let (isa, flash) = (self.isa, self.flash_attn);
         let optr = SendPtr(out.as_mut_ptr());
         let scratch = &self.attn_scratch;
         let bytes = kv.layer_bytes(layer);
@@ -480,7 +482,11 @@ impl Backend for CpuBackend {
             let (s, tile, kvh) = tasks[task];
             // SAFETY: thread `tid` is the only user of its scratch during this run.
             let sc = unsafe { scratch.get(tid) };
-            attention_isa(isa, batch, attn, kv, bytes, qkv, optr, s, tile, kvh, sc);
+            if flash {
+                flash_attention(isa, batch, attn, kv, bytes, qkv, optr, s, tile, kvh, sc);
+            } else {
+                two_pass_attention_isa(isa, batch, attn, kv, bytes, qkv, optr, s, tile, kvh, sc);
+            }
         });
     }
 
@@ -519,127 +525,5 @@ impl Backend for CpuBackend {
 
     fn collect_sampled(&mut self, out: &mut Vec<u32>) {
         *out = self.deferred.pop_front().expect("no deferred sample to collect");
-    }
-}
-
-#[allow(clippy::needless_range_loop)]
-/// One attention task: query rows of `ATTN_QUERY_TILE` tokens × the query heads of KV
-/// head `kvh`, over all keys each token may see. Two passes over the cache blocks
-/// (scores, then values), each block converted to f32 once for all rows.
-#[allow(clippy::too_many_arguments)]
-#[inline(always)]
-fn attention_task(
-    batch: &StepBatch,
-    attn: &AttnShape,
-    kv: &CpuKv,
-    bytes: &[u8],
-    qkv: &[f32],
-    out: SendPtr<f32>,
-    s: usize,
-    tile: usize,
-    kvh: usize,
-    sc: &mut AttnScratch,
-) {
-    let span = &batch.seqs[s];
-    let hd = attn.head_dim;
-    let g = attn.n_heads / attn.n_kv_heads;
-    let (qd, w) = (attn.q_dim(), attn.qkv_dim());
-    let bs = batch.block_size;
-    let t0 = tile * ATTN_QUERY_TILE;
-    let nt = (span.rows.len() - t0).min(ATTN_QUERY_TILE);
-    let pos_first = span.pos0 + t0;
-    let n_ctx = pos_first + nt; // keys visible to the last row of the tile
-    let n_rows = nt * g;
-    sc.scores.resize(n_rows * n_ctx, 0.0);
-    sc.kbuf.resize(bs * hd, 0.0);
-    let dtype = kv.shape.dtype;
-    let es = dtype.bytes();
-    let v_base = kv.half_bytes();
-    let q_at = |i: usize, h: usize| {
-        let row = span.rows.start + t0 + i;
-        row * w + (kvh * g + h) * hd
-    };
-
-    // Pass 1: scores.
-    for blk in 0..n_ctx.div_ceil(bs) {
-        let first = blk * bs;
-        let n_in = (n_ctx - first).min(bs);
-        let at = kv.offset(span.block_table[blk] as usize, kvh, 0);
-        kv_to_f32(dtype, &bytes[at..at + n_in * hd * es], &mut sc.kbuf[..n_in * hd]);
-        for i in 0..nt {
-            let limit = (pos_first + i + 1).min(first + n_in);
-            for h in 0..g {
-                let q = &qkv[q_at(i, h)..q_at(i, h) + hd];
-                let srow = &mut sc.scores[(i * g + h) * n_ctx..(i * g + h + 1) * n_ctx];
-                for j in first..limit {
-                    srow[j] = dot16(q, &sc.kbuf[(j - first) * hd..(j - first + 1) * hd]) * attn.scale;
-                }
-            }
-        }
-    }
-    // Softmax numerators and sums, per row in key order.
-    let mut sums = [0f32; ATTN_QUERY_TILE * 8];
-    let mut sums_big;
-    let sums: &mut [f32] = if n_rows <= sums.len() {
-        &mut sums[..n_rows]
-    } else {
-        sums_big = vec![0f32; n_rows];
-        &mut sums_big
-    };
-    for i in 0..nt {
-        let n_keys = pos_first + i + 1;
-        for h in 0..g {
-            let srow = &mut sc.scores[(i * g + h) * n_ctx..(i * g + h) * n_ctx + n_keys];
-            let max = srow.iter().fold(f32::NEG_INFINITY, |m, v| m.max(*v));
-            let mut sum = 0f32;
-            for v in srow.iter_mut() {
-                *v = exp_f32(*v - max);
-                sum += *v;
-            }
-            sums[i * g + h] = sum;
-        }
-    }
-    // Pass 2: weighted values.
-    for i in 0..nt {
-        for h in 0..g {
-            let o = out.get();
-            let row = span.rows.start + t0 + i;
-            // SAFETY: this task alone writes the heads of `kvh` for its tile's rows.
-            let orow = unsafe { std::slice::from_raw_parts_mut(o.add(row * qd + (kvh * g + h) * hd), hd) };
-            orow.fill(0.0);
-        }
-    }
-    for blk in 0..n_ctx.div_ceil(bs) {
-        let first = blk * bs;
-        let n_in = (n_ctx - first).min(bs);
-        let at = v_base + kv.offset(span.block_table[blk] as usize, kvh, 0);
-        kv_to_f32(dtype, &bytes[at..at + n_in * hd * es], &mut sc.kbuf[..n_in * hd]);
-        for i in 0..nt {
-            let limit = (pos_first + i + 1).min(first + n_in);
-            let row = span.rows.start + t0 + i;
-            for h in 0..g {
-                let srow = &sc.scores[(i * g + h) * n_ctx..(i * g + h + 1) * n_ctx];
-                // SAFETY: as above.
-                let orow = unsafe { std::slice::from_raw_parts_mut(out.get().add(row * qd + (kvh * g + h) * hd), hd) };
-                for j in first..limit {
-                    let p = srow[j];
-                    let v = &sc.kbuf[(j - first) * hd..(j - first + 1) * hd];
-                    for (o, vv) in orow.iter_mut().zip(v) {
-                        *o = p.mul_add(*vv, *o);
-                    }
-                }
-            }
-        }
-    }
-    for i in 0..nt {
-        let row = span.rows.start + t0 + i;
-        for h in 0..g {
-            let inv = 1.0 / sums[i * g + h];
-            // SAFETY: as above.
-            let orow = unsafe { std::slice::from_raw_parts_mut(out.get().add(row * qd + (kvh * g + h) * hd), hd) };
-            for o in orow.iter_mut() {
-                *o *= inv;
-            }
-        }
     }
 }

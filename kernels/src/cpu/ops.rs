@@ -73,8 +73,13 @@ pub fn exp_f32(x: f32) -> f32 {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
     const LN2_HI: f32 = 0.693_145_75;
     const LN2_LO: f32 = 1.428_606_8e-6;
+    // 1.5 · 2^23: adding it rounds |v| < 2^22 to an integer (ties to even) held in the low
+    // bits of the sum, so `n` comes as a float and as bits without a float-to-int
+    // conversion (Rust's saturating `as i32` kept this function from vectorizing).
+    const ROUND: f32 = 12_582_912.0;
     let x = x.clamp(-87.5, 88.5);
-    let n = (x * LOG2E).round_ties_even();
+    let t = x * LOG2E + ROUND;
+    let n = t - ROUND;
     let r = n.mul_add(-LN2_LO, n.mul_add(-LN2_HI, x));
     // Taylor coefficients 1/k! (k = 6..2); good to ~1e-7 relative on |r| ≤ 0.347.
     let mut p = 1.0 / 720.0f32;
@@ -85,7 +90,7 @@ pub fn exp_f32(x: f32) -> f32 {
     p = p.mul_add(r, 1.0);
     p = p.mul_add(r, 1.0);
     // 2^n for n in [-127, 128): split in two factors so neither overflows.
-    let ni = n as i32;
+    let ni = t.to_bits() as i32 - ROUND.to_bits() as i32;
     let n1 = ni / 2;
     let n2 = ni - n1;
     let s1 = f32::from_bits(((n1 + 127) as u32) << 23);

@@ -1,0 +1,620 @@
+//! Causal attention over the paged KV cache on the CPU.
+//!
+//! One task is a tile of up to [`ATTN_QUERY_TILE`] tokens of one sequence × the query
+//! heads of one KV head (their rows share every key and value read). The default kernel
+//! ([`flash_task`]) walks the sequence's keys once, in chunks of up to [`KEY_CHUNK`],
+//! with an online softmax (FlashAttention's running maximum and sum), so nothing grows
+//! with the context but the cache itself:
+//! - scores: the rows lie on the SIMD lanes (the query transposed once per task), each
+//!   key's elements broadcast in turn: no horizontal sums, and every score is one chain of
+//!   multiply-adds in the order of the head dimension, whatever the tile (batch
+//!   invariance: a token's output does not depend on the tile it falls in). A decode
+//!   step's few rows (one token's heads of one KV head) leave most lanes idle, yet ran as
+//!   fast as a dot product per score, the cache's conversion and reads costing as much;
+//! - the softmax: the rows on the lanes too, so its `exp` runs a vector at a time;
+//! - the values: rows in groups of eight, each accumulating a vector of head dimensions.
+//!
+//! `DISAGG_CPU_FLASH_ATTN=0` selects the kernel before it ([`two_pass_task`]): scores of
+//! every key first, then the softmax, then the values, a dot product per score.
+
+use super::matmul::SendPtr;
+use super::ops::{dot16, exp_f32, kv_to_f32};
+use super::CpuKv;
+use crate::backend::{AttnShape, StepBatch};
+
+/// Query tokens handled together by one attention task (they share each K/V block load).
+pub(super) const ATTN_QUERY_TILE: usize = 16;
+
+/// Keys per step of the flash kernel (at most; a chunk never crosses a cache block).
+const KEY_CHUNK: usize = 16;
+
+/// Query rows (tokens × heads) per SIMD vector of the rows-on-lanes kernels.
+const LANES: usize = 16;
+
+/// Keys per register tile of the rows-on-lanes score kernel.
+const KEY_TILE: usize = 8;
+
+/// Per-thread scratch of the attention tasks.
+#[derive(Default)]
+pub(super) struct AttnScratch {
+    /// Two-pass kernel: every score of the tile's rows.
+    scores: Vec<f32>,
+    /// One chunk of keys or values as f32, `[key][dim]`.
+    kbuf: Vec<f32>,
+    /// Flash kernel: the scaled queries, `[dim][row]`.
+    q: Vec<f32>,
+    /// The chunk's scores, then its probabilities, `[key][row]`.
+    s: Vec<f32>,
+    /// The output rows so far (not yet divided by the sum), `[row][dim]`.
+    o: Vec<f32>,
+    /// Per row: the running maximum, the running sum, this chunk's rescale factor.
+    m: Vec<f32>,
+    l: Vec<f32>,
+    alpha: Vec<f32>,
+    /// Per row: the last key position it may see.
+    last: Vec<u32>,
+}
+
+/// Whether the attention uses [`flash_task`] (`DISAGG_CPU_FLASH_ATTN`, default on).
+pub(super) fn flash_enabled() -> bool {
+    std::env::var(crate::env::CPU_FLASH_ATTN).map_or(true, |v| v != "0")
+}
+
+/// Sixteen f32 lanes: one AVX-512 register, two AVX2 registers, or an array. The flash
+/// kernel's register tiles are written with these, because the compiler, left to itself,
+/// vectorized the score tile across the head dimension (with gathers) instead of across
+/// its rows.
+trait F32x16: Copy {
+    /// # Safety
+    /// `p` must be valid for reading 16 f32 values.
+    unsafe fn load(p: *const f32) -> Self;
+    /// # Safety
+    /// `p` must be valid for writing 16 f32 values.
+    unsafe fn store(self, p: *mut f32);
+    fn splat(x: f32) -> Self;
+    /// `self · b + c`, each lane rounded once.
+    fn mul_add(self, b: Self, c: Self) -> Self;
+    fn mul(self, b: Self) -> Self;
+}
+
+/// Lanes as an array (the scalar ISA).
+#[derive(Clone, Copy)]
+struct Array16([f32; 16]);
+
+impl F32x16 for Array16 {
+    #[inline(always)]
+    unsafe fn load(p: *const f32) -> Self {
+        Array16(*(p as *const [f32; 16]))
+    }
+    #[inline(always)]
+    unsafe fn store(self, p: *mut f32) {
+        *(p as *mut [f32; 16]) = self.0;
+    }
+    #[inline(always)]
+    fn splat(x: f32) -> Self {
+        Array16([x; 16])
+    }
+    #[inline(always)]
+    fn mul_add(self, b: Self, c: Self) -> Self {
+        Array16(std::array::from_fn(|l| self.0[l].mul_add(b.0[l], c.0[l])))
+    }
+    #[inline(always)]
+    fn mul(self, b: Self) -> Self {
+        Array16(std::array::from_fn(|l| self.0[l] * b.0[l]))
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::F32x16;
+    use std::arch::x86_64::*;
+
+    /// One AVX-512 register. Used only by [`super::flash_attention`]'s AVX-512 entry,
+    /// which runs only where the CPU has AVX-512 (so the intrinsics below are sound).
+    #[derive(Clone, Copy)]
+    pub(super) struct Avx512(__m512);
+
+    impl F32x16 for Avx512 {
+        #[inline(always)]
+        unsafe fn load(p: *const f32) -> Self {
+            Avx512(_mm512_loadu_ps(p))
+        }
+        #[inline(always)]
+        unsafe fn store(self, p: *mut f32) {
+            _mm512_storeu_ps(p, self.0)
+        }
+        #[inline(always)]
+        fn splat(x: f32) -> Self {
+            // SAFETY: see the type's doc.
+            Avx512(unsafe { _mm512_set1_ps(x) })
+        }
+        #[inline(always)]
+        fn mul_add(self, b: Self, c: Self) -> Self {
+            // SAFETY: see the type's doc.
+            Avx512(unsafe { _mm512_fmadd_ps(self.0, b.0, c.0) })
+        }
+        #[inline(always)]
+        fn mul(self, b: Self) -> Self {
+            // SAFETY: see the type's doc.
+            Avx512(unsafe { _mm512_mul_ps(self.0, b.0) })
+        }
+    }
+
+    /// Two AVX2 registers. Used only by [`super::flash_attention`]'s AVX2 entry, which
+    /// runs only where the CPU has AVX2 and FMA.
+    #[derive(Clone, Copy)]
+    pub(super) struct Avx2([__m256; 2]);
+
+    impl F32x16 for Avx2 {
+        #[inline(always)]
+        unsafe fn load(p: *const f32) -> Self {
+            Avx2([_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8))])
+        }
+        #[inline(always)]
+        unsafe fn store(self, p: *mut f32) {
+            _mm256_storeu_ps(p, self.0[0]);
+            _mm256_storeu_ps(p.add(8), self.0[1]);
+        }
+        #[inline(always)]
+        fn splat(x: f32) -> Self {
+            // SAFETY: see the type's doc.
+            let v = unsafe { _mm256_set1_ps(x) };
+            Avx2([v, v])
+        }
+        #[inline(always)]
+        fn mul_add(self, b: Self, c: Self) -> Self {
+            // SAFETY: see the type's doc.
+            unsafe { Avx2([_mm256_fmadd_ps(self.0[0], b.0[0], c.0[0]), _mm256_fmadd_ps(self.0[1], b.0[1], c.0[1])]) }
+        }
+        #[inline(always)]
+        fn mul(self, b: Self) -> Self {
+            // SAFETY: see the type's doc.
+            unsafe { Avx2([_mm256_mul_ps(self.0[0], b.0[0]), _mm256_mul_ps(self.0[1], b.0[1])]) }
+        }
+    }
+}
+
+/// [`flash_task`] with the ISA's lanes, compiled for that ISA.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn flash_attention(
+    isa: super::Isa,
+    batch: &StepBatch,
+    attn: &AttnShape,
+    kv: &CpuKv,
+    bytes: &[u8],
+    qkv: &[f32],
+    out: SendPtr<f32>,
+    s: usize,
+    tile: usize,
+    kvh: usize,
+    sc: &mut AttnScratch,
+) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
+        #[allow(clippy::too_many_arguments)]
+        unsafe fn avx512(
+            batch: &StepBatch,
+            attn: &AttnShape,
+            kv: &CpuKv,
+            bytes: &[u8],
+            qkv: &[f32],
+            out: SendPtr<f32>,
+            s: usize,
+            tile: usize,
+            kvh: usize,
+            sc: &mut AttnScratch,
+        ) {
+            flash_task::<x86::Avx512>(batch, attn, kv, bytes, qkv, out, s, tile, kvh, sc)
+        }
+        #[target_feature(enable = "avx2,fma,f16c")]
+        #[allow(clippy::too_many_arguments)]
+        unsafe fn avx2(
+            batch: &StepBatch,
+            attn: &AttnShape,
+            kv: &CpuKv,
+            bytes: &[u8],
+            qkv: &[f32],
+            out: SendPtr<f32>,
+            s: usize,
+            tile: usize,
+            kvh: usize,
+            sc: &mut AttnScratch,
+        ) {
+            flash_task::<x86::Avx2>(batch, attn, kv, bytes, qkv, out, s, tile, kvh, sc)
+        }
+        // SAFETY: `isa` is above Scalar only when the CPU has these features.
+        match isa {
+            super::Isa::Avx512 => return unsafe { avx512(batch, attn, kv, bytes, qkv, out, s, tile, kvh, sc) },
+            super::Isa::Avx2 => return unsafe { avx2(batch, attn, kv, bytes, qkv, out, s, tile, kvh, sc) },
+            super::Isa::Scalar => {}
+        }
+    }
+    flash_task::<Array16>(batch, attn, kv, bytes, qkv, out, s, tile, kvh, sc)
+}
+
+/// One flash attention task: query rows of `ATTN_QUERY_TILE` tokens × the query heads
+/// of KV head `kvh`, over all keys each token may see, in one pass over the cache.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn flash_task<V: F32x16>(
+    batch: &StepBatch,
+    attn: &AttnShape,
+    kv: &CpuKv,
+    bytes: &[u8],
+    qkv: &[f32],
+    out: SendPtr<f32>,
+    s: usize,
+    tile: usize,
+    kvh: usize,
+    sc: &mut AttnScratch,
+) {
+    let span = &batch.seqs[s];
+    let hd = attn.head_dim;
+    let g = attn.n_heads / attn.n_kv_heads;
+    let (qd, w) = (attn.q_dim(), attn.qkv_dim());
+    let bs = batch.block_size;
+    let t0 = tile * ATTN_QUERY_TILE;
+    let nt = (span.rows.len() - t0).min(ATTN_QUERY_TILE);
+    let pos_first = span.pos0 + t0;
+    let n_ctx = pos_first + nt; // keys visible to the last token of the tile
+    let n_rows = nt * g; // row r: token r / g, head r % g
+    let np = n_rows.next_multiple_of(LANES);
+    let dtype = kv.shape.dtype;
+    let es = dtype.bytes();
+    let v_base = kv.half_bytes();
+
+    // The queries, scaled; padding rows are zero (their results are never written).
+    sc.q.clear();
+    sc.q.resize(np * hd, 0.0);
+    for r in 0..n_rows {
+        let (i, h) = (r / g, r % g);
+        let at = (span.rows.start + t0 + i) * w + (kvh * g + h) * hd;
+        for (d, &x) in qkv[at..at + hd].iter().enumerate() {
+            sc.q[d * np + r] = x * attn.scale;
+        }
+    }
+    sc.last.clear();
+    sc.last.extend((0..np).map(|r| if r < n_rows { (pos_first + r / g) as u32 } else { (n_ctx - 1) as u32 }));
+    sc.m.clear();
+    sc.m.resize(np, f32::NEG_INFINITY);
+    sc.l.clear();
+    sc.l.resize(np, 0.0);
+    sc.alpha.resize(np, 0.0);
+    sc.o.clear();
+    sc.o.resize(np * hd, 0.0);
+    sc.s.resize(KEY_CHUNK * np, 0.0);
+    sc.kbuf.resize(KEY_CHUNK * hd, 0.0);
+
+    let mut j0 = 0;
+    while j0 < n_ctx {
+        let (blk, off) = (j0 / bs, j0 % bs);
+        let n_in = (bs - off).min(KEY_CHUNK).min(n_ctx - j0);
+        let at = kv.offset(span.block_table[blk] as usize, kvh, off);
+        kv_to_f32(dtype, &bytes[at..at + n_in * hd * es], &mut sc.kbuf[..n_in * hd]);
+        scores_on_lanes::<V>(&sc.q, np, &sc.kbuf, hd, n_in, &mut sc.s);
+        online_softmax(&mut sc.s, np, j0, n_in, &sc.last, &mut sc.m, &mut sc.l, &mut sc.alpha);
+        let at = v_base + at;
+        kv_to_f32(dtype, &bytes[at..at + n_in * hd * es], &mut sc.kbuf[..n_in * hd]);
+        accumulate_values::<V>(&mut sc.o, hd, &sc.s, np, &sc.alpha, &sc.kbuf, n_in, n_rows);
+        j0 += n_in;
+    }
+
+    for r in 0..n_rows {
+        let (i, h) = (r / g, r % g);
+        let row = span.rows.start + t0 + i;
+        let inv = 1.0 / sc.l[r];
+        // SAFETY: this task alone writes the heads of `kvh` for its tile's rows.
+        let orow = unsafe { std::slice::from_raw_parts_mut(out.get().add(row * qd + (kvh * g + h) * hd), hd) };
+        for (o, &x) in orow.iter_mut().zip(&sc.o[r * hd..(r + 1) * hd]) {
+            *o = x * inv;
+        }
+    }
+}
+
+/// Scores of a chunk's `n_in` keys (`k`: `[key][dim]`, rows past `n_in` finite or
+/// masked later) against every row of `q` (`[dim][row]`, `np` rows), into `s`
+/// (`[key][row]`). Each step broadcasts one key element onto a vector of 16 rows.
+#[inline(always)]
+fn scores_on_lanes<V: F32x16>(q: &[f32], np: usize, k: &[f32], hd: usize, n_in: usize, s: &mut [f32]) {
+    let nv = np / LANES;
+    assert!(q.len() >= hd * np && k.len() >= KEY_CHUNK * hd && s.len() >= KEY_CHUNK * np);
+    for k0 in (0..n_in).step_by(KEY_TILE) {
+        let mut v = 0;
+        while v + 2 <= nv {
+            scores_tile::<V, 2>(q, np, v, k, k0, hd, s);
+            v += 2;
+        }
+        if v < nv {
+            scores_tile::<V, 1>(q, np, v, k, k0, hd, s);
+        }
+    }
+}
+
+/// [`scores_on_lanes`] for keys `k0..k0 + KEY_TILE` and row vectors `v0..v0 + RV`: the
+/// `KEY_TILE × RV` accumulators stay in registers over the head dimension.
+#[inline(always)]
+fn scores_tile<V: F32x16, const RV: usize>(
+    q: &[f32],
+    np: usize,
+    v0: usize,
+    k: &[f32],
+    k0: usize,
+    hd: usize,
+    s: &mut [f32],
+) {
+    debug_assert!(k0 + KEY_TILE <= KEY_CHUNK && (v0 + RV) * LANES <= np);
+    let mut acc = [[V::splat(0.0); RV]; KEY_TILE];
+    for d in 0..hd {
+        // SAFETY: d < hd and (v0 + RV) * LANES <= np, so within q (asserted by the caller).
+        let qv: [V; RV] = std::array::from_fn(|x| unsafe { V::load(q.as_ptr().add(d * np + (v0 + x) * LANES)) });
+        for (kk, a) in acc.iter_mut().enumerate() {
+            // SAFETY: k0 + kk < KEY_CHUNK and d < hd: within k (asserted by the caller).
+            let kd = V::splat(unsafe { *k.get_unchecked((k0 + kk) * hd + d) });
+            for (ax, qx) in a.iter_mut().zip(&qv) {
+                *ax = kd.mul_add(*qx, *ax);
+            }
+        }
+    }
+    for (kk, a) in acc.iter().enumerate() {
+        for (x, ax) in a.iter().enumerate() {
+            let at = (k0 + kk) * np + (v0 + x) * LANES;
+            assert!(at + LANES <= s.len());
+            // SAFETY: in bounds (asserted).
+            unsafe { ax.store(s.as_mut_ptr().add(at)) };
+        }
+    }
+}
+
+/// The online softmax of one chunk, the rows on the lanes: each row's maximum moves to
+/// cover the chunk's keys it may see (`last`), its sum so far is rescaled by `alpha`
+/// (= exp(old maximum − new), also returned for the output rows), and the chunk's
+/// scores in `s` become probabilities (0 for keys a row may not see).
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn online_softmax(
+    s: &mut [f32],
+    np: usize,
+    j0: usize,
+    n_in: usize,
+    last: &[u32],
+    m: &mut [f32],
+    l: &mut [f32],
+    alpha: &mut [f32],
+) {
+    for v in (0..np).step_by(LANES) {
+        let lastv: [u32; LANES] = last[v..v + LANES].try_into().unwrap();
+        let m_old: [f32; LANES] = m[v..v + LANES].try_into().unwrap();
+        let mut mx = m_old;
+        for jj in 0..n_in {
+            let j = (j0 + jj) as u32;
+            let sv: &[f32; LANES] = s[jj * np + v..jj * np + v + LANES].try_into().unwrap();
+            for x in 0..LANES {
+                // Selects, not branches, so that the lanes vectorize.
+                let v = if j <= lastv[x] { sv[x] } else { f32::NEG_INFINITY };
+                mx[x] = if v > mx[x] { v } else { mx[x] };
+            }
+        }
+        let mut sum = [0f32; LANES];
+        for jj in 0..n_in {
+            let j = (j0 + jj) as u32;
+            let sv: &mut [f32; LANES] = (&mut s[jj * np + v..jj * np + v + LANES]).try_into().unwrap();
+            for x in 0..LANES {
+                let p = if j <= lastv[x] { exp_f32(sv[x] - mx[x]) } else { 0.0 };
+                sv[x] = p;
+                sum[x] += p;
+            }
+        }
+        for x in 0..LANES {
+            // Every row sees key 0, so after the first chunk its maximum is finite; before
+            // it, the sum and the output are 0 and any finite factor keeps them so.
+            let e = exp_f32(m_old[x] - mx[x]);
+            let a = if m_old[x] == f32::NEG_INFINITY { 0.0 } else { e };
+            alpha[v + x] = a;
+            l[v + x] = l[v + x].mul_add(a, sum[x]);
+            m[v + x] = mx[x];
+        }
+    }
+}
+
+/// `o[r] = o[r] · alpha[r] + Σ_key p[key][r] · v[key]` for the rows `0..n_rows` (in
+/// groups of up to eight sharing each value load; a group may run into the padding rows,
+/// whose results are never written).
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn accumulate_values<V: F32x16>(
+    o: &mut [f32],
+    hd: usize,
+    p: &[f32],
+    np: usize,
+    alpha: &[f32],
+    v: &[f32],
+    n_in: usize,
+    n_rows: usize,
+) {
+    assert!(o.len() >= np * hd && p.len() >= n_in * np && v.len() >= n_in * hd && alpha.len() >= np);
+    let mut r0 = 0;
+    while r0 < n_rows {
+        match n_rows - r0 {
+            5.. => values_tile::<V, 8>(o, hd, p, np, alpha, v, n_in, r0),
+            3..=4 => values_tile::<V, 4>(o, hd, p, np, alpha, v, n_in, r0),
+            2 => values_tile::<V, 2>(o, hd, p, np, alpha, v, n_in, r0),
+            _ => values_tile::<V, 1>(o, hd, p, np, alpha, v, n_in, r0),
+        }
+        r0 += match n_rows - r0 {
+            5.. => 8,
+            3..=4 => 4,
+            n => n,
+        };
+    }
+}
+
+/// [`accumulate_values`] for rows `r0..r0 + R`, a vector of 16 head dimensions at a
+/// time (then the dimensions past the last multiple of 16 one by one).
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn values_tile<V: F32x16, const R: usize>(
+    o: &mut [f32],
+    hd: usize,
+    p: &[f32],
+    np: usize,
+    alpha: &[f32],
+    v: &[f32],
+    n_in: usize,
+    r0: usize,
+) {
+    debug_assert!(r0 + R <= np);
+    let full = hd - hd % LANES;
+    for d0 in (0..full).step_by(LANES) {
+        let mut acc: [V; R] = std::array::from_fn(|x| {
+            let at = (r0 + x) * hd + d0;
+            assert!(at + LANES <= o.len());
+            // SAFETY: in bounds (asserted).
+            unsafe { V::load(o.as_ptr().add(at)) }.mul(V::splat(alpha[r0 + x]))
+        });
+        for jj in 0..n_in {
+            // SAFETY: jj < n_in and d0 + LANES <= hd: within v (asserted by the caller).
+            let vv = unsafe { V::load(v.as_ptr().add(jj * hd + d0)) };
+            for (x, a) in acc.iter_mut().enumerate() {
+                // SAFETY: jj < n_in and r0 + x < np: within p (asserted by the caller).
+                let px = V::splat(unsafe { *p.get_unchecked(jj * np + r0 + x) });
+                *a = px.mul_add(vv, *a);
+            }
+        }
+        for (x, a) in acc.iter().enumerate() {
+            // SAFETY: as for the load above.
+            unsafe { a.store(o.as_mut_ptr().add((r0 + x) * hd + d0)) };
+        }
+    }
+    for d in full..hd {
+        for x in 0..R {
+            let mut a = o[(r0 + x) * hd + d] * alpha[r0 + x];
+            for jj in 0..n_in {
+                a = p[jj * np + r0 + x].mul_add(v[jj * hd + d], a);
+            }
+            o[(r0 + x) * hd + d] = a;
+        }
+    }
+}
+
+#[allow(clippy::needless_range_loop)]
+/// One attention task of the kernel before [`flash_task`] (`DISAGG_CPU_FLASH_ATTN=0`):
+/// the same rows, in two passes over the cache blocks (scores of every key, then
+/// values), each block converted to f32 once for all rows.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+pub(super) fn two_pass_task(
+    batch: &StepBatch,
+    attn: &AttnShape,
+    kv: &CpuKv,
+    bytes: &[u8],
+    qkv: &[f32],
+    out: SendPtr<f32>,
+    s: usize,
+    tile: usize,
+    kvh: usize,
+    sc: &mut AttnScratch,
+) {
+    let span = &batch.seqs[s];
+    let hd = attn.head_dim;
+    let g = attn.n_heads / attn.n_kv_heads;
+    let (qd, w) = (attn.q_dim(), attn.qkv_dim());
+    let bs = batch.block_size;
+    let t0 = tile * ATTN_QUERY_TILE;
+    let nt = (span.rows.len() - t0).min(ATTN_QUERY_TILE);
+    let pos_first = span.pos0 + t0;
+    let n_ctx = pos_first + nt; // keys visible to the last row of the tile
+    let n_rows = nt * g;
+    sc.scores.resize(n_rows * n_ctx, 0.0);
+    sc.kbuf.resize(bs * hd, 0.0);
+    let dtype = kv.shape.dtype;
+    let es = dtype.bytes();
+    let v_base = kv.half_bytes();
+    let q_at = |i: usize, h: usize| {
+        let row = span.rows.start + t0 + i;
+        row * w + (kvh * g + h) * hd
+    };
+
+    // Pass 1: scores.
+    for blk in 0..n_ctx.div_ceil(bs) {
+        let first = blk * bs;
+        let n_in = (n_ctx - first).min(bs);
+        let at = kv.offset(span.block_table[blk] as usize, kvh, 0);
+        kv_to_f32(dtype, &bytes[at..at + n_in * hd * es], &mut sc.kbuf[..n_in * hd]);
+        for i in 0..nt {
+            let limit = (pos_first + i + 1).min(first + n_in);
+            for h in 0..g {
+                let q = &qkv[q_at(i, h)..q_at(i, h) + hd];
+                let srow = &mut sc.scores[(i * g + h) * n_ctx..(i * g + h + 1) * n_ctx];
+                for j in first..limit {
+                    srow[j] = dot16(q, &sc.kbuf[(j - first) * hd..(j - first + 1) * hd]) * attn.scale;
+                }
+            }
+        }
+    }
+    // Softmax numerators and sums, per row in key order.
+    let mut sums = [0f32; ATTN_QUERY_TILE * 8];
+    let mut sums_big;
+    let sums: &mut [f32] = if n_rows <= sums.len() {
+        &mut sums[..n_rows]
+    } else {
+        sums_big = vec![0f32; n_rows];
+        &mut sums_big
+    };
+    for i in 0..nt {
+        let n_keys = pos_first + i + 1;
+        for h in 0..g {
+            let srow = &mut sc.scores[(i * g + h) * n_ctx..(i * g + h) * n_ctx + n_keys];
+            let max = srow.iter().fold(f32::NEG_INFINITY, |m, v| m.max(*v));
+            let mut sum = 0f32;
+            for v in srow.iter_mut() {
+                *v = exp_f32(*v - max);
+                sum += *v;
+            }
+            sums[i * g + h] = sum;
+        }
+    }
+    // Pass 2: weighted values.
+    for i in 0..nt {
+        for h in 0..g {
+            let o = out.get();
+            let row = span.rows.start + t0 + i;
+            // SAFETY: this task alone writes the heads of `kvh` for its tile's rows.
+            let orow = unsafe { std::slice::from_raw_parts_mut(o.add(row * qd + (kvh * g + h) * hd), hd) };
+            orow.fill(0.0);
+        }
+    }
+    for blk in 0..n_ctx.div_ceil(bs) {
+        let first = blk * bs;
+        let n_in = (n_ctx - first).min(bs);
+        let at = v_base + kv.offset(span.block_table[blk] as usize, kvh, 0);
+        kv_to_f32(dtype, &bytes[at..at + n_in * hd * es], &mut sc.kbuf[..n_in * hd]);
+        for i in 0..nt {
+            let limit = (pos_first + i + 1).min(first + n_in);
+            let row = span.rows.start + t0 + i;
+            for h in 0..g {
+                let srow = &sc.scores[(i * g + h) * n_ctx..(i * g + h + 1) * n_ctx];
+                // SAFETY: as above.
+                let orow = unsafe { std::slice::from_raw_parts_mut(out.get().add(row * qd + (kvh * g + h) * hd), hd) };
+                for j in first..limit {
+                    let p = srow[j];
+                    let v = &sc.kbuf[(j - first) * hd..(j - first + 1) * hd];
+                    for (o, vv) in orow.iter_mut().zip(v) {
+                        *o = p.mul_add(*vv, *o);
+                    }
+                }
+            }
+        }
+    }
+    for i in 0..nt {
+        let row = span.rows.start + t0 + i;
+        for h in 0..g {
+            let inv = 1.0 / sums[i * g + h];
+            // SAFETY: as above.
+            let orow = unsafe { std::slice::from_raw_parts_mut(out.get().add(row * qd + (kvh * g + h) * hd), hd) };
+            for o in orow.iter_mut() {
+                *o *= inv;
+            }
+        }
+    }
+}
