@@ -158,7 +158,7 @@ fn cpu_attention_matches_an_f64_reference() {
             block_size: 5,
             dtype: F16,
             q_scale: 1.0,
-            seqs: &[(33, 2), (0, 9)],
+            seqs: &[(33, 2), (0, 9), (60, 1)],
         },
         // Scores far from zero (|s| up to ~100): the running maximum must hold them.
         Case {

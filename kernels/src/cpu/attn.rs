@@ -9,8 +9,9 @@
 //!   key's elements broadcast in turn: no horizontal sums, and every score is one chain of
 //!   multiply-adds in the order of the head dimension, whatever the tile (batch
 //!   invariance: a token's output does not depend on the tile it falls in). A decode
-//!   step's few rows (one token's heads of one KV head) leave most lanes idle, yet ran as
-//!   fast as a dot product per score, the cache's conversion and reads costing as much;
+//!   step's few rows (one token's heads of one KV head) would leave most lanes idle, so
+//!   there the chunk's keys are transposed and lie on the lanes, each score computed in
+//!   the same order;
 //! - the softmax: the rows on the lanes too, so its `exp` runs a vector at a time;
 //! - the values: rows in groups of eight, each accumulating a vector of head dimensions.
 //!
@@ -21,6 +22,7 @@ use super::matmul::SendPtr;
 use super::ops::{dot16, exp_f32, kv_to_f32};
 use super::CpuKv;
 use crate::backend::{AttnShape, StepBatch};
+use crate::KvDtype;
 
 /// Query tokens handled together by one attention task (they share each K/V block load).
 pub(super) const ATTN_QUERY_TILE: usize = 16;
@@ -34,6 +36,12 @@ const LANES: usize = 16;
 /// Keys per register tile of the rows-on-lanes score kernel.
 const KEY_TILE: usize = 8;
 
+/// Most query rows for which a chunk's scores and softmax put the keys on the lanes
+/// instead (a decode step's rows: one token's heads of one KV head), which costs a
+/// transpose of the chunk's keys but leaves no lane idle. Both forms compute each score
+/// and each softmax step with the same operations in the same order: the same bits.
+const MAX_ROWS_KEYS_ON_LANES: usize = 8;
+
 /// Per-thread scratch of the attention tasks.
 #[derive(Default)]
 pub(super) struct AttnScratch {
@@ -41,6 +49,8 @@ pub(super) struct AttnScratch {
     scores: Vec<f32>,
     /// One chunk of keys or values as f32, `[key][dim]`.
     kbuf: Vec<f32>,
+    /// Flash kernel, few rows: the chunk's keys transposed, `[dim][key]`.
+    kt: Vec<f32>,
     /// Flash kernel: the scaled queries, `[dim][row]`.
     q: Vec<f32>,
     /// The chunk's scores, then its probabilities, `[key][row]`.
@@ -72,9 +82,34 @@ trait F32x16: Copy {
     /// `p` must be valid for writing 16 f32 values.
     unsafe fn store(self, p: *mut f32);
     fn splat(x: f32) -> Self;
+    /// 16 f16 values (little-endian) as f32, exactly.
+    ///
+    /// # Safety
+    /// `p` must be valid for reading 32 bytes.
+    #[inline(always)]
+    unsafe fn load_f16(p: *const u8) -> Self {
+        let mut x = [0f32; 16];
+        for (i, x) in x.iter_mut().enumerate() {
+            *x = half::f16::from_bits(u16::from_le_bytes([*p.add(2 * i), *p.add(2 * i + 1)])).to_f32();
+        }
+        Self::load(x.as_ptr())
+    }
     /// `self · b + c`, each lane rounded once.
     fn mul_add(self, b: Self, c: Self) -> Self;
     fn mul(self, b: Self) -> Self;
+    /// Writes the 16 × 16 block at `src` (rows `ss` apart) transposed to `dst` (rows
+    /// `ds` apart).
+    ///
+    /// # Safety
+    /// Both blocks must be valid, and not overlap.
+    #[inline(always)]
+    unsafe fn transpose16(src: *const f32, ss: usize, dst: *mut f32, ds: usize) {
+        for i in 0..16 {
+            for j in 0..16 {
+                *dst.add(j * ds + i) = *src.add(i * ss + j);
+            }
+        }
+    }
 }
 
 /// Lanes as an array (the scalar ISA).
@@ -129,6 +164,10 @@ mod x86 {
             Avx512(unsafe { _mm512_set1_ps(x) })
         }
         #[inline(always)]
+        unsafe fn load_f16(p: *const u8) -> Self {
+            Avx512(_mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i)))
+        }
+        #[inline(always)]
         fn mul_add(self, b: Self, c: Self) -> Self {
             // SAFETY: see the type's doc.
             Avx512(unsafe { _mm512_fmadd_ps(self.0, b.0, c.0) })
@@ -137,6 +176,39 @@ mod x86 {
         fn mul(self, b: Self) -> Self {
             // SAFETY: see the type's doc.
             Avx512(unsafe { _mm512_mul_ps(self.0, b.0) })
+        }
+        /// In four rounds of shuffles: 32-bit pairs, 64-bit pairs, then 128-bit lanes twice.
+        #[inline(always)]
+        unsafe fn transpose16(src: *const f32, ss: usize, dst: *mut f32, ds: usize) {
+            let r: [__m512; 16] = std::array::from_fn(|i| _mm512_loadu_ps(src.add(i * ss)));
+            let mut t = [_mm512_setzero_ps(); 16];
+            for k in 0..8 {
+                t[2 * k] = _mm512_unpacklo_ps(r[2 * k], r[2 * k + 1]);
+                t[2 * k + 1] = _mm512_unpackhi_ps(r[2 * k], r[2 * k + 1]);
+            }
+            // u[4k + c], 128-bit lane L: column 4L + c, rows 4k..4k + 4.
+            let pd = _mm512_castps_pd;
+            let ps = _mm512_castpd_ps;
+            let mut u = [_mm512_setzero_ps(); 16];
+            for k in 0..4 {
+                let b = 4 * k;
+                u[b] = ps(_mm512_unpacklo_pd(pd(t[b]), pd(t[b + 2])));
+                u[b + 1] = ps(_mm512_unpackhi_pd(pd(t[b]), pd(t[b + 2])));
+                u[b + 2] = ps(_mm512_unpacklo_pd(pd(t[b + 1]), pd(t[b + 3])));
+                u[b + 3] = ps(_mm512_unpackhi_pd(pd(t[b + 1]), pd(t[b + 3])));
+            }
+            let mut w = [_mm512_setzero_ps(); 16];
+            for h in 0..2 {
+                for i in 0..4 {
+                    let b = 8 * h;
+                    w[b + i] = _mm512_shuffle_f32x4::<0x88>(u[b + i], u[b + 4 + i]);
+                    w[b + 4 + i] = _mm512_shuffle_f32x4::<0xdd>(u[b + i], u[b + 4 + i]);
+                }
+            }
+            for i in 0..8 {
+                _mm512_storeu_ps(dst.add(i * ds), _mm512_shuffle_f32x4::<0x88>(w[i], w[8 + i]));
+                _mm512_storeu_ps(dst.add((8 + i) * ds), _mm512_shuffle_f32x4::<0xdd>(w[i], w[8 + i]));
+            }
         }
     }
 
@@ -160,6 +232,14 @@ mod x86 {
             // SAFETY: see the type's doc.
             let v = unsafe { _mm256_set1_ps(x) };
             Avx2([v, v])
+        }
+        /// (The AVX2 entry enables F16C too.)
+        #[inline(always)]
+        unsafe fn load_f16(p: *const u8) -> Self {
+            Avx2([
+                _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)),
+                _mm256_cvtph_ps(_mm_loadu_si128(p.add(16) as *const __m128i)),
+            ])
         }
         #[inline(always)]
         fn mul_add(self, b: Self, c: Self) -> Self {
@@ -285,17 +365,39 @@ fn flash_task<V: F32x16>(
     sc.o.resize(np * hd, 0.0);
     sc.s.resize(KEY_CHUNK * np, 0.0);
     sc.kbuf.resize(KEY_CHUNK * hd, 0.0);
+    let keys_on_lanes = n_rows <= MAX_ROWS_KEYS_ON_LANES;
+    if keys_on_lanes {
+        sc.kt.resize(hd * KEY_CHUNK, 0.0);
+    }
 
     let mut j0 = 0;
     while j0 < n_ctx {
         let (blk, off) = (j0 / bs, j0 % bs);
         let n_in = (bs - off).min(KEY_CHUNK).min(n_ctx - j0);
         let at = kv.offset(span.block_table[blk] as usize, kvh, off);
-        kv_to_f32(dtype, &bytes[at..at + n_in * hd * es], &mut sc.kbuf[..n_in * hd]);
-        scores_on_lanes::<V>(&sc.q, np, &sc.kbuf, hd, n_in, &mut sc.s);
-        online_softmax(&mut sc.s, np, j0, n_in, &sc.last, &mut sc.m, &mut sc.l, &mut sc.alpha);
+        to_f32::<V>(dtype, &bytes[at..at + n_in * hd * es], &mut sc.kbuf[..n_in * hd]);
+        if keys_on_lanes {
+            transpose_keys::<V>(&sc.kbuf, hd, &mut sc.kt);
+            few_rows_softmax::<V>(
+                &sc.q,
+                np,
+                &sc.kt,
+                hd,
+                n_rows,
+                j0,
+                n_in,
+                &sc.last,
+                &mut sc.m,
+                &mut sc.l,
+                &mut sc.alpha,
+                &mut sc.s,
+            );
+        } else {
+            scores_on_lanes::<V>(&sc.q, np, &sc.kbuf, hd, n_in, &mut sc.s);
+            online_softmax(&mut sc.s, np, j0, n_in, &sc.last, &mut sc.m, &mut sc.l, &mut sc.alpha);
+        }
         let at = v_base + at;
-        kv_to_f32(dtype, &bytes[at..at + n_in * hd * es], &mut sc.kbuf[..n_in * hd]);
+        to_f32::<V>(dtype, &bytes[at..at + n_in * hd * es], &mut sc.kbuf[..n_in * hd]);
         accumulate_values::<V>(&mut sc.o, hd, &sc.s, np, &sc.alpha, &sc.kbuf, n_in, n_rows);
         j0 += n_in;
     }
@@ -363,6 +465,121 @@ fn scores_tile<V: F32x16, const RV: usize>(
             // SAFETY: in bounds (asserted).
             unsafe { ax.store(s.as_mut_ptr().add(at)) };
         }
+    }
+}
+
+/// [`kv_to_f32`], with f16 converted in line by the kernel's lanes (not a call per chunk).
+#[inline(always)]
+fn to_f32<V: F32x16>(dtype: KvDtype, src: &[u8], out: &mut [f32]) {
+    if dtype != KvDtype::F16 {
+        return kv_to_f32(dtype, src, out);
+    }
+    assert!(src.len() >= 2 * out.len());
+    let full = out.len() - out.len() % LANES;
+    for i in (0..full).step_by(LANES) {
+        // SAFETY: i + 16 <= out.len(), and src holds 2 bytes per output (asserted).
+        unsafe { V::load_f16(src.as_ptr().add(2 * i)).store(out.as_mut_ptr().add(i)) };
+    }
+    if full < out.len() {
+        kv_to_f32(dtype, &src[2 * full..], &mut out[full..]);
+    }
+}
+
+/// Scores of rows `0..R` (`q`: `[dim][row]`) against the chunk's 16 key slots (`kt`:
+/// `[dim][key]`), one chain of multiply-adds per row as in [`scores_tile`].
+#[inline(always)]
+fn few_rows_scores<V: F32x16, const R: usize>(
+    q: &[f32],
+    np: usize,
+    kt: &[f32],
+    hd: usize,
+    out: &mut [[f32; KEY_CHUNK]; MAX_ROWS_KEYS_ON_LANES],
+) {
+    let mut acc = [V::splat(0.0); R];
+    for d in 0..hd {
+        // SAFETY: d < hd: within kt (asserted by the caller).
+        let kd = unsafe { V::load(kt.as_ptr().add(d * KEY_CHUNK)) };
+        for (x, a) in acc.iter_mut().enumerate() {
+            // SAFETY: d < hd and x < R <= np: within q (asserted by the caller).
+            let qd = unsafe { *q.get_unchecked(d * np + x) };
+            *a = V::splat(qd).mul_add(kd, *a);
+        }
+    }
+    for (a, o) in acc.iter().zip(out.iter_mut()) {
+        // SAFETY: `o` holds 16 values.
+        unsafe { a.store(o.as_mut_ptr()) };
+    }
+}
+
+/// `kt[d][key] = k[key][d]` for the chunk's 16 key slots (slots past the chunk's keys
+/// hold stale finite values; their scores are masked).
+#[inline(always)]
+fn transpose_keys<V: F32x16>(k: &[f32], hd: usize, kt: &mut [f32]) {
+    assert!(k.len() >= KEY_CHUNK * hd && kt.len() >= hd * KEY_CHUNK);
+    let full = hd - hd % LANES;
+    for d0 in (0..full).step_by(LANES) {
+        // SAFETY: rows 0..16 of columns d0..d0 + 16 of k, and rows d0..d0 + 16 of kt (16
+        // wide), are in bounds (asserted); the buffers are distinct.
+        unsafe { V::transpose16(k.as_ptr().add(d0), hd, kt.as_mut_ptr().add(d0 * KEY_CHUNK), KEY_CHUNK) };
+    }
+    for d in full..hd {
+        for j in 0..KEY_CHUNK {
+            kt[d * KEY_CHUNK + j] = k[j * hd + d];
+        }
+    }
+}
+
+/// [`scores_on_lanes`] and [`online_softmax`] for a chunk with few rows, the keys on
+/// the lanes (`kt`: `[dim][key]`): each row's 16 scores are one vector, a chain of
+/// multiply-adds over the head dimension as in [`scores_tile`]; its maximum, `exp` and
+/// sum then follow the key order as [`online_softmax`] does, and its probabilities go
+/// to `s` (`[key][row]`) for [`accumulate_values`].
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn few_rows_softmax<V: F32x16>(
+    q: &[f32],
+    np: usize,
+    kt: &[f32],
+    hd: usize,
+    n_rows: usize,
+    j0: usize,
+    n_in: usize,
+    last: &[u32],
+    m: &mut [f32],
+    l: &mut [f32],
+    alpha: &mut [f32],
+    s: &mut [f32],
+) {
+    assert!(q.len() >= hd * np && kt.len() >= hd * KEY_CHUNK && s.len() >= KEY_CHUNK * np);
+    assert!(n_rows <= MAX_ROWS_KEYS_ON_LANES && MAX_ROWS_KEYS_ON_LANES <= np);
+    // The rows' chains side by side (a row alone would wait on each multiply-add's
+    // latency); rows past `n_rows` are padding.
+    let mut scores = [[0f32; KEY_CHUNK]; MAX_ROWS_KEYS_ON_LANES];
+    match n_rows {
+        0..=1 => few_rows_scores::<V, 1>(q, np, kt, hd, &mut scores),
+        2 => few_rows_scores::<V, 2>(q, np, kt, hd, &mut scores),
+        3..=4 => few_rows_scores::<V, 4>(q, np, kt, hd, &mut scores),
+        _ => few_rows_scores::<V, 8>(q, np, kt, hd, &mut scores),
+    }
+    for (r, sc) in scores.iter().enumerate().take(n_rows) {
+        let (m_old, lim) = (m[r], last[r]);
+        let mut mx = m_old;
+        for (jj, &v) in sc[..n_in].iter().enumerate() {
+            let v = if (j0 + jj) as u32 <= lim { v } else { f32::NEG_INFINITY };
+            mx = if v > mx { v } else { mx };
+        }
+        let e: [f32; KEY_CHUNK] = std::array::from_fn(|jj| exp_f32(sc[jj] - mx));
+        let mut sum = 0f32;
+        for (jj, &e) in e[..n_in].iter().enumerate() {
+            let p = if (j0 + jj) as u32 <= lim { e } else { 0.0 };
+            s[jj * np + r] = p;
+            sum += p;
+        }
+        let ea = exp_f32(m_old - mx);
+        let a = if m_old == f32::NEG_INFINITY { 0.0 } else { ea };
+        alpha[r] = a;
+        l[r] = l[r].mul_add(a, sum);
+        m[r] = mx;
     }
 }
 
