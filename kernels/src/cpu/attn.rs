@@ -75,6 +75,8 @@ pub(super) fn flash_enabled() -> bool {
 /// vectorized the score tile across the head dimension (with gathers) instead of across
 /// its rows.
 trait F32x16: Copy {
+    /// Whether 27 values of this type fit in the registers (AVX-512's 32).
+    const MANY_REGISTERS: bool = false;
     /// # Safety
     /// `p` must be valid for reading 16 f32 values.
     unsafe fn load(p: *const f32) -> Self;
@@ -150,6 +152,7 @@ mod x86 {
     pub(super) struct Avx512(__m512);
 
     impl F32x16 for Avx512 {
+        const MANY_REGISTERS: bool = true;
         #[inline(always)]
         unsafe fn load(p: *const f32) -> Self {
             Avx512(_mm512_loadu_ps(p))
@@ -423,12 +426,20 @@ fn scores_on_lanes<V: F32x16>(q: &[f32], np: usize, k: &[f32], hd: usize, n_in: 
     assert!(q.len() >= hd * np && k.len() >= KEY_CHUNK * hd && s.len() >= KEY_CHUNK * np);
     for k0 in (0..n_in).step_by(KEY_TILE) {
         let mut v = 0;
-        while v + 2 <= nv {
-            scores_tile::<V, 2>(q, np, v, k, k0, hd, s);
-            v += 2;
-        }
-        if v < nv {
-            scores_tile::<V, 1>(q, np, v, k, k0, hd, s);
+        while v < nv {
+            // Three row vectors (24 accumulators) where the registers hold them: a tile
+            // of 16 tokens × 3 heads per KV head is one such tile.
+            let rv = match nv - v {
+                3 if V::MANY_REGISTERS => 3,
+                1 => 1,
+                _ => 2,
+            };
+            match rv {
+                3 => scores_tile::<V, 3>(q, np, v, k, k0, hd, s),
+                2 => scores_tile::<V, 2>(q, np, v, k, k0, hd, s),
+                _ => scores_tile::<V, 1>(q, np, v, k, k0, hd, s),
+            }
+            v += rv;
         }
     }
 }
@@ -666,8 +677,8 @@ fn accumulate_values<V: F32x16>(
     }
 }
 
-/// [`accumulate_values`] for rows `r0..r0 + R`, a vector of 16 head dimensions at a
-/// time (then the dimensions past the last multiple of 16 one by one).
+/// [`accumulate_values`] for rows `r0..r0 + R`, two or one vectors of 16 head
+/// dimensions at a time (then the dimensions past the last multiple of 16 one by one).
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn values_tile<V: F32x16, const R: usize>(
@@ -682,26 +693,15 @@ fn values_tile<V: F32x16, const R: usize>(
 ) {
     debug_assert!(r0 + R <= np);
     let full = hd - hd % LANES;
-    for d0 in (0..full).step_by(LANES) {
-        let mut acc: [V; R] = std::array::from_fn(|x| {
-            let at = (r0 + x) * hd + d0;
-            assert!(at + LANES <= o.len());
-            // SAFETY: in bounds (asserted).
-            unsafe { V::load(o.as_ptr().add(at)) }.mul(V::splat(alpha[r0 + x]))
-        });
-        for jj in 0..n_in {
-            // SAFETY: jj < n_in and d0 + LANES <= hd: within v (asserted by the caller).
-            let vv = unsafe { V::load(v.as_ptr().add(jj * hd + d0)) };
-            for (x, a) in acc.iter_mut().enumerate() {
-                // SAFETY: jj < n_in and r0 + x < np: within p (asserted by the caller).
-                let px = V::splat(unsafe { *p.get_unchecked(jj * np + r0 + x) });
-                *a = px.mul_add(vv, *a);
-            }
-        }
-        for (x, a) in acc.iter().enumerate() {
-            // SAFETY: as for the load above.
-            unsafe { a.store(o.as_mut_ptr().add((r0 + x) * hd + d0)) };
-        }
+    // Two vectors of dimensions at a time where they fit: each probability, broadcast
+    // once, feeds two multiply-adds.
+    let mut d0 = 0;
+    while d0 + 2 * LANES <= full {
+        values_block::<V, R, 2>(o, hd, p, np, alpha, v, n_in, r0, d0);
+        d0 += 2 * LANES;
+    }
+    if d0 < full {
+        values_block::<V, R, 1>(o, hd, p, np, alpha, v, n_in, r0, d0);
     }
     for d in full..hd {
         for x in 0..R {
@@ -710,6 +710,46 @@ fn values_tile<V: F32x16, const R: usize>(
                 a = p[jj * np + r0 + x].mul_add(v[jj * hd + d], a);
             }
             o[(r0 + x) * hd + d] = a;
+        }
+    }
+}
+
+/// [`values_tile`] for dimensions `d0..d0 + 16 W`: `R × W` accumulators.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn values_block<V: F32x16, const R: usize, const W: usize>(
+    o: &mut [f32],
+    hd: usize,
+    p: &[f32],
+    np: usize,
+    alpha: &[f32],
+    v: &[f32],
+    n_in: usize,
+    r0: usize,
+    d0: usize,
+) {
+    let mut acc: [[V; W]; R] = std::array::from_fn(|x| {
+        let at = (r0 + x) * hd + d0;
+        assert!(at + W * LANES <= o.len());
+        let ax = V::splat(alpha[r0 + x]);
+        // SAFETY: in bounds (asserted).
+        std::array::from_fn(|w| unsafe { V::load(o.as_ptr().add(at + w * LANES)) }.mul(ax))
+    });
+    for jj in 0..n_in {
+        // SAFETY: jj < n_in and d0 + W * LANES <= hd: within v (asserted by the caller).
+        let vv: [V; W] = std::array::from_fn(|w| unsafe { V::load(v.as_ptr().add(jj * hd + d0 + w * LANES)) });
+        for (x, a) in acc.iter_mut().enumerate() {
+            // SAFETY: jj < n_in and r0 + x < np: within p (asserted by the caller).
+            let px = V::splat(unsafe { *p.get_unchecked(jj * np + r0 + x) });
+            for (aw, vw) in a.iter_mut().zip(&vv) {
+                *aw = px.mul_add(*vw, *aw);
+            }
+        }
+    }
+    for (x, a) in acc.iter().enumerate() {
+        for (w, aw) in a.iter().enumerate() {
+            // SAFETY: as for the load above.
+            unsafe { aw.store(o.as_mut_ptr().add((r0 + x) * hd + d0 + w * LANES)) };
         }
     }
 }
