@@ -38,6 +38,11 @@ pub const CPU_PREFETCH: &str = "DISAGG_CPU_PREFETCH";
 /// kernel (one pass over the cache, online softmax, the query rows on the SIMD lanes).
 pub const CPU_FLASH_ATTN: &str = "DISAGG_CPU_FLASH_ATTN";
 
+/// `0`: the CPU's flash attention never splits a decode row's keys into tasks per
+/// segment of 512. Default: it does when the step's tasks would leave threads idle (one
+/// long sequence on more threads than its KV heads); the bits are the same either way.
+pub const CPU_ATTN_SPLIT: &str = "DISAGG_CPU_ATTN_SPLIT";
+
 /// API key the gateway requires when `--api-key` is not given (`Authorization: Bearer`).
 pub const API_KEY: &str = "DISAGG_API_KEY";
 

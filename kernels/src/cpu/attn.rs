@@ -30,6 +30,29 @@ pub(super) const ATTN_QUERY_TILE: usize = 16;
 /// Keys per step of the flash kernel (at most; a chunk never crosses a cache block).
 const KEY_CHUNK: usize = 16;
 
+/// Keys per segment of the flash kernel: each row's softmax state is computed per
+/// segment from scratch and the segments' states merged in order, so that a decode row
+/// of a long context can be split into tasks of one segment each (its threads sharing
+/// the work) with the same bits as a prompt tile that runs its segments in turn.
+pub(super) const SEGMENT: usize = 512;
+
+/// One flash attention task: a tile's rows of one sequence × one KV head, over every
+/// segment of its keys, or over one segment whose state goes to the partials
+/// (`split: Some((segment, offset))`, merged by [`merge_partials`]).
+#[derive(Clone, Copy, Debug)]
+pub(super) struct AttnTask {
+    pub s: usize,
+    pub tile: usize,
+    pub kvh: usize,
+    pub split: Option<(usize, usize)>,
+}
+
+/// Floats of one split task's state in the partials: per row its maximum, its sum and
+/// its output row so far.
+pub(super) fn partial_len(n_rows: usize, head_dim: usize) -> usize {
+    n_rows * (2 + head_dim)
+}
+
 /// Query rows (tokens × heads) per SIMD vector of the rows-on-lanes kernels.
 const LANES: usize = 16;
 
@@ -63,6 +86,10 @@ pub(super) struct AttnScratch {
     alpha: Vec<f32>,
     /// Per row: the last key position it may see.
     last: Vec<u32>,
+    /// The merged state of the segments before the current one: maxima, sums, rows.
+    am: Vec<f32>,
+    al: Vec<f32>,
+    ao: Vec<f32>,
 }
 
 /// Whether the attention uses [`flash_task`] (`DISAGG_CPU_FLASH_ATTN`, default on).
@@ -267,9 +294,8 @@ pub(super) fn flash_attention(
     bytes: &[u8],
     qkv: &[f32],
     out: SendPtr<f32>,
-    s: usize,
-    tile: usize,
-    kvh: usize,
+    partials: SendPtr<f32>,
+    task: AttnTask,
     sc: &mut AttnScratch,
 ) {
     #[cfg(target_arch = "x86_64")]
@@ -283,12 +309,11 @@ pub(super) fn flash_attention(
             bytes: &[u8],
             qkv: &[f32],
             out: SendPtr<f32>,
-            s: usize,
-            tile: usize,
-            kvh: usize,
+            partials: SendPtr<f32>,
+            task: AttnTask,
             sc: &mut AttnScratch,
         ) {
-            flash_task::<x86::Avx512>(batch, attn, kv, bytes, qkv, out, s, tile, kvh, sc)
+            flash_task::<x86::Avx512>(batch, attn, kv, bytes, qkv, out, partials, task, sc)
         }
         #[target_feature(enable = "avx2,fma,f16c")]
         #[allow(clippy::too_many_arguments)]
@@ -299,25 +324,25 @@ pub(super) fn flash_attention(
             bytes: &[u8],
             qkv: &[f32],
             out: SendPtr<f32>,
-            s: usize,
-            tile: usize,
-            kvh: usize,
+            partials: SendPtr<f32>,
+            task: AttnTask,
             sc: &mut AttnScratch,
         ) {
-            flash_task::<x86::Avx2>(batch, attn, kv, bytes, qkv, out, s, tile, kvh, sc)
+            flash_task::<x86::Avx2>(batch, attn, kv, bytes, qkv, out, partials, task, sc)
         }
         // SAFETY: `isa` is above Scalar only when the CPU has these features.
         match isa {
-            super::Isa::Avx512 => return unsafe { avx512(batch, attn, kv, bytes, qkv, out, s, tile, kvh, sc) },
-            super::Isa::Avx2 => return unsafe { avx2(batch, attn, kv, bytes, qkv, out, s, tile, kvh, sc) },
+            super::Isa::Avx512 => return unsafe { avx512(batch, attn, kv, bytes, qkv, out, partials, task, sc) },
+            super::Isa::Avx2 => return unsafe { avx2(batch, attn, kv, bytes, qkv, out, partials, task, sc) },
             super::Isa::Scalar => {}
         }
     }
-    flash_task::<Array16>(batch, attn, kv, bytes, qkv, out, s, tile, kvh, sc)
+    flash_task::<Array16>(batch, attn, kv, bytes, qkv, out, partials, task, sc)
 }
 
 /// One flash attention task: query rows of `ATTN_QUERY_TILE` tokens × the query heads
-/// of KV head `kvh`, over all keys each token may see, in one pass over the cache.
+/// of KV head `kvh`, over all keys each token may see (or one segment of them), in one
+/// pass over the cache.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn flash_task<V: F32x16>(
@@ -327,11 +352,11 @@ fn flash_task<V: F32x16>(
     bytes: &[u8],
     qkv: &[f32],
     out: SendPtr<f32>,
-    s: usize,
-    tile: usize,
-    kvh: usize,
+    partials: SendPtr<f32>,
+    task: AttnTask,
     sc: &mut AttnScratch,
 ) {
+    let AttnTask { s, tile, kvh, split } = task;
     let span = &batch.seqs[s];
     let hd = attn.head_dim;
     let g = attn.n_heads / attn.n_kv_heads;
@@ -359,13 +384,7 @@ fn flash_task<V: F32x16>(
     }
     sc.last.clear();
     sc.last.extend((0..np).map(|r| if r < n_rows { (pos_first + r / g) as u32 } else { (n_ctx - 1) as u32 }));
-    sc.m.clear();
-    sc.m.resize(np, f32::NEG_INFINITY);
-    sc.l.clear();
-    sc.l.resize(np, 0.0);
     sc.alpha.resize(np, 0.0);
-    sc.o.clear();
-    sc.o.resize(np * hd, 0.0);
     sc.s.resize(KEY_CHUNK * np, 0.0);
     sc.kbuf.resize(KEY_CHUNK * hd, 0.0);
     let keys_on_lanes = n_rows <= MAX_ROWS_KEYS_ON_LANES;
@@ -373,46 +392,140 @@ fn flash_task<V: F32x16>(
         sc.kt.resize(hd * KEY_CHUNK, 0.0);
     }
 
-    let mut j0 = 0;
-    while j0 < n_ctx {
-        let (blk, off) = (j0 / bs, j0 % bs);
-        let n_in = (bs - off).min(KEY_CHUNK).min(n_ctx - j0);
-        let at = kv.offset(span.block_table[blk] as usize, kvh, off);
-        to_f32::<V>(dtype, &bytes[at..at + n_in * hd * es], &mut sc.kbuf[..n_in * hd]);
-        if keys_on_lanes {
-            transpose_keys::<V>(&sc.kbuf, hd, &mut sc.kt);
-            few_rows_softmax::<V>(
-                &sc.q,
-                np,
-                &sc.kt,
-                hd,
-                n_rows,
-                j0,
-                n_in,
-                &sc.last,
-                &mut sc.m,
-                &mut sc.l,
-                &mut sc.alpha,
-                &mut sc.s,
-            );
-        } else {
-            scores_on_lanes::<V>(&sc.q, np, &sc.kbuf, hd, n_in, &mut sc.s);
-            online_softmax(&mut sc.s, np, j0, n_in, &sc.last, &mut sc.m, &mut sc.l, &mut sc.alpha);
+    let segments = match split {
+        Some((seg, _)) => seg..seg + 1,
+        None => 0..n_ctx.div_ceil(SEGMENT),
+    };
+    let first = segments.start;
+    for seg in segments {
+        // This segment's state, from scratch.
+        sc.m.clear();
+        sc.m.resize(np, f32::NEG_INFINITY);
+        sc.l.clear();
+        sc.l.resize(np, 0.0);
+        sc.o.clear();
+        sc.o.resize(np * hd, 0.0);
+        let end = ((seg + 1) * SEGMENT).min(n_ctx);
+        let mut j0 = seg * SEGMENT;
+        while j0 < end {
+            let (blk, off) = (j0 / bs, j0 % bs);
+            let n_in = (bs - off).min(KEY_CHUNK).min(end - j0);
+            let at = kv.offset(span.block_table[blk] as usize, kvh, off);
+            to_f32::<V>(dtype, &bytes[at..at + n_in * hd * es], &mut sc.kbuf[..n_in * hd]);
+            if keys_on_lanes {
+                transpose_keys::<V>(&sc.kbuf, hd, &mut sc.kt);
+                few_rows_softmax::<V>(
+                    &sc.q,
+                    np,
+                    &sc.kt,
+                    hd,
+                    n_rows,
+                    j0,
+                    n_in,
+                    &sc.last,
+                    &mut sc.m,
+                    &mut sc.l,
+                    &mut sc.alpha,
+                    &mut sc.s,
+                );
+            } else {
+                scores_on_lanes::<V>(&sc.q, np, &sc.kbuf, hd, n_in, &mut sc.s);
+                online_softmax(&mut sc.s, np, j0, n_in, &sc.last, &mut sc.m, &mut sc.l, &mut sc.alpha);
+            }
+            let at = v_base + at;
+            to_f32::<V>(dtype, &bytes[at..at + n_in * hd * es], &mut sc.kbuf[..n_in * hd]);
+            let c = ChunkValues { p: &sc.s, np, alpha: &sc.alpha, v: &sc.kbuf, j0, n_in, last: &sc.last };
+            accumulate_values::<V>(&mut sc.o, hd, &c, n_rows);
+            j0 += n_in;
         }
-        let at = v_base + at;
-        to_f32::<V>(dtype, &bytes[at..at + n_in * hd * es], &mut sc.kbuf[..n_in * hd]);
-        accumulate_values::<V>(&mut sc.o, hd, &sc.s, np, &sc.alpha, &sc.kbuf, n_in, n_rows);
-        j0 += n_in;
+        if let Some((_, offset)) = split {
+            // SAFETY: the task's own part of the partials, sized by `partial_len`.
+            let dst = unsafe { std::slice::from_raw_parts_mut(partials.get().add(offset), partial_len(n_rows, hd)) };
+            for (r, d) in dst.chunks_exact_mut(2 + hd).enumerate() {
+                d[0] = sc.m[r];
+                d[1] = sc.l[r];
+                d[2..].copy_from_slice(&sc.o[r * hd..(r + 1) * hd]);
+            }
+            return;
+        }
+        if seg == first {
+            std::mem::swap(&mut sc.am, &mut sc.m);
+            std::mem::swap(&mut sc.al, &mut sc.l);
+            std::mem::swap(&mut sc.ao, &mut sc.o);
+        } else {
+            for r in 0..n_rows {
+                let (m, l, o) = (sc.m[r], sc.l[r], &sc.o[r * hd..(r + 1) * hd]);
+                merge_state(&mut sc.am[r], &mut sc.al[r], &mut sc.ao[r * hd..(r + 1) * hd], m, l, o);
+            }
+        }
     }
 
     for r in 0..n_rows {
         let (i, h) = (r / g, r % g);
         let row = span.rows.start + t0 + i;
-        let inv = 1.0 / sc.l[r];
+        let inv = 1.0 / sc.al[r];
         // SAFETY: this task alone writes the heads of `kvh` for its tile's rows.
         let orow = unsafe { std::slice::from_raw_parts_mut(out.get().add(row * qd + (kvh * g + h) * hd), hd) };
-        for (o, &x) in orow.iter_mut().zip(&sc.o[r * hd..(r + 1) * hd]) {
+        for (o, &x) in orow.iter_mut().zip(&sc.ao[r * hd..(r + 1) * hd]) {
             *o = x * inv;
+        }
+    }
+}
+
+/// Merges a segment's state (maximum `m`, sum `l`, output row `o`) into the state of the
+/// segments before it, which has seen key 0 (so its maximum is finite). A segment with
+/// no key the row may see (maximum −∞) changes nothing.
+#[inline(always)]
+fn merge_state(am: &mut f32, al: &mut f32, ao: &mut [f32], m: f32, l: f32, o: &[f32]) {
+    if m == f32::NEG_INFINITY {
+        return;
+    }
+    let mx = if m > *am { m } else { *am };
+    let (ca, cb) = (exp_f32(*am - mx), exp_f32(m - mx));
+    *al = l.mul_add(cb, *al * ca);
+    for (a, &b) in ao.iter_mut().zip(o) {
+        *a = b.mul_add(cb, *a * ca);
+    }
+    *am = mx;
+}
+
+/// Finishes the split tasks: for each group of tasks that split one tile (one decode
+/// row's heads of one KV head; `groups`: its first task's index, and how many), merges
+/// the segments' states in order, as [`flash_task`] merges them in turn, and writes the
+/// output rows.
+pub(super) fn merge_partials(
+    batch: &StepBatch,
+    attn: &AttnShape,
+    tasks: &[AttnTask],
+    groups: &[(usize, usize)],
+    partials: &[f32],
+    out: &mut [f32],
+) {
+    let (hd, g, qd) = (attn.head_dim, attn.n_heads / attn.n_kv_heads, attn.q_dim());
+    let mut acc = vec![0f32; 2 + hd];
+    for &(first, n) in groups {
+        let AttnTask { s, tile, kvh, .. } = tasks[first];
+        let span = &batch.seqs[s];
+        let t0 = tile * ATTN_QUERY_TILE;
+        let nt = (span.rows.len() - t0).min(ATTN_QUERY_TILE);
+        for r in 0..nt * g {
+            let state = |t: &AttnTask| {
+                let (_, offset) = t.split.expect("a split task");
+                &partials[offset + r * (2 + hd)..offset + (r + 1) * (2 + hd)]
+            };
+            acc.copy_from_slice(state(&tasks[first]));
+            for t in &tasks[first + 1..first + n] {
+                let b = state(t);
+                let (head, rest) = acc.split_at_mut(2);
+                let (am, al) = head.split_at_mut(1);
+                merge_state(&mut am[0], &mut al[0], rest, b[0], b[1], &b[2..]);
+            }
+            let (i, h) = (r / g, r % g);
+            let row = span.rows.start + t0 + i;
+            let inv = 1.0 / acc[1];
+            for (o, &x) in out[row * qd + (kvh * g + h) * hd..][..hd].iter_mut().zip(&acc[2..]) {
+                *o = x * inv;
+            }
         }
     }
 }
@@ -645,69 +758,82 @@ fn online_softmax(
     }
 }
 
-/// `o[r] = o[r] · alpha[r] + Σ_key p[key][r] · v[key]` for the rows `0..n_rows` (in
-/// groups of up to eight sharing each value load; a group may run into the padding rows,
-/// whose results are never written).
-#[allow(clippy::too_many_arguments)]
-#[inline(always)]
-fn accumulate_values<V: F32x16>(
-    o: &mut [f32],
-    hd: usize,
-    p: &[f32],
+/// A chunk's probabilities and values, as the output rows take them.
+struct ChunkValues<'a> {
+    /// Probabilities, `[key][row]`, `np` rows.
+    p: &'a [f32],
     np: usize,
-    alpha: &[f32],
-    v: &[f32],
+    /// Per row: the factor for its output so far.
+    alpha: &'a [f32],
+    /// Values, `[key][dim]`.
+    v: &'a [f32],
+    /// The chunk's first key position and its number of keys.
+    j0: usize,
     n_in: usize,
-    n_rows: usize,
-) {
-    assert!(o.len() >= np * hd && p.len() >= n_in * np && v.len() >= n_in * hd && alpha.len() >= np);
+    /// Per row: the last key position it may see.
+    last: &'a [u32],
+}
+
+/// `o[r] = o[r] · alpha[r] + Σ_key p[key][r] · v[key]` for the rows `0..n_rows`, over
+/// the keys each row may see (in groups of up to eight rows sharing each value load; a
+/// group may run into the padding rows, whose results are never written).
+///
+/// A key a row may not see is skipped, not multiplied by its zero probability: its
+/// value may be infinite (an f16 cache holds ±inf past 65504), and 0 · inf would make
+/// the row NaN, where the row alone (a decode step) never reads that key. Only a chunk
+/// on a tile's diagonal has such keys; there each row takes its visible keys (a prefix
+/// of the chunk) alone, with the same operations.
+#[inline(always)]
+fn accumulate_values<V: F32x16>(o: &mut [f32], hd: usize, c: &ChunkValues, n_rows: usize) {
+    let (np, n_in) = (c.np, c.n_in);
+    assert!(o.len() >= np * hd && c.p.len() >= n_in * np && c.v.len() >= n_in * hd);
+    assert!(c.alpha.len() >= np && c.last.len() >= np && n_in > 0);
     let mut r0 = 0;
     while r0 < n_rows {
-        match n_rows - r0 {
-            5.. => values_tile::<V, 8>(o, hd, p, np, alpha, v, n_in, r0),
-            3..=4 => values_tile::<V, 4>(o, hd, p, np, alpha, v, n_in, r0),
-            2 => values_tile::<V, 2>(o, hd, p, np, alpha, v, n_in, r0),
-            _ => values_tile::<V, 1>(o, hd, p, np, alpha, v, n_in, r0),
-        }
-        r0 += match n_rows - r0 {
+        let r = match n_rows - r0 {
             5.. => 8,
             3..=4 => 4,
             n => n,
         };
+        if c.last[r0..r0 + r].iter().all(|&l| l as usize >= c.j0 + n_in - 1) {
+            match r {
+                8 => values_tile::<V, 8>(o, hd, c, n_in, r0),
+                4 => values_tile::<V, 4>(o, hd, c, n_in, r0),
+                2 => values_tile::<V, 2>(o, hd, c, n_in, r0),
+                _ => values_tile::<V, 1>(o, hd, c, n_in, r0),
+            }
+        } else {
+            for x in r0..r0 + r {
+                let visible = (c.last[x] as usize + 1).saturating_sub(c.j0).min(n_in);
+                values_tile::<V, 1>(o, hd, c, visible, x);
+            }
+        }
+        r0 += r;
     }
 }
 
-/// [`accumulate_values`] for rows `r0..r0 + R`, two or one vectors of 16 head
-/// dimensions at a time (then the dimensions past the last multiple of 16 one by one).
-#[allow(clippy::too_many_arguments)]
+/// [`accumulate_values`] for rows `r0..r0 + R` and the chunk's first `n_keys` keys, two
+/// or one vectors of 16 head dimensions at a time (then the dimensions past the last
+/// multiple of 16 one by one).
 #[inline(always)]
-fn values_tile<V: F32x16, const R: usize>(
-    o: &mut [f32],
-    hd: usize,
-    p: &[f32],
-    np: usize,
-    alpha: &[f32],
-    v: &[f32],
-    n_in: usize,
-    r0: usize,
-) {
-    debug_assert!(r0 + R <= np);
+fn values_tile<V: F32x16, const R: usize>(o: &mut [f32], hd: usize, c: &ChunkValues, n_keys: usize, r0: usize) {
+    debug_assert!(r0 + R <= c.np && n_keys <= c.n_in);
     let full = hd - hd % LANES;
     // Two vectors of dimensions at a time where they fit: each probability, broadcast
     // once, feeds two multiply-adds.
     let mut d0 = 0;
     while d0 + 2 * LANES <= full {
-        values_block::<V, R, 2>(o, hd, p, np, alpha, v, n_in, r0, d0);
+        values_block::<V, R, 2>(o, hd, c, n_keys, r0, d0);
         d0 += 2 * LANES;
     }
     if d0 < full {
-        values_block::<V, R, 1>(o, hd, p, np, alpha, v, n_in, r0, d0);
+        values_block::<V, R, 1>(o, hd, c, n_keys, r0, d0);
     }
     for d in full..hd {
         for x in 0..R {
-            let mut a = o[(r0 + x) * hd + d] * alpha[r0 + x];
-            for jj in 0..n_in {
-                a = p[jj * np + r0 + x].mul_add(v[jj * hd + d], a);
+            let mut a = o[(r0 + x) * hd + d] * c.alpha[r0 + x];
+            for jj in 0..n_keys {
+                a = c.p[jj * c.np + r0 + x].mul_add(c.v[jj * hd + d], a);
             }
             o[(r0 + x) * hd + d] = a;
         }
@@ -715,29 +841,32 @@ fn values_tile<V: F32x16, const R: usize>(
 }
 
 /// [`values_tile`] for dimensions `d0..d0 + 16 W`: `R × W` accumulators.
-#[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn values_block<V: F32x16, const R: usize, const W: usize>(
     o: &mut [f32],
     hd: usize,
-    p: &[f32],
-    np: usize,
-    alpha: &[f32],
-    v: &[f32],
-    n_in: usize,
+    c: &ChunkValues,
+    n_keys: usize,
     r0: usize,
     d0: usize,
 ) {
-    let mut acc: [[V; W]; R] = std::array::from_fn(|x| {
+    let (p, np, v) = (c.p, c.np, c.v);
+    let mut acc = [[V::splat(0.0); W]; R];
+    for (x, a) in acc.iter_mut().enumerate() {
         let at = (r0 + x) * hd + d0;
         assert!(at + W * LANES <= o.len());
-        let ax = V::splat(alpha[r0 + x]);
-        // SAFETY: in bounds (asserted).
-        std::array::from_fn(|w| unsafe { V::load(o.as_ptr().add(at + w * LANES)) }.mul(ax))
-    });
-    for jj in 0..n_in {
-        // SAFETY: jj < n_in and d0 + W * LANES <= hd: within v (asserted by the caller).
-        let vv: [V; W] = std::array::from_fn(|w| unsafe { V::load(v.as_ptr().add(jj * hd + d0 + w * LANES)) });
+        let ax = V::splat(c.alpha[r0 + x]);
+        for (w, aw) in a.iter_mut().enumerate() {
+            // SAFETY: in bounds (asserted).
+            *aw = unsafe { V::load(o.as_ptr().add(at + w * LANES)) }.mul(ax);
+        }
+    }
+    for jj in 0..n_keys {
+        let mut vv = [V::splat(0.0); W];
+        for (w, vw) in vv.iter_mut().enumerate() {
+            // SAFETY: jj < n_in and d0 + W * LANES <= hd: within v (asserted by the caller).
+            *vw = unsafe { V::load(v.as_ptr().add(jj * hd + d0 + w * LANES)) };
+        }
         for (x, a) in acc.iter_mut().enumerate() {
             // SAFETY: jj < n_in and r0 + x < np: within p (asserted by the caller).
             let px = V::splat(unsafe { *p.get_unchecked(jj * np + r0 + x) });

@@ -10,7 +10,9 @@ pub mod pool;
 
 use std::cell::UnsafeCell;
 
-use attn::{flash_attention, two_pass_task, AttnScratch, ATTN_QUERY_TILE};
+use attn::{
+    flash_attention, merge_partials, partial_len, two_pass_task, AttnScratch, AttnTask, ATTN_QUERY_TILE, SEGMENT,
+};
 pub use isa::Isa;
 use matmul::{matmul, Input, MatmulMode, OutSpec, Q8Acts, SendPtr};
 use ops::{f32_to_kv, kv_to_f32, rms_norm_rows, rope_head, silu_mul_rows};
@@ -161,6 +163,10 @@ pub struct CpuBackend {
     attn_scratch: PerThread<AttnScratch>,
     /// The attention kernel: the flash kernel (default) or the two-pass kernel before it.
     flash_attn: bool,
+    /// Whether decode rows may be split into tasks per segment (`DISAGG_CPU_ATTN_SPLIT`),
+    /// and the split tasks' segment states (see `attn::AttnTask`).
+    attn_split: bool,
+    attn_partials: Vec<f32>,
     /// cos/sin per token of the current step: `[token][head_dim/2]` each.
     rope_cos: Vec<f32>,
     rope_sin: Vec<f32>,
@@ -190,6 +196,8 @@ impl CpuBackend {
             q8: Q8Acts::default(),
             attn_scratch: PerThread((0..n).map(|_| UnsafeCell::new(AttnScratch::default())).collect()),
             flash_attn: attn::flash_enabled(),
+            attn_split: std::env::var(crate::env::CPU_ATTN_SPLIT).map_or(true, |v| v != "0"),
+            attn_partials: Vec::new(),
             rope_cos: Vec::new(),
             rope_sin: Vec::new(),
             defer: std::env::var(crate::env::ASYNC_SCHEDULING).is_ok_and(|v| v == "1"),
@@ -464,30 +472,53 @@ impl Backend for CpuBackend {
         kv: &mut CpuKv,
         out: &mut Vec<f32>,
     ) {
-        // Tasks: (sequence, query tile, kv head).
-        let mut tasks = Vec::new();
+        let (isa, flash) = (self.isa, self.flash_attn);
+        // Tasks: (sequence, query tile, kv head). With the flash kernel, when these would
+        // leave threads idle (under 90% of the pool busy, counting tasks as equal), a
+        // decode row whose context spans several segments becomes a task per segment
+        // (`groups`: the first task of each such split and its count): the same bits,
+        // more tasks.
+        let n_tiles: usize = batch.seqs.iter().map(|sp| sp.rows.len().div_ceil(ATTN_QUERY_TILE)).sum();
+        let (n_unsplit, threads) = (n_tiles * attn.n_kv_heads, self.pool.n_threads());
+        let busy = n_unsplit as f64 / (threads * n_unsplit.div_ceil(threads)).max(1) as f64;
+        let may_split = flash && self.attn_split && busy < 0.9;
+        let g = attn.n_heads / attn.n_kv_heads;
+        let (mut tasks, mut groups, mut n_partial) = (Vec::new(), Vec::new(), 0);
         for (s, span) in batch.seqs.iter().enumerate() {
             let n = span.rows.len();
             for tile in 0..n.div_ceil(ATTN_QUERY_TILE) {
-                for h in 0..attn.n_kv_heads {
-                    tasks.push((s, tile, h));
+                let t0 = tile * ATTN_QUERY_TILE;
+                let n_seg = (span.pos0 + (t0 + ATTN_QUERY_TILE).min(n)).div_ceil(SEGMENT);
+                let split = may_split && n_seg > 1 && n - t0 == 1;
+                for kvh in 0..attn.n_kv_heads {
+                    if !split {
+                        tasks.push(AttnTask { s, tile, kvh, split: None });
+                        continue;
+                    }
+                    groups.push((tasks.len(), n_seg));
+                    for seg in 0..n_seg {
+                        tasks.push(AttnTask { s, tile, kvh, split: Some((seg, n_partial)) });
+                        n_partial += partial_len(g, attn.head_dim);
+                    }
                 }
             }
         }
-        let (isa, flash) = (self.isa, self.flash_attn);
+        self.attn_partials.resize(n_partial, 0.0);
         let optr = SendPtr(out.as_mut_ptr());
+        let pptr = SendPtr(self.attn_partials.as_mut_ptr());
         let scratch = &self.attn_scratch;
         let bytes = kv.layer_bytes(layer);
         self.pool.run(tasks.len(), |task, tid| {
-            let (s, tile, kvh) = tasks[task];
+            let t = tasks[task];
             // SAFETY: thread `tid` is the only user of its scratch during this run.
             let sc = unsafe { scratch.get(tid) };
             if flash {
-                flash_attention(isa, batch, attn, kv, bytes, qkv, optr, s, tile, kvh, sc);
+                flash_attention(isa, batch, attn, kv, bytes, qkv, optr, pptr, t, sc);
             } else {
-                two_pass_attention_isa(isa, batch, attn, kv, bytes, qkv, optr, s, tile, kvh, sc);
+                two_pass_attention_isa(isa, batch, attn, kv, bytes, qkv, optr, t.s, t.tile, t.kvh, sc);
             }
         });
+        merge_partials(batch, attn, &tasks, &groups, &self.attn_partials, out);
     }
 
     fn silu_mul(&mut self, gu: &Vec<f32>, n_tokens: usize, ff: usize, out: &mut Vec<f32>) {
