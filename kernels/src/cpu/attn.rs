@@ -13,7 +13,11 @@
 //!   there the chunk's keys are transposed and lie on the lanes, each score computed in
 //!   the same order;
 //! - the softmax: the rows on the lanes too, so its `exp` runs a vector at a time;
-//! - the values: rows in groups of eight, each accumulating a vector of head dimensions.
+//! - the values: rows in groups of eight, each accumulating two vectors of head
+//!   dimensions (a key a row may not see is skipped, not weighted by zero);
+//! - segments: each row's state restarts every [`SEGMENT`] keys and the segments' states
+//!   merge in order, so a long decode row can run as a task per segment ([`AttnTask`],
+//!   merged by [`merge_partials`]) when a step has too few tasks for the threads.
 //!
 //! `DISAGG_CPU_FLASH_ATTN=0` selects the kernel before it ([`two_pass_task`]): scores of
 //! every key first, then the softmax, then the values, a dot product per score.
@@ -502,6 +506,9 @@ pub(super) fn merge_partials(
     out: &mut [f32],
 ) {
     let (hd, g, qd) = (attn.head_dim, attn.n_heads / attn.n_kv_heads, attn.q_dim());
+    if groups.is_empty() {
+        return;
+    }
     let mut acc = vec![0f32; 2 + hd];
     for &(first, n) in groups {
         let AttnTask { s, tile, kvh, .. } = tasks[first];
@@ -747,8 +754,8 @@ fn online_softmax(
             }
         }
         for x in 0..LANES {
-            // Every row sees key 0, so after the first chunk its maximum is finite; before
-            // it, the sum and the output are 0 and any finite factor keeps them so.
+            // Until a row has seen a key of the segment its maximum is −∞ (and exp of
+            // −∞ − −∞ is NaN): its sum and output are 0 then, and 0 keeps them so.
             let e = exp_f32(m_old[x] - mx[x]);
             let a = if m_old[x] == f32::NEG_INFINITY { 0.0 } else { e };
             alpha[v + x] = a;
