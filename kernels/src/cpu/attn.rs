@@ -24,7 +24,7 @@
 
 use super::matmul::SendPtr;
 use super::ops::{dot16, exp_f32, kv_to_f32};
-use super::CpuKv;
+use super::{CpuKv, Isa};
 use crate::backend::{AttnShape, StepBatch};
 use crate::KvDtype;
 
@@ -288,10 +288,9 @@ mod x86 {
     }
 }
 
-/// [`flash_task`] with the ISA's lanes, compiled for that ISA.
-#[allow(clippy::too_many_arguments)]
-pub(super) fn flash_attention(
-    isa: super::Isa,
+isa_variants!(pub(super) fn flash_attention =>
+    // [`flash_task`] with the ISA's lanes, compiled for that ISA.
+    {flash_task::<x86::Avx512>} {flash_task::<x86::Avx2>} {flash_task::<Array16>} (
     batch: &StepBatch,
     attn: &AttnShape,
     kv: &CpuKv,
@@ -301,48 +300,7 @@ pub(super) fn flash_attention(
     partials: SendPtr<f32>,
     task: AttnTask,
     sc: &mut AttnScratch,
-) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
-        #[allow(clippy::too_many_arguments)]
-        unsafe fn avx512(
-            batch: &StepBatch,
-            attn: &AttnShape,
-            kv: &CpuKv,
-            bytes: &[u8],
-            qkv: &[f32],
-            out: SendPtr<f32>,
-            partials: SendPtr<f32>,
-            task: AttnTask,
-            sc: &mut AttnScratch,
-        ) {
-            flash_task::<x86::Avx512>(batch, attn, kv, bytes, qkv, out, partials, task, sc)
-        }
-        #[target_feature(enable = "avx2,fma,f16c")]
-        #[allow(clippy::too_many_arguments)]
-        unsafe fn avx2(
-            batch: &StepBatch,
-            attn: &AttnShape,
-            kv: &CpuKv,
-            bytes: &[u8],
-            qkv: &[f32],
-            out: SendPtr<f32>,
-            partials: SendPtr<f32>,
-            task: AttnTask,
-            sc: &mut AttnScratch,
-        ) {
-            flash_task::<x86::Avx2>(batch, attn, kv, bytes, qkv, out, partials, task, sc)
-        }
-        // SAFETY: `isa` is above Scalar only when the CPU has these features.
-        match isa {
-            super::Isa::Avx512 => return unsafe { avx512(batch, attn, kv, bytes, qkv, out, partials, task, sc) },
-            super::Isa::Avx2 => return unsafe { avx2(batch, attn, kv, bytes, qkv, out, partials, task, sc) },
-            super::Isa::Scalar => {}
-        }
-    }
-    flash_task::<Array16>(batch, attn, kv, bytes, qkv, out, partials, task, sc)
-}
+));
 
 /// One flash attention task: query rows of `ATTN_QUERY_TILE` tokens × the query heads
 /// of KV head `kvh`, over all keys each token may see (or one segment of them), in one

@@ -1,7 +1,6 @@
 //! The CPU backend: packed quantized weights, SIMD kernels chosen at run time, a
 //! persistent thread pool, and the paged KV cache in host memory.
 
-mod attn;
 pub mod isa;
 pub mod matmul;
 pub mod ops;
@@ -25,9 +24,13 @@ use crate::KernelError;
 
 /// Defines `$name(isa, args…)`, which runs the `#[inline(always)]` function `$body`
 /// inside a copy compiled for the ISA, so its plain-Rust loops (and `mul_add`) are
-/// vectorised for that ISA instead of calling libm.
+/// vectorised for that ISA instead of calling libm. The second form names the callee per
+/// ISA (AVX-512, AVX2, scalar), e.g. a generic kernel with that ISA's lane type.
 macro_rules! isa_variants {
     ($vis:vis fn $name:ident => $body:ident ( $($arg:ident : $ty:ty),* $(,)? )) => {
+        isa_variants!($vis fn $name => {$body} {$body} {$body} ($($arg: $ty),*));
+    };
+    ($vis:vis fn $name:ident => {$($b512:tt)*} {$($b2:tt)*} {$($bs:tt)*} ( $($arg:ident : $ty:ty),* $(,)? )) => {
         #[allow(clippy::too_many_arguments)]
         $vis fn $name(isa: Isa, $($arg: $ty),*) {
             #[cfg(target_arch = "x86_64")]
@@ -35,12 +38,12 @@ macro_rules! isa_variants {
                 #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
                 #[allow(clippy::too_many_arguments)]
                 unsafe fn avx512($($arg: $ty),*) {
-                    $body($($arg),*)
+                    $($b512)*($($arg),*)
                 }
                 #[target_feature(enable = "avx2,fma,f16c")]
                 #[allow(clippy::too_many_arguments)]
                 unsafe fn avx2($($arg: $ty),*) {
-                    $body($($arg),*)
+                    $($b2)*($($arg),*)
                 }
                 // SAFETY: `isa` is above Scalar only when the CPU has these features.
                 match isa {
@@ -49,10 +52,12 @@ macro_rules! isa_variants {
                     Isa::Scalar => {}
                 }
             }
-            $body($($arg),*)
+            $($bs)*($($arg),*)
         }
     };
 }
+
+mod attn;
 
 isa_variants!(fn rms_norm_isa => rms_norm_rows(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]));
 isa_variants!(fn silu_mul_isa => silu_mul_rows(gu: &[f32], ff: usize, out: &mut [f32]));
