@@ -43,6 +43,10 @@ pub const CPU_FLASH_ATTN: &str = "DISAGG_CPU_FLASH_ATTN";
 /// long sequence on more threads than its KV heads); the bits are the same either way.
 pub const CPU_ATTN_SPLIT: &str = "DISAGG_CPU_ATTN_SPLIT";
 
+/// `0`: the CPU's flash attention runs every chunk's softmax with the per-row selects of
+/// a tile's diagonal. Default: a chunk that every row sees whole skips them (same bits).
+pub const CPU_SOFTMAX_FAST: &str = "DISAGG_CPU_SOFTMAX_FAST";
+
 /// API key the gateway requires when `--api-key` is not given (`Authorization: Bearer`).
 pub const API_KEY: &str = "DISAGG_API_KEY";
 

@@ -96,6 +96,11 @@ pub(super) struct AttnScratch {
     ao: Vec<f32>,
 }
 
+/// Whether [`online_softmax`] skips the selects on chunks every row sees whole
+/// (`DISAGG_CPU_SOFTMAX_FAST`, default on; the bits are the same either way).
+static FAST_SOFTMAX: std::sync::LazyLock<bool> =
+    std::sync::LazyLock::new(|| std::env::var(crate::env::CPU_SOFTMAX_FAST).map_or(true, |v| v != "0"));
+
 /// Whether the attention uses [`flash_task`] (`DISAGG_CPU_FLASH_ATTN`, default on).
 pub(super) fn flash_enabled() -> bool {
     std::env::var(crate::env::CPU_FLASH_ATTN).map_or(true, |v| v != "0")
@@ -350,6 +355,7 @@ fn flash_task<V: F32x16>(
     sc.s.resize(KEY_CHUNK * np, 0.0);
     sc.kbuf.resize(KEY_CHUNK * hd, 0.0);
     let keys_on_lanes = n_rows <= MAX_ROWS_KEYS_ON_LANES;
+    let fast = *FAST_SOFTMAX;
     if keys_on_lanes {
         sc.kt.resize(hd * KEY_CHUNK, 0.0);
     }
@@ -392,7 +398,7 @@ fn flash_task<V: F32x16>(
                 );
             } else {
                 scores_on_lanes::<V>(&sc.q, np, &sc.kbuf, hd, n_in, &mut sc.s);
-                online_softmax(&mut sc.s, np, j0, n_in, &sc.last, &mut sc.m, &mut sc.l, &mut sc.alpha);
+                online_softmax(&mut sc.s, np, j0, n_in, &sc.last, &mut sc.m, &mut sc.l, &mut sc.alpha, fast);
             }
             let at = v_base + at;
             to_f32::<V>(dtype, &bytes[at..at + n_in * hd * es], &mut sc.kbuf[..n_in * hd]);
@@ -687,39 +693,107 @@ fn online_softmax(
     m: &mut [f32],
     l: &mut [f32],
     alpha: &mut [f32],
+    fast: bool,
 ) {
+    let j_last = (j0 + n_in - 1) as u32;
     for v in (0..np).step_by(LANES) {
-        let lastv: [u32; LANES] = last[v..v + LANES].try_into().unwrap();
-        let m_old: [f32; LANES] = m[v..v + LANES].try_into().unwrap();
-        let mut mx = m_old;
-        for jj in 0..n_in {
-            let j = (j0 + jj) as u32;
-            let sv: &[f32; LANES] = s[jj * np + v..jj * np + v + LANES].try_into().unwrap();
-            for x in 0..LANES {
-                // Selects, not branches, so that the lanes vectorize.
-                let v = if j <= lastv[x] { sv[x] } else { f32::NEG_INFINITY };
-                mx[x] = if v > mx[x] { v } else { mx[x] };
-            }
+        if fast && last[v..v + LANES].iter().all(|&lim| lim >= j_last) {
+            softmax_lanes_whole(s, np, v, n_in, m, l, alpha);
+        } else {
+            softmax_lanes_masked(s, np, v, j0, n_in, last, m, l, alpha);
         }
-        let mut sum = [0f32; LANES];
-        for jj in 0..n_in {
-            let j = (j0 + jj) as u32;
-            let sv: &mut [f32; LANES] = (&mut s[jj * np + v..jj * np + v + LANES]).try_into().unwrap();
-            for x in 0..LANES {
-                let p = if j <= lastv[x] { exp_f32(sv[x] - mx[x]) } else { 0.0 };
-                sv[x] = p;
-                sum[x] += p;
-            }
-        }
+    }
+}
+
+/// [`online_softmax`] for the 16 rows from `v`, where every row sees every key of the
+/// chunk (all but a tile's diagonal chunks): the operations of
+/// [`softmax_lanes_masked`] without its selects.
+#[inline(always)]
+fn softmax_lanes_whole(
+    s: &mut [f32],
+    np: usize,
+    v: usize,
+    n_in: usize,
+    m: &mut [f32],
+    l: &mut [f32],
+    alpha: &mut [f32],
+) {
+    let m_old: [f32; LANES] = m[v..v + LANES].try_into().unwrap();
+    let mut mx = m_old;
+    for jj in 0..n_in {
+        let sv: &[f32; LANES] = s[jj * np + v..jj * np + v + LANES].try_into().unwrap();
         for x in 0..LANES {
-            // Until a row has seen a key of the segment its maximum is −∞ (and exp of
-            // −∞ − −∞ is NaN): its sum and output are 0 then, and 0 keeps them so.
-            let e = exp_f32(m_old[x] - mx[x]);
-            let a = if m_old[x] == f32::NEG_INFINITY { 0.0 } else { e };
-            alpha[v + x] = a;
-            l[v + x] = l[v + x].mul_add(a, sum[x]);
-            m[v + x] = mx[x];
+            mx[x] = if sv[x] > mx[x] { sv[x] } else { mx[x] };
         }
+    }
+    let mut sum = [0f32; LANES];
+    for jj in 0..n_in {
+        let sv: &mut [f32; LANES] = (&mut s[jj * np + v..jj * np + v + LANES]).try_into().unwrap();
+        for x in 0..LANES {
+            let p = exp_f32(sv[x] - mx[x]);
+            sv[x] = p;
+            sum[x] += p;
+        }
+    }
+    // On local arrays, so that the lanes vectorize (the slices' bounds checks kept the
+    // masked form's last loop scalar).
+    let mut a = [0f32; LANES];
+    for x in 0..LANES {
+        let e = exp_f32(m_old[x] - mx[x]);
+        a[x] = if m_old[x] == f32::NEG_INFINITY { 0.0 } else { e };
+    }
+    let lv: &mut [f32; LANES] = (&mut l[v..v + LANES]).try_into().unwrap();
+    for x in 0..LANES {
+        lv[x] = lv[x].mul_add(a[x], sum[x]);
+    }
+    alpha[v..v + LANES].copy_from_slice(&a);
+    m[v..v + LANES].copy_from_slice(&mx);
+}
+
+/// [`online_softmax`] for the 16 rows from `v`, each row over the keys it may see.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn softmax_lanes_masked(
+    s: &mut [f32],
+    np: usize,
+    v: usize,
+    j0: usize,
+    n_in: usize,
+    last: &[u32],
+    m: &mut [f32],
+    l: &mut [f32],
+    alpha: &mut [f32],
+) {
+    let lastv: [u32; LANES] = last[v..v + LANES].try_into().unwrap();
+    let m_old: [f32; LANES] = m[v..v + LANES].try_into().unwrap();
+    let mut mx = m_old;
+    for jj in 0..n_in {
+        let j = (j0 + jj) as u32;
+        let sv: &[f32; LANES] = s[jj * np + v..jj * np + v + LANES].try_into().unwrap();
+        for x in 0..LANES {
+            // Selects, not branches, so that the lanes vectorize.
+            let v = if j <= lastv[x] { sv[x] } else { f32::NEG_INFINITY };
+            mx[x] = if v > mx[x] { v } else { mx[x] };
+        }
+    }
+    let mut sum = [0f32; LANES];
+    for jj in 0..n_in {
+        let j = (j0 + jj) as u32;
+        let sv: &mut [f32; LANES] = (&mut s[jj * np + v..jj * np + v + LANES]).try_into().unwrap();
+        for x in 0..LANES {
+            let p = if j <= lastv[x] { exp_f32(sv[x] - mx[x]) } else { 0.0 };
+            sv[x] = p;
+            sum[x] += p;
+        }
+    }
+    for x in 0..LANES {
+        // Until a row has seen a key of the segment its maximum is −∞ (and exp of
+        // −∞ − −∞ is NaN): its sum and output are 0 then, and 0 keeps them so.
+        let e = exp_f32(m_old[x] - mx[x]);
+        let a = if m_old[x] == f32::NEG_INFINITY { 0.0 } else { e };
+        alpha[v + x] = a;
+        l[v + x] = l[v + x].mul_add(a, sum[x]);
+        m[v + x] = mx[x];
     }
 }
 
