@@ -45,6 +45,7 @@ pub const CPU_ATTN_SPLIT: &str = "DISAGG_CPU_ATTN_SPLIT";
 
 /// `0`: the CPU's flash attention runs every chunk's softmax with the per-row selects of
 /// a tile's diagonal. Default: a chunk that every row sees whole skips them (same bits).
+/// Read once per process.
 pub const CPU_SOFTMAX_FAST: &str = "DISAGG_CPU_SOFTMAX_FAST";
 
 /// API key the gateway requires when `--api-key` is not given (`Authorization: Bearer`).

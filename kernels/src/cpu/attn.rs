@@ -97,7 +97,8 @@ pub(super) struct AttnScratch {
 }
 
 /// Whether [`online_softmax`] skips the selects on chunks every row sees whole
-/// (`DISAGG_CPU_SOFTMAX_FAST`, default on; the bits are the same either way).
+/// (`DISAGG_CPU_SOFTMAX_FAST`, default on; the bits are the same either way). Read once
+/// per process, at the first attention.
 static FAST_SOFTMAX: std::sync::LazyLock<bool> =
     std::sync::LazyLock::new(|| std::env::var(crate::env::CPU_SOFTMAX_FAST).map_or(true, |v| v != "0"));
 
@@ -1041,5 +1042,44 @@ pub(super) fn two_pass_task(
                 *o *= inv;
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The softmax's two forms on a chunk every row sees whole give the same bits: rows
+    /// that have seen no key yet (maximum −∞), scores of ±inf and NaN, a row whose
+    /// maximum moves and one whose does not.
+    #[test]
+    fn whole_chunk_softmax_equals_the_masked_form() {
+        let (np, n_in, j0) = (2 * LANES, KEY_CHUNK, 32);
+        let mut seed = 0x9e37_79b9_u32;
+        let mut rnd = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 17;
+            seed ^= seed << 5;
+            (seed as f32 / u32::MAX as f32 - 0.5) * 20.0
+        };
+        let mut s: Vec<f32> = (0..n_in * np).map(|_| rnd()).collect();
+        s[3 * np + 1] = f32::INFINITY;
+        s[5 * np + 2] = f32::NEG_INFINITY;
+        s[7 * np + 4] = f32::NAN;
+        let m: Vec<f32> =
+            (0..np).map(|r| if r % 3 == 0 { f32::NEG_INFINITY } else { rnd() + 5.0 * (r % 2) as f32 }).collect();
+        let l: Vec<f32> = (0..np).map(|r| if r % 3 == 0 { 0.0 } else { 1.0 + rnd().abs() }).collect();
+        // Every row sees past the chunk's last key.
+        let last: Vec<u32> = (0..np).map(|r| (j0 + n_in - 1 + r % 4) as u32).collect();
+        let run = |fast: bool| {
+            let (mut s, mut m, mut l, mut alpha) = (s.clone(), m.clone(), l.clone(), vec![0f32; np]);
+            online_softmax(&mut s, np, j0, n_in, &last, &mut m, &mut l, &mut alpha, fast);
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            (bits(&s), bits(&m), bits(&l), bits(&alpha))
+        };
+        let (whole, masked) = (run(true), run(false));
+        assert!(whole == masked, "the whole-chunk form changed bits");
+        // The inputs reach the cases named above.
+        assert!(whole.2.iter().any(|&b| f32::from_bits(b).is_nan()) && whole.3.contains(&0));
     }
 }
