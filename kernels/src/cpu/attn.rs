@@ -736,8 +736,25 @@ fn softmax_lanes_whole(
             sum[x] += p;
         }
     }
-    // On local arrays, so that the lanes vectorize (the slices' bounds checks kept the
-    // masked form's last loop scalar).
+    fold_chunk_lanes(v, &m_old, &mx, &sum, m, l, alpha);
+}
+
+/// The end of [`online_softmax`] for the 16 rows from `v`: each row's rescale factor
+/// `alpha` (exp of its old maximum − the new, `m_old` − `mx`), its sum `l` rescaled plus
+/// the chunk's `sum`, and its new maximum. Until a row has seen a key of the segment its
+/// maximum is −∞ (and exp of −∞ − −∞ is NaN): its sum and output are 0 then, and 0
+/// keeps them so. On local arrays, so that the lanes vectorize (a loop over the slices
+/// stayed scalar: their bounds checks).
+#[inline(always)]
+fn fold_chunk_lanes(
+    v: usize,
+    m_old: &[f32; LANES],
+    mx: &[f32; LANES],
+    sum: &[f32; LANES],
+    m: &mut [f32],
+    l: &mut [f32],
+    alpha: &mut [f32],
+) {
     let mut a = [0f32; LANES];
     for x in 0..LANES {
         let e = exp_f32(m_old[x] - mx[x]);
@@ -748,7 +765,7 @@ fn softmax_lanes_whole(
         lv[x] = lv[x].mul_add(a[x], sum[x]);
     }
     alpha[v..v + LANES].copy_from_slice(&a);
-    m[v..v + LANES].copy_from_slice(&mx);
+    m[v..v + LANES].copy_from_slice(mx);
 }
 
 /// [`online_softmax`] for the 16 rows from `v`, each row over the keys it may see.
@@ -787,15 +804,7 @@ fn softmax_lanes_masked(
             sum[x] += p;
         }
     }
-    for x in 0..LANES {
-        // Until a row has seen a key of the segment its maximum is −∞ (and exp of
-        // −∞ − −∞ is NaN): its sum and output are 0 then, and 0 keeps them so.
-        let e = exp_f32(m_old[x] - mx[x]);
-        let a = if m_old[x] == f32::NEG_INFINITY { 0.0 } else { e };
-        alpha[v + x] = a;
-        l[v + x] = l[v + x].mul_add(a, sum[x]);
-        m[v + x] = mx[x];
-    }
+    fold_chunk_lanes(v, &m_old, &mx, &sum, m, l, alpha);
 }
 
 /// A chunk's probabilities and values, as the output rows take them.
