@@ -42,7 +42,7 @@ for l in sys.stdin:
 rm -rf .gpu && mkdir -p .gpu/bin .gpu/tests
 strip -o .gpu/bin/disagg target/release/disagg
 for t in cuda_ops cuda_engine; do
-  exe=$(printf '%s\n' $exes | grep "/$t-" | head -1)
+  exe=$(printf '%s\n' "$exes" | grep "/$t-" | head -1)
   [ -n "$exe" ] || { echo "no test executable for $t" >&2; exit 1; }
   strip -o ".gpu/tests/$t" "$exe"
 done
