@@ -17,8 +17,14 @@
 //      by bulk copies, never waiting for activations, and 8 consumer warps waiting per
 //      input chunk as in 3 — fused per layer, one launch per phase, and one launch per
 //      phase that lets the next launch at once (griddepcontrol.launch_dependents), against
-//      the four launches, and its bits against theirs (first run: twenty-seventh session).
-// Results and what they mean: docs/PERF.md (twenty-sixth and twenty-seventh sessions).
+//      the four launches, and its bits against theirs (first run: twenty-seventh session);
+//   7. (./chainlab staged: this part only) staged_gemv: persistent launches (2 blocks per
+//      SM) that let the next launch in at entry, half-way, three quarters of the way or at
+//      their last pair, and stage the first columns of their warps' first row pairs in
+//      shared memory by bulk copies before griddepcontrol.wait; against the programmatic
+//      launches and the one-launch floor, bits compared (forty-ninth session).
+// Results and what they mean: docs/PERF.md (twenty-sixth, twenty-seventh and forty-ninth
+// sessions).
 // Not part of the build;
 // on the GPU machine:
 //   nvcc -O3 -std=c++17 -arch=sm_90a tools/gpu-lab/chainlab.cu -o chainlab && ./chainlab
@@ -335,6 +341,95 @@ __global__ void __launch_bounds__(32 * (NC + 1), 1) stream_chain(const Chain c, 
     finish_launch(c.cnt, 257);  // the chunk counts and the blocks-done count
 }
 
+// Part 7 (./chainlab staged): a launch that lets the next one in early
+// (griddepcontrol.launch_dependents, at entry or later: trig_pm) and, before its griddepcontrol.wait, copies the
+// first `cols` columns of each warp's first row pair into shared memory by bulk copies, so
+// blocks that start beside the launch before them fetch weights while it finishes (the
+// megakernels' "loads never wait" at a launch boundary). The grid is per_sm blocks per SM,
+// warps taking row pairs in a stride as chain_gemv's persistent ways; the staged columns are
+// summed first, then the rest as chain_gemv (U = 2), in the same order: the same bits.
+template <int NW>
+__global__ void __launch_bounds__(NW * 32, 4) staged_gemv(const unsigned short* w, const float* in, float* out, int pairs, int k, int kind, int cols, int trig_pm) {
+    extern __shared__ __align__(128) unsigned char st_smem[];
+    const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5;
+    const int stride = gridDim.x * NW;
+    int p = blockIdx.x * NW + wib;
+    // The warp lets the next launch in as it starts pair number trig_pm / 1000 of its n_w
+    // (0: at entry; 1000: its last pair).
+    const int n_w = p < pairs ? (pairs - p + stride - 1) / stride : 0;
+    const int trig_i = trig_pm >= 1000 ? n_w - 1 : (int)((long long)n_w * trig_pm / 1000);
+    const int p_trig = trig_pm == 0 ? -1 : p + stride * trig_i;
+    if (trig_pm == 0) pdl_trigger();
+    const unsigned base = (unsigned)__cvta_generic_to_shared(st_smem);
+    const unsigned bar = base + 8 * wib;
+    const unsigned buf = base + 128 + (unsigned)(wib * cols * 4);
+    const bool staged = cols > 0 && p < pairs;
+    if (staged) {
+        if (lane == 0) {
+            mbar_init(bar, 1);
+            asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+            mbar_arrive_expect_tx(bar, cols * 4);
+            bulk_copy_g2s(buf, w + (size_t)(kind == 2 ? p : 2 * p) * k, cols * 2, bar);
+            bulk_copy_g2s(buf + cols * 2, w + (size_t)(kind == 2 ? p + pairs : 2 * p + 1) * k, cols * 2, bar);
+        }
+        __syncwarp();
+    }
+    if (p >= pairs) { pdl_wait(); return; }
+    bool first = true;
+    for (; p < pairs; p += stride) {
+        if (p == p_trig) pdl_trigger();
+        const unsigned short* w0 = w + (size_t)(kind == 2 ? p : 2 * p) * k;
+        const unsigned short* w1 = w + (size_t)(kind == 2 ? p + pairs : 2 * p + 1) * k;
+        const int step = 256;
+        int k0 = (first && staged ? cols : 0) + lane * 8;
+        const bool rest = k0 - lane * 8 < k;
+        uint4 a[2], b[2];
+        if (rest) {
+#pragma unroll
+            for (int u = 0; u < 2; u++) a[u] = ld_stream_u4(w0 + k0 + u * step), b[u] = ld_stream_u4(w1 + k0 + u * step);
+        }
+        float s0 = 0.f, s1 = 0.f;
+        if (first) {
+            pdl_wait();
+            if (staged) {
+                mbar_wait(bar, 0);
+                for (int c = lane * 8; c < cols; c += step) {
+                    float v[8];
+                    x8(in + c, v);
+                    s0 += dot8_bf16(lds128(buf + c * 2), v);
+                    s1 += dot8_bf16(lds128(buf + cols * 2 + c * 2), v);
+                }
+            }
+            first = false;
+        }
+        if (rest)
+            for (;; k0 += 2 * step) {
+                const bool more = k0 - lane * 8 + 2 * step < k;
+                uint4 an[2], bn[2];
+                if (more) {
+#pragma unroll
+                    for (int u = 0; u < 2; u++) an[u] = ld_stream_u4(w0 + k0 + 2 * step + u * step), bn[u] = ld_stream_u4(w1 + k0 + 2 * step + u * step);
+                }
+#pragma unroll
+                for (int u = 0; u < 2; u++) {
+                    float v[8];
+                    x8(in + k0 + step * u, v);
+                    s0 += dot8_bf16(a[u], v);
+                    s1 += dot8_bf16(b[u], v);
+                }
+                if (!more) break;
+#pragma unroll
+                for (int u = 0; u < 2; u++) a[u] = an[u], b[u] = bn[u];
+            }
+        for (int o = 16; o > 0; o >>= 1) s0 += __shfl_xor_sync(0xffffffffu, s0, o), s1 += __shfl_xor_sync(0xffffffffu, s1, o);
+        if (lane == 0) {
+            if (kind >= 2) out[p] = silu_gate(s0, s1);
+            else if (kind == 1) out[2 * p] += s0, out[2 * p + 1] += s1;
+            else out[2 * p] = s0, out[2 * p + 1] = s1;
+        }
+    }
+}
+
 
 struct Way { const char* name; int per_sm; bool pdl; int trig; int u; };
 
@@ -438,6 +533,72 @@ int main(int argc, char** argv) {
             }));
         return best;
     };
+    // Part 7 (argument "staged": this part only): the launches with the next one let in at
+    // entry and the first columns of each warp's first pair staged in shared memory before the
+    // wait, against the engine's programmatic launches; bits first.
+    if (argc > 1 && !strcmp(argv[1], "staged")) {
+        struct St { int per_sm, cols, trig_pm; };
+        const std::vector<St> sts = {{2, 0, 0}, {2, 1024, 0}, {2, 0, 500}, {2, 1024, 500}, {2, 0, 750}, {2, 1024, 750}, {2, 512, 750}, {2, 0, 1000}, {2, 1024, 1000}};
+        for (const St& c : sts) {
+            const int smem = 128 + GEMV_WARPS * c.cols * 4;
+            CK(cudaFuncSetAttribute(staged_gemv<GEMV_WARPS>, cudaFuncAttributeMaxDynamicSharedMemorySize, std::max(smem, 49152)));
+        }
+        auto slaunch = [&](int s, int l, const St& c, const float* in, float* out) {
+            const Shape& sh = shapes[s];
+            const int pairs = sh.kind == 2 ? FF : sh.rows / 2;
+            launch_ex(true, c.per_sm * nsm, GEMV_WARPS * 32, 128 + GEMV_WARPS * c.cols * 4, staged_gemv<GEMV_WARPS>, (const unsigned short*)wp(s, l), in, out,
+                      pairs, sh.k, sh.kind, c.cols, c.trig_pm);
+        };
+        auto body = [&](auto one) {
+            for (int l = 0; l < L; l++) one(0, l, x, qkv), one(1, l, qkv, res), one(2, l, x, act), one(3, l, act, res);
+        };
+        auto grab = [&]() {
+            std::vector<float> h(QKV + H + FF);
+            CK(cudaStreamSynchronize(st));
+            CK(cudaGetLastError());
+            CK(cudaMemcpy(h.data(), qkv, QKV * 4, cudaMemcpyDeviceToHost));
+            CK(cudaMemcpy(h.data() + QKV, res, H * 4, cudaMemcpyDeviceToHost));
+            CK(cudaMemcpy(h.data() + QKV + H, act, FF * 4, cudaMemcpyDeviceToHost));
+            return h;
+        };
+        reset();
+        body([&](int s, int l, const float* in, float* out) { launch(s, l, ways[1], in, out); });
+        const std::vector<float> ref = grab();
+        for (const St& c : sts) {
+            reset();
+            body([&](int s, int l, const float* in, float* out) { slaunch(s, l, c, in, out); });
+            const std::vector<float> got = grab();
+            int diff = 0;
+            for (size_t i = 0; i < ref.size(); i++) diff += memcmp(&ref[i], &got[i], 4) != 0;
+            int fits = 0;
+            CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fits, staged_gemv<GEMV_WARPS>, GEMV_WARPS * 32, 128 + GEMV_WARPS * c.cols * 4));
+            printf("staged %d/SM, %d columns, trigger at %d/1000 (%d blocks fit per SM): %d of %zu outputs differ in bits from pdl\n", c.per_sm, c.cols, c.trig_pm, fits, diff, ref.size());
+        }
+        {
+            // The floor: one GEMV over all the bytes in one launch.
+            const int pairs = (int)(total / 2 / H / 2);
+            float* fo;
+            CK(cudaMalloc(&fo, (size_t)pairs * 2 * 4));
+            float best = 1e30f;
+            for (int r = 0; r < 3; r++)
+                best = std::min(best, graph_us(st, 1, [&](int) { chain_gemv<2><<<(pairs + GEMV_WARPS - 1) / GEMV_WARPS, GEMV_WARPS * 32, 0, st>>>(all, x, fo, pairs, H, 0, 0); }));
+            CK(cudaFree(fo));
+            printf("one GEMV over all %.2f GB: %.1f us  %.0f GB/s\n", gb, best, gb / (best * 1e-6));
+        }
+        for (int round = 0; round < 3; round++) {
+            for (int wi : {1, 2, 4, 6}) {
+                const float us = chain(ways[wi]);
+                printf("round %d  %-26s chain %.1f us  %.0f GB/s\n", round, ways[wi].name, us, gb / (us * 1e-6));
+            }
+            for (const St& c : sts) {
+                float best = 1e30f;
+                for (int r = 0; r < 3; r++)
+                    best = std::min(best, graph_us(st, 1, [&](int) { body([&](int s, int l, const float* in, float* out) { slaunch(s, l, c, in, out); }); }));
+                printf("round %d  staged %d/SM %4d cols trig %4d chain %.1f us  %.0f GB/s\n", round, c.per_sm, c.cols, c.trig_pm, best, gb / (best * 1e-6));
+            }
+        }
+        return 0;
+    }
     // Each way twice, interleaved (rounds), so drift shows.
     for (int round = 0; round < (argc > 1 ? 0 : 2); round++)
         for (const Way& wy : ways) {
@@ -592,12 +753,14 @@ int main(int argc, char** argv) {
     {
         const long long rows = (long long)(total / 2 / H);
         const int pairs = (int)(rows / 2);
+        float* fo;  // one output per row (act holds only FF)
+        CK(cudaMalloc(&fo, (size_t)rows * 4));
         for (int per : {0, 2, 4}) {
             float best = 1e30f;
             for (int r = 0; r < 3; r++)
                 best = std::min(best, graph_us(st, 1, [&](int) {
                     const int full = (pairs + GEMV_WARPS - 1) / GEMV_WARPS;
-                    chain_gemv<2><<<per ? per * nsm : full, GEMV_WARPS * 32, 0, st>>>(all, x, act, pairs, H, 0, 0);
+                    chain_gemv<2><<<per ? per * nsm : full, GEMV_WARPS * 32, 0, st>>>(all, x, fo, pairs, H, 0, 0);
                 }));
             printf("one GEMV over all %.2f GB (grid %s): %.1f us  %.0f GB/s\n", gb, per ? (per == 2 ? "2/SM" : "4/SM") : "full", best, gb / (best * 1e-6));
         }
