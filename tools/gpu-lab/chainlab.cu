@@ -55,6 +55,42 @@ __device__ __forceinline__ void x8(const float* p, float (&v)[8]) {
     v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
 }
 
+// A warp's two dot products (rows w0, w1) from column k0 (the lane's offset included) to k,
+// a[] and b[] already holding the first U loads: each 16-byte load U groups ahead.
+template <int U>
+__device__ __forceinline__ void pair_stream(const unsigned short* w0, const unsigned short* w1, const float* in, int k0, int k,
+                                            uint4 (&a)[U], uint4 (&b)[U], float& s0, float& s1) {
+    const int step = 256;
+    for (;; k0 += U * step) {
+        const bool more = k0 + U * step < k;
+        uint4 an[U], bn[U];
+        if (more) {
+#pragma unroll
+            for (int u = 0; u < U; u++) an[u] = ld_stream_u4(w0 + k0 + U * step + u * step), bn[u] = ld_stream_u4(w1 + k0 + U * step + u * step);
+        }
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            float v[8];
+            x8(in + k0 + step * u, v);
+            s0 += dot8_bf16(a[u], v);
+            s1 += dot8_bf16(b[u], v);
+        }
+        if (!more) break;
+#pragma unroll
+        for (int u = 0; u < U; u++) a[u] = an[u], b[u] = bn[u];
+    }
+}
+// The warp's two sums reduced and written: kind 0 two outputs, 1 added to two outputs, 2 and
+// 3 SiLU·gate of the pair into one.
+__device__ __forceinline__ void pair_store(float* out, int p, int kind, float s0, float s1) {
+    for (int o = 16; o > 0; o >>= 1) s0 += __shfl_xor_sync(0xffffffffu, s0, o), s1 += __shfl_xor_sync(0xffffffffu, s1, o);
+    if ((threadIdx.x & 31) == 0) {
+        if (kind >= 2) out[p] = silu_gate(s0, s1);
+        else if (kind == 1) out[2 * p] += s0, out[2 * p + 1] += s1;
+        else out[2 * p] = s0, out[2 * p + 1] = s1;
+    }
+}
+
 // trig: 0 none, 1 at start, 2 when the warp starts its last pair, 3 after the warp's loop.
 template <int U>
 __global__ void __launch_bounds__(GEMV_WARPS * 32, 4) chain_gemv(const unsigned short* w, const float* in, float* out, int pairs, int k, int kind, int trig) {
@@ -75,30 +111,8 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, 4) chain_gemv(const unsigned 
         for (int u = 0; u < U; u++) a[u] = ld_stream_u4(w0 + k0 + u * step), b[u] = ld_stream_u4(w1 + k0 + u * step);
         if (first) { pdl_wait(); first = false; }
         float s0 = 0.f, s1 = 0.f;
-        for (;; k0 += U * step) {
-            const bool more = k0 + U * step < k;
-            uint4 an[U], bn[U];
-            if (more) {
-#pragma unroll
-                for (int u = 0; u < U; u++) an[u] = ld_stream_u4(w0 + k0 + U * step + u * step), bn[u] = ld_stream_u4(w1 + k0 + U * step + u * step);
-            }
-#pragma unroll
-            for (int u = 0; u < U; u++) {
-                float v[8];
-                x8(in + k0 + step * u, v);
-                s0 += dot8_bf16(a[u], v);
-                s1 += dot8_bf16(b[u], v);
-            }
-            if (!more) break;
-#pragma unroll
-            for (int u = 0; u < U; u++) a[u] = an[u], b[u] = bn[u];
-        }
-        for (int o = 16; o > 0; o >>= 1) s0 += __shfl_xor_sync(0xffffffffu, s0, o), s1 += __shfl_xor_sync(0xffffffffu, s1, o);
-        if (lane == 0) {
-            if (kind >= 2) out[p] = silu_gate(s0, s1);
-            else if (kind == 1) out[2 * p] += s0, out[2 * p + 1] += s1;
-            else out[2 * p] = s0, out[2 * p + 1] = s1;
-        }
+        pair_stream<U>(w0, w1, in, k0, k, a, b, s0, s1);
+        pair_store(out, p, kind, s0, s1);
     }
     if (trig == 3) pdl_trigger();
 }
@@ -402,31 +416,8 @@ __global__ void __launch_bounds__(NW * 32, 4) staged_gemv(const unsigned short* 
             }
             first = false;
         }
-        if (rest)
-            for (;; k0 += 2 * step) {
-                const bool more = k0 - lane * 8 + 2 * step < k;
-                uint4 an[2], bn[2];
-                if (more) {
-#pragma unroll
-                    for (int u = 0; u < 2; u++) an[u] = ld_stream_u4(w0 + k0 + 2 * step + u * step), bn[u] = ld_stream_u4(w1 + k0 + 2 * step + u * step);
-                }
-#pragma unroll
-                for (int u = 0; u < 2; u++) {
-                    float v[8];
-                    x8(in + k0 + step * u, v);
-                    s0 += dot8_bf16(a[u], v);
-                    s1 += dot8_bf16(b[u], v);
-                }
-                if (!more) break;
-#pragma unroll
-                for (int u = 0; u < 2; u++) a[u] = an[u], b[u] = bn[u];
-            }
-        for (int o = 16; o > 0; o >>= 1) s0 += __shfl_xor_sync(0xffffffffu, s0, o), s1 += __shfl_xor_sync(0xffffffffu, s1, o);
-        if (lane == 0) {
-            if (kind >= 2) out[p] = silu_gate(s0, s1);
-            else if (kind == 1) out[2 * p] += s0, out[2 * p + 1] += s1;
-            else out[2 * p] = s0, out[2 * p + 1] = s1;
-        }
+        if (rest) pair_stream<2>(w0, w1, in, k0, k, a, b, s0, s1);
+        pair_store(out, p, kind, s0, s1);
     }
 }
 
