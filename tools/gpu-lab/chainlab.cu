@@ -530,10 +530,14 @@ int main(int argc, char** argv) {
     if (argc > 1 && !strcmp(argv[1], "staged")) {
         struct St { int per_sm, cols, trig_pm; };
         const std::vector<St> sts = {{2, 0, 0}, {2, 1024, 0}, {2, 0, 500}, {2, 1024, 500}, {2, 0, 750}, {2, 1024, 750}, {2, 512, 750}, {2, 0, 1000}, {2, 1024, 1000}};
+        // The staged columns must be whole 512-column groups within k (pair_stream's loop), and
+        // the kernel may take the largest form's shared memory.
+        int smem_max = 49152;
         for (const St& c : sts) {
-            const int smem = 128 + GEMV_WARPS * c.cols * 4;
-            CK(cudaFuncSetAttribute(staged_gemv<GEMV_WARPS>, cudaFuncAttributeMaxDynamicSharedMemorySize, std::max(smem, 49152)));
+            if (c.cols % 512 || c.cols > H) { printf("staged columns must be a multiple of 512, at most %d\n", H); return 1; }
+            smem_max = std::max(smem_max, 128 + GEMV_WARPS * c.cols * 4);
         }
+        CK(cudaFuncSetAttribute(staged_gemv<GEMV_WARPS>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_max));
         auto slaunch = [&](int s, int l, const St& c, const float* in, float* out) {
             const Shape& sh = shapes[s];
             const int pairs = sh.kind == 2 ? FF : sh.rows / 2;

@@ -15,6 +15,8 @@
 #   call 2, carry [".gpu2/x1"]:          mkdir -p /tmp/dc/models && cat /tmp/keep/x0 .gpu2/x1 | xz -dc \
 #        > /tmp/dc/models/SmolLM2-135M-Instruct.Q4_1.gguf && DISAGG_CACHE=/tmp/dc DISAGG_TEST_CUDA=1 \
 #        .gpu/tests/cuda_engine --test-threads=1 --nocapture
+#   (a model in more pieces: keep each in /tmp/keep, a call apiece, and join them all in the
+#   last; the script prints how many there are)
 #   (cuda_ops needs no model: DISAGG_CACHE=/tmp/dc DISAGG_TEST_CUDA=1 .gpu/tests/cuda_ops --test-threads=1)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -42,18 +44,23 @@ for l in sys.stdin:
 rm -rf .gpu && mkdir -p .gpu/bin .gpu/tests
 strip -o .gpu/bin/disagg target/release/disagg
 for t in cuda_ops cuda_engine; do
-  exe=$(printf '%s\n' "$exes" | grep "/$t-" | head -1)
+  exe=$(printf '%s\n' "$exes" | grep "/$t-" | head -1 || true)
   [ -n "$exe" ] || { echo "no test executable for $t" >&2; exit 1; }
   strip -o ".gpu/tests/$t" "$exe"
 done
 rev=$(git rev-parse --short HEAD)
-git diff --quiet HEAD || rev="$rev+dirty"
+[ -z "$(git status --porcelain)" ] || rev="$rev+dirty"
 echo "$rev" > .gpu/BUILT_FROM
-tree=$(git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
+# What a call copies besides its carry: tracked files and untracked ones git does not ignore.
+tree=$({ git ls-files -z -co --exclude-standard | du -cb --files0-from=- 2>/dev/null || true; } | tail -1 | cut -f1)
 gpu=$(du -sb .gpu | cut -f1)
-echo ".gpu: $((gpu / MIB)) MiB, built from $rev; the tracked tree: $((tree / MIB)) MiB"
+echo ".gpu: $((gpu / MIB)) MiB, built from $rev; the tree a call copies: $((tree / MIB)) MiB"
 [ $((gpu + tree)) -le $LIMIT ] || { echo ".gpu and the tree do not fit one call" >&2; exit 1; }
-[ $model -eq 1 ] || exit 0
+if [ $model -eq 0 ]; then
+  # Pieces cut for an older .gpu may no longer fit beside this one.
+  rm -rf .gpu2
+  exit 0
+fi
 
 cache="${DISAGG_CACHE:-$HOME/.cache/disagg}/models/$FILE"
 tmp=$(mktemp -d)
@@ -70,13 +77,16 @@ xz -6 -T0 -c "$src" > "$tmp/m.xz"
 rm -rf .gpu2 && mkdir .gpu2
 first=$((LIMIT - gpu - tree))
 rest=$((LIMIT - tree))
-head -c "$first" "$tmp/m.xz" > .gpu2/x0
 total=$(stat -c %s "$tmp/m.xz")
-off=$first i=1
+off=0 i=0 len=$first
 while [ "$off" -lt "$total" ]; do
-  tail -c +$((off + 1)) "$tmp/m.xz" | head -c "$rest" > ".gpu2/x$i"
-  off=$((off + rest)) i=$((i + 1))
+  dd if="$tmp/m.xz" of=".gpu2/x$i" bs=1M iflag=skip_bytes,count_bytes skip="$off" count="$len" status=none
+  off=$((off + len)) i=$((i + 1)) len=$rest
 done
 [ "$(for k in $(seq 0 $((i - 1))); do cat ".gpu2/x$k"; done | xz -dc | sha256sum | cut -d' ' -f1)" = "$SHA" ] || { echo "the pieces do not join to the model" >&2; exit 1; }
 ls -l .gpu2
-echo "join on the device: cat x0 … x$((i - 1)) | xz -dc > \$DISAGG_CACHE/models/$FILE"
+if [ "$i" -eq 1 ]; then
+  echo "x0 holds the whole model: xz -dc x0 > \$DISAGG_CACHE/models/$FILE on the device (one call)"
+else
+  echo "join on the device: cat x0 … x$((i - 1)) | xz -dc > \$DISAGG_CACHE/models/$FILE"
+fi
