@@ -356,8 +356,8 @@ __global__ void __launch_bounds__(32 * (NC + 1), 1) stream_chain(const Chain c, 
 }
 
 // Part 7 (./chainlab staged): a launch that lets the next one in early
-// (griddepcontrol.launch_dependents, at entry or later: trig_pm) and, before its griddepcontrol.wait, copies the
-// first `cols` columns of each warp's first row pair into shared memory by bulk copies, so
+// (griddepcontrol.launch_dependents, at entry or later: trig_pm) and, before its
+// griddepcontrol.wait, copies the first `cols` columns of each warp's first row pair into shared memory by bulk copies, so
 // blocks that start beside the launch before them fetch weights while it finishes (the
 // megakernels' "loads never wait" at a launch boundary). The grid is per_sm blocks per SM,
 // warps taking row pairs in a stride as chain_gemv's persistent ways; the staged columns are
@@ -524,9 +524,9 @@ int main(int argc, char** argv) {
             }));
         return best;
     };
-    // Part 7 (argument "staged": this part only): the launches with the next one let in at
-    // entry and the first columns of each warp's first pair staged in shared memory before the
-    // wait, against the engine's programmatic launches; bits first.
+    // Part 7 (argument "staged": this part only): the launches with the next one let in early
+    // (at entry or later) and the first columns of each warp's first pair staged in shared
+    // memory before the wait, against the engine's programmatic launches; bits first.
     if (argc > 1 && !strcmp(argv[1], "staged")) {
         struct St { int per_sm, cols, trig_pm; };
         const std::vector<St> sts = {{2, 0, 0}, {2, 1024, 0}, {2, 0, 500}, {2, 1024, 500}, {2, 0, 750}, {2, 1024, 750}, {2, 512, 750}, {2, 0, 1000}, {2, 1024, 1000}};
