@@ -357,8 +357,9 @@ __global__ void __launch_bounds__(32 * (NC + 1), 1) stream_chain(const Chain c, 
 
 // Part 7 (./chainlab staged): a launch that lets the next one in early
 // (griddepcontrol.launch_dependents, at entry or later: trig_pm) and, before its
-// griddepcontrol.wait, copies the first `cols` columns of each warp's first row pair into shared memory by bulk copies, so
-// blocks that start beside the launch before them fetch weights while it finishes (the
+// griddepcontrol.wait, copies the first `cols` columns of each warp's first row pair into
+// shared memory by bulk copies, so blocks that start beside the launch before them fetch
+// weights while it finishes (the
 // megakernels' "loads never wait" at a launch boundary). The grid is per_sm blocks per SM,
 // warps taking row pairs in a stride as chain_gemv's persistent ways; the staged columns are
 // summed first, then the rest as chain_gemv (U = 2), in the same order: the same bits.
