@@ -22,12 +22,19 @@
 //      SM) that let the next launch in at entry, half-way, three quarters of the way or at
 //      their last pair, and stage the first columns of their warps' first row pairs in
 //      shared memory by bulk copies before griddepcontrol.wait; against the programmatic
-//      launches and the one-launch floor, bits compared (forty-ninth session).
-// Results and what they mean: docs/PERF.md (twenty-sixth, twenty-seventh and forty-ninth
-// sessions).
+//      launches and the one-launch floor, bits compared (forty-ninth session);
+//   8. (./chainlab tiles: this part and 9) stream_tiles: part 6 with every shared-memory
+//      stage shared by all consumer warps (a group of row pairs × C columns; bulk copies per
+//      row, by lane 0 or by the lanes, cp.async, or 2-D tensor maps), all 32 layers in one
+//      launch or a launch per layer, against the 128 programmatic launches (fiftieth session);
+//   9. (./chainlab tiles, after part 8; ./chainlab tiles ldg times it without part 8's
+//      forms) ldg_chain: all 128 phases in one persistent launch of register-streaming
+//      warps (part 3's loop), the phases dealt out round-robin, bits compared.
+// Results and what they mean: docs/PERF.md (twenty-sixth, twenty-seventh, forty-ninth and
+// fiftieth sessions).
 // Not part of the build;
 // on the GPU machine:
-//   nvcc -O3 -std=c++17 -arch=sm_90a tools/gpu-lab/chainlab.cu -o chainlab && ./chainlab
+//   nvcc -O3 -std=c++17 -arch=sm_90a tools/gpu-lab/chainlab.cu -lcuda -o chainlab && ./chainlab
 //   (./chainlab fused: parts 3–5 only)
 #include <algorithm>
 #include <cmath>
@@ -35,6 +42,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <vector>
+#include <cuda.h>
 #include <cuda_runtime.h>
 #define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("CUDA %s at %d\n", cudaGetErrorString(e), __LINE__); exit(1); } } while (0)
 #include "graph_time.h"
@@ -145,9 +153,12 @@ __device__ __forceinline__ int chunk_expect(const Phase& P, int c) {
 // Waits (lane 0 polls, then the warp) until the outputs [col, col + n) of phase ph − 1 (its
 // 512-output chunks) are complete; returns how many input columns are now known complete:
 // all k once that whole phase is (one check of its total first).
+__device__ __forceinline__ int wait_cols(const Phase& Q, const unsigned* cb, int col, int n, int k, bool sleep);
 __device__ __forceinline__ int wait_inputs(const Chain& c, int ph, int col, int n, int k, bool sleep) {
-    const Phase& Q = c.ph[ph - 1];
-    const unsigned* cb = c.cnt + (ph - 1) * 64;
+    return wait_cols(c.ph[ph - 1], c.cnt + (ph - 1) * 64, col, n, k, sleep);
+}
+// The same for phase Q, its chunk counts at cb.
+__device__ __forceinline__ int wait_cols(const Phase& Q, const unsigned* cb, int col, int n, int k, bool sleep) {
     const int n_prev = Q.kind == 2 ? Q.pairs : 2 * Q.pairs;
     int r = 0;
     if ((threadIdx.x & 31) == 0) {
@@ -189,43 +200,52 @@ __device__ __forceinline__ void finish_launch(unsigned* cnt, int n) {
         }
     }
 }
+// A warp's row pair p of phase P (the phase before it Q, its chunk counts at cb), waiting
+// per 512-column group of its input unless `ready` (the input columns known complete)
+// covers it; mode as Chain's. Its result is stored and counted (store_pair); returns the
+// columns known complete after it. WAIT false: the caller knows them all complete (or
+// waits for none), so the loop carries no wait.
+template <bool WAIT>
+__device__ __forceinline__ int waited_pair(const Phase& P, const Phase* Q, const unsigned* cb, unsigned* cnt, int ph, int p, int ready, int mode) {
+    const int lane = threadIdx.x & 31, k = P.k;
+    const unsigned short* w0 = P.w + (size_t)(P.kind == 2 ? p : 2 * p) * k;
+    const unsigned short* w1 = P.w + (size_t)(P.kind == 2 ? p + P.pairs : 2 * p + 1) * k;
+    uint4 a[2], b[2];
+    int k0 = lane * 8;
+    a[0] = ld_stream_u4(w0 + k0), b[0] = ld_stream_u4(w1 + k0);
+    a[1] = ld_stream_u4(w0 + k0 + 256), b[1] = ld_stream_u4(w1 + k0 + 256);
+    float s0 = 0.f, s1 = 0.f;
+    for (int g = 0;; g += 512) {
+        const bool more = g + 512 < k;
+        uint4 an[2], bn[2];
+        if (more) {
+            an[0] = ld_stream_u4(w0 + k0 + 512), bn[0] = ld_stream_u4(w1 + k0 + 512);
+            an[1] = ld_stream_u4(w0 + k0 + 768), bn[1] = ld_stream_u4(w1 + k0 + 768);
+        }
+        if (WAIT && g >= ready && mode < 2) ready = wait_cols(*Q, cb, g, 512, k, mode == 1);
+#pragma unroll
+        for (int u = 0; u < 2; u++) {
+            float v[8];
+            x8(P.in + k0 + 256 * u, v);
+            s0 += dot8_bf16(a[u], v);
+            s1 += dot8_bf16(b[u], v);
+        }
+        if (!more) break;
+        k0 += 512;
+        a[0] = an[0], a[1] = an[1], b[0] = bn[0], b[1] = bn[1];
+    }
+    store_pair(P, cnt, ph, p, s0, s1);
+    return ready;
+}
 __global__ void __launch_bounds__(GEMV_WARPS * 32, 4) fused_chain(const Chain c) {
-    const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5;
+    const int wib = threadIdx.x >> 5;
     pdl_wait();
     // One unit (GEMV_WARPS pairs) of phase ph.
     auto unit_run = [&](int ph, int unit) {
-        const Phase P = c.ph[ph];
         const int p = unit * GEMV_WARPS + wib;
-        if (p >= P.pairs) return;
-        const int k = P.k;
-        const unsigned short* w0 = P.w + (size_t)(P.kind == 2 ? p : 2 * p) * k;
-        const unsigned short* w1 = P.w + (size_t)(P.kind == 2 ? p + P.pairs : 2 * p + 1) * k;
-        int ready = ph == 0 ? k : 0;
-        uint4 a[2], b[2];
-        int k0 = lane * 8;
-        a[0] = ld_stream_u4(w0 + k0), b[0] = ld_stream_u4(w1 + k0);
-        a[1] = ld_stream_u4(w0 + k0 + 256), b[1] = ld_stream_u4(w1 + k0 + 256);
-        float s0 = 0.f, s1 = 0.f;
-        for (int g = 0;; g += 512) {
-            const bool more = g + 512 < k;
-            uint4 an[2], bn[2];
-            if (more) {
-                an[0] = ld_stream_u4(w0 + k0 + 512), bn[0] = ld_stream_u4(w1 + k0 + 512);
-                an[1] = ld_stream_u4(w0 + k0 + 768), bn[1] = ld_stream_u4(w1 + k0 + 768);
-            }
-            if (g >= ready && c.mode < 2) ready = wait_inputs(c, ph, g, 512, k, c.mode == 1);
-#pragma unroll
-            for (int u = 0; u < 2; u++) {
-                float v[8];
-                x8(P.in + k0 + 256 * u, v);
-                s0 += dot8_bf16(a[u], v);
-                s1 += dot8_bf16(b[u], v);
-            }
-            if (!more) break;
-            k0 += 512;
-            a[0] = an[0], a[1] = an[1], b[0] = bn[0], b[1] = bn[1];
-        }
-        store_pair(P, c.cnt, ph, p, s0, s1);
+        if (p >= c.ph[ph].pairs) return;
+        if (ph == 0 || c.mode == 2) waited_pair<false>(c.ph[ph], nullptr, c.cnt, c.cnt, ph, p, c.ph[ph].k, c.mode);
+        else waited_pair<true>(c.ph[ph], &c.ph[ph - 1], c.cnt + (ph - 1) * 64, c.cnt, ph, p, 0, c.mode);
     };
     if (c.tickets) {
         // Dynamic: tickets over the phases' units in order (the next one taken while this
@@ -353,6 +373,146 @@ __global__ void __launch_bounds__(32 * (NC + 1), 1) stream_chain(const Chain c, 
         }
     }
     finish_launch(c.cnt, 257);  // the chunk counts and the blocks-done count
+}
+
+// Part 8 (./chainlab tiles): the streamed chain with every stage shared by all consumer
+// warps. A block per SM; the blocks take groups of NC row pairs in turn (group g to block
+// g mod G, so a phase's outputs complete roughly in column order); a stage holds the
+// group's 2·NC rows × C columns (copied as mode says, below), and consumer warp w multiplies
+// rows 2w and 2w + 1 of every stage, so no warp starves while another holds the ring (part
+// 6's pair order). The producer never waits for activations, only for free stages; the consumers wait
+// per C-column chunk of their input as in part 3. The phases come from an array (all 32
+// layers' 128 in one launch, or 4 a launch), their counts at cnt + 64·phase, zeroed before
+// the launch. Per-lane sums run in chain_gemv's column order: the same bits.
+// mode & 3: 1 waits, 2 no waits (wrong results: the bound), 3 no waits and no arithmetic
+// (the ring's streaming rate alone). mode & 16: 2-D tensor-map copies (maps[ph], boxes of
+// 256 columns × the group's 2·NC rows, or NC gate and NC up rows for gate/up), a stage laid
+// out box by box as [2·NC rows][256 columns]; every phase's pairs a multiple of NC.
+__device__ __forceinline__ void tma_2d(unsigned dst, const CUtensorMap* map, int x, int y, unsigned bar) {
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::"r"(dst),
+                 "l"(map), "r"(x), "r"(y), "r"(bar)
+                 : "memory");
+}
+template <int NC, int C>
+__global__ void __launch_bounds__(32 * (NC + 1), 1) stream_tiles(const Phase* phs, int nph, unsigned* cnt, int stages, int mode, const CUtensorMap* maps) {
+    extern __shared__ __align__(1024) unsigned char st_smem[];
+    constexpr int SB = NC * 2 * C * 2;  // a stage's bytes
+    const unsigned base = ((unsigned)__cvta_generic_to_shared(st_smem) + 1023u) & ~1023u;
+    const unsigned full_at = base + stages * SB, empty_at = full_at + 8 * stages;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int G = gridDim.x, b = blockIdx.x;
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < stages; s++) mbar_init(full_at + 8 * s, mode & 8 ? 32 : 1), mbar_init(empty_at + 8 * s, NC);
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+    if (warp == 0) {
+        // mode & 4: the stage's rows copied by as many lanes at once (else lane 0 copies all);
+        // mode & 8: the lanes copy the stage by cp.async, 16 bytes each, each lane's copies
+        // arriving on the full barrier (32 arrivals) instead of bulk copies.
+        const bool lanes = mode & 12, cpa = mode & 8, tm = mode & 16;
+        if (lanes || lane == 0) {
+            int s = 0;
+            for (int ph = 0; ph < nph; ph++) {
+                const Phase P = phs[ph];
+                const int groups = (P.pairs + NC - 1) / NC, chunks = P.k / C;
+                for (int g = b; g < groups; g += G) {
+                    const int n = min(NC, P.pairs - g * NC);
+                    for (int j = 0; j < chunks; j++, s++) {
+                        const int st = s % stages;
+                        const unsigned dst = base + st * SB;
+                        if (lane == 0) {
+                            mbar_wait(empty_at + 8 * st, ((s / stages) & 1) ^ 1);
+                            if (!cpa) mbar_arrive_expect_tx(full_at + 8 * st, n * 2 * C * 2);
+                        }
+                        if (tm) {
+                            for (int t = 0; t < C / 256; t++) {
+                                const unsigned d = dst + t * (2 * NC * 512), x = j * C + t * 256;
+                                if (P.kind == 2) {
+                                    tma_2d(d, maps + ph, x, g * NC, full_at + 8 * st);
+                                    tma_2d(d + NC * 512, maps + ph, x, P.pairs + g * NC, full_at + 8 * st);
+                                } else
+                                    tma_2d(d, maps + ph, x, 2 * g * NC, full_at + 8 * st);
+                            }
+                            continue;
+                        }
+                        if (lanes) __syncwarp();
+                        if (cpa) {
+                            for (int q = lane; q < 2 * n * (C / 8); q += 32) {
+                                const int r = q / (C / 8), o = q % (C / 8) * 8, p = g * NC + r / 2;
+                                const int row = P.kind == 2 ? (r & 1 ? p + P.pairs : p) : 2 * p + (r & 1);
+                                cp_async16_at(dst + (r * C + o) * 2, P.w + (size_t)row * P.k + (size_t)j * C + o, 16);
+                            }
+                            cp_async_mbar_arrive(full_at + 8 * st);
+                            continue;
+                        }
+                        for (int r = lanes ? lane : 0; r < 2 * n; r += lanes ? 32 : 1) {
+                            const int p = g * NC + r / 2;
+                            const int row = P.kind == 2 ? (r & 1 ? p + P.pairs : p) : 2 * p + (r & 1);
+                            bulk_copy_g2s(dst + r * C * 2, P.w + (size_t)row * P.k + (size_t)j * C, C * 2, full_at + 8 * st);
+                        }
+                    }
+                }
+            }
+        }
+        return;
+    }
+    const int cw = warp - 1;
+    pdl_wait();
+    int s = 0;
+    for (int ph = 0; ph < nph; ph++) {
+        const Phase P = phs[ph];
+        const int groups = (P.pairs + NC - 1) / NC, chunks = P.k / C;
+        int ready = ph == 0 || (mode & 3) >= 2 ? P.k : 0;  // input columns known complete
+        for (int g = b; g < groups; g += G) {
+            const bool mine = g * NC + cw < P.pairs;
+            float s0 = 0.f, s1 = 0.f;
+            for (int j = 0; j < chunks; j++, s++) {
+                const int st = s % stages;
+                if (mine && j * C >= ready) ready = wait_cols(phs[ph - 1], cnt + (ph - 1) * 64, j * C, C, P.k, true);
+                mbar_wait(full_at + 8 * st, (s / stages) & 1);
+                if (mine && (mode & 3) != 3) {
+                    // The pair's two rows: 256 columns a box ([2·NC][256]) or whole C-column rows.
+                    const bool tm = mode & 16;
+                    const int r0 = tm && P.kind == 2 ? cw : 2 * cw, r1 = tm && P.kind == 2 ? NC + cw : 2 * cw + 1;
+                    const unsigned ws = base + st * SB;
+#pragma unroll
+                    for (int t = 0; t < C / 256; t++) {
+                        float v[8];
+                        x8(P.in + (size_t)j * C + t * 256 + lane * 8, v);
+                        const unsigned a0 = tm ? ws + t * (2 * NC * 512) + r0 * 512 + lane * 16 : ws + (r0 * C + t * 256 + lane * 8) * 2;
+                        const unsigned a1 = tm ? ws + t * (2 * NC * 512) + r1 * 512 + lane * 16 : ws + (r1 * C + t * 256 + lane * 8) * 2;
+                        s0 += dot8_bf16(lds128(a0), v);
+                        s1 += dot8_bf16(lds128(a1), v);
+                    }
+                }
+                __syncwarp();
+                if (lane == 0) mbar_arrive(empty_at + 8 * st);
+            }
+            if (mine) store_pair(P, cnt, ph, g * NC + cw, s0, s1);
+        }
+    }
+}
+
+// Part 9 (./chainlab tiles, after part 8): the chain's phases in one persistent launch of
+// chain_gemv's grid shape (GEMV_WARPS warps a block, 4 blocks per SM), each warp streaming
+// its row pairs by loads into registers (fused_chain's loop, U = 2) phase after phase:
+// pair p of phase ph goes to warp (rot_ph + p) mod W, rot_ph the pairs of the phases
+// before it, so the phases are dealt out as one round-robin and every warp has the same
+// share ± 1 pair. A warp waits per 512-column group of its input (mode 1) or never
+// (mode 2: wrong results, the bound); the counts as part 8's.
+__global__ void __launch_bounds__(GEMV_WARPS * 32, 4) ldg_chain(const Phase* phs, int nph, unsigned* cnt, int mode) {
+    const int W = gridDim.x * GEMV_WARPS, w = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
+    pdl_wait();
+    int rot = 0;
+    for (int ph = 0; ph < nph; ph++) {
+        const Phase P = phs[ph];
+        int ready = ph == 0 || mode == 2 ? P.k : 0;
+        for (int p = ((w - rot) % W + W) % W; p < P.pairs; p += W)
+            ready = ready >= P.k ? waited_pair<false>(P, nullptr, cnt, cnt, ph, p, ready, mode)
+                                 : waited_pair<true>(P, phs + ph - 1, cnt + (ph - 1) * 64, cnt, ph, p, ready, mode);
+        rot = (rot + P.pairs) % W;
+    }
 }
 
 // Part 7 (./chainlab staged): a launch that lets the next one in early
@@ -512,6 +672,33 @@ int main(int argc, char** argv) {
         {"plain U4", 0, false, 0, 4},
     };
     const double gb = total / 1e9;
+    // Parts 7 and 8's floor: one GEMV over all the bytes in one launch (k = 4096).
+    auto print_floor = [&]() {
+        const int pairs = (int)(total / 2 / H / 2);
+        float* fo;
+        CK(cudaMalloc(&fo, (size_t)pairs * 2 * 4));
+        float best = 1e30f;
+        for (int r = 0; r < 3; r++)
+            best = std::min(best, graph_us(st, 1, [&](int) { chain_gemv<2><<<(pairs + GEMV_WARPS - 1) / GEMV_WARPS, GEMV_WARPS * 32, 0, st>>>(all, x, fo, pairs, H, 0, 0); }));
+        CK(cudaFree(fo));
+        printf("one GEMV over all %.2f GB: %.1f us  %.0f GB/s\n", gb, best, gb / (best * 1e-6));
+    };
+    // Parts 6 and 8's outputs for a bit comparison: every buffer the chain writes.
+    auto grab_all = [&]() {
+        std::vector<float> h(QKV + 2 * H + FF);
+        CK(cudaStreamSynchronize(st));
+        CK(cudaGetLastError());
+        CK(cudaMemcpy(h.data(), qkv, QKV * 4, cudaMemcpyDeviceToHost));
+        CK(cudaMemcpy(h.data() + QKV, res, H * 4, cudaMemcpyDeviceToHost));
+        CK(cudaMemcpy(h.data() + QKV + H, res2, H * 4, cudaMemcpyDeviceToHost));
+        CK(cudaMemcpy(h.data() + QKV + 2 * H, act, FF * 4, cudaMemcpyDeviceToHost));
+        return h;
+    };
+    auto differ = [](const std::vector<float>& a, const std::vector<float>& b) {
+        int n = 0;
+        for (size_t i = 0; i < a.size(); i++) n += memcmp(&a[i], &b[i], 4) != 0;
+        return n;
+    };
     auto chain = [&](const Way& wy) {
         float best = 1e30f;
         for (int r = 0; r < 3; r++)
@@ -564,23 +751,12 @@ int main(int argc, char** argv) {
             reset();
             body([&](int s, int l, const float* in, float* out) { slaunch(s, l, c, in, out); });
             const std::vector<float> got = grab();
-            int diff = 0;
-            for (size_t i = 0; i < ref.size(); i++) diff += memcmp(&ref[i], &got[i], 4) != 0;
+            const int diff = differ(ref, got);
             int fits = 0;
             CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fits, staged_gemv<GEMV_WARPS>, GEMV_WARPS * 32, 128 + GEMV_WARPS * c.cols * 4));
             printf("staged %d/SM, %d columns, trigger at %d/1000 (%d blocks fit per SM): %d of %zu outputs differ in bits from pdl\n", c.per_sm, c.cols, c.trig_pm, fits, diff, ref.size());
         }
-        {
-            // The floor: one GEMV over all the bytes in one launch.
-            const int pairs = (int)(total / 2 / H / 2);
-            float* fo;
-            CK(cudaMalloc(&fo, (size_t)pairs * 2 * 4));
-            float best = 1e30f;
-            for (int r = 0; r < 3; r++)
-                best = std::min(best, graph_us(st, 1, [&](int) { chain_gemv<2><<<(pairs + GEMV_WARPS - 1) / GEMV_WARPS, GEMV_WARPS * 32, 0, st>>>(all, x, fo, pairs, H, 0, 0); }));
-            CK(cudaFree(fo));
-            printf("one GEMV over all %.2f GB: %.1f us  %.0f GB/s\n", gb, best, gb / (best * 1e-6));
-        }
+        print_floor();
         for (int round = 0; round < 3; round++) {
             for (int wi : {1, 2, 4, 6}) {
                 const float us = chain(ways[wi]);
@@ -592,6 +768,117 @@ int main(int argc, char** argv) {
                     best = std::min(best, graph_us(st, 1, [&](int) { body([&](int s, int l, const float* in, float* out) { slaunch(s, l, c, in, out); }); }));
                 printf("round %d  staged %d/SM %4d cols trig %4d chain %.1f us  %.0f GB/s\n", round, c.per_sm, c.cols, c.trig_pm, best, gb / (best * 1e-6));
             }
+        }
+        return 0;
+    }
+    // Parts 8 and 9 (argument "tiles": these parts only; "tiles ldg": part 8's bits but not its
+    // timings): the streamed chain with shared stages, all 32 layers in one launch and a
+    // launch per layer, and ldg_chain, against the 128 programmatic launches and the
+    // one-launch floor; bits first (a broken ring could hang the timing).
+    if (argc > 1 && !strcmp(argv[1], "tiles")) {
+        const int NPH = 4 * L;
+        std::vector<Phase> hp(NPH);
+        for (int l = 0; l < L; l++)
+            for (int i = 0; i < 4; i++) hp[4 * l + i] = phase(i, l);
+        Phase* dp;
+        CK(cudaMalloc(&dp, NPH * sizeof(Phase)));
+        CK(cudaMemcpy(dp, hp.data(), NPH * sizeof(Phase), cudaMemcpyHostToDevice));
+        unsigned* tc;
+        CK(cudaMalloc(&tc, NPH * 64 * 4));
+        // Each phase's tensor map for 8 and for 16 pairs a group (boxes of 256 columns × 16 or
+        // 32 rows, gate/up's 8 or 16), in device memory.
+        auto make_maps = [&](int nc) {
+            std::vector<CUtensorMap> hm(NPH);
+            for (int i = 0; i < NPH; i++) {
+                const Phase& P = hp[i];
+                if (P.pairs % nc) { printf("phase %d: %d pairs, not a multiple of %d\n", i, P.pairs, nc); exit(1); }
+                cuuint64_t dims[2] = {(cuuint64_t)P.k, (cuuint64_t)(2 * P.pairs)};
+                cuuint64_t strides[1] = {(cuuint64_t)P.k * 2};
+                cuuint32_t box[2] = {256, (cuuint32_t)(P.kind == 2 ? nc : 2 * nc)}, es[2] = {1, 1};
+                CUresult r = cuTensorMapEncodeTiled(&hm[i], CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, (void*)P.w, dims, strides, box, es, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                                                    CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+                if (r != CUDA_SUCCESS) { printf("cuTensorMapEncodeTiled: %d\n", (int)r); exit(1); }
+            }
+            CUtensorMap* d;
+            CK(cudaMalloc(&d, NPH * sizeof(CUtensorMap)));
+            CK(cudaMemcpy(d, hm.data(), NPH * sizeof(CUtensorMap), cudaMemcpyHostToDevice));
+            return (const CUtensorMap*)d;
+        };
+        const CUtensorMap *maps8 = make_maps(8), *maps16 = make_maps(16);
+        const int smem_cap = 200 * 1024;
+        struct Tf { const char* name; void (*k)(const Phase*, int, unsigned*, int, int, const CUtensorMap*); int nc, sb; };
+        const Tf tfs[3] = {{"8 warps x 1024 cols", stream_tiles<8, 1024>, 8, 8 * 2 * 1024 * 2},
+                           {"16 warps x 512 cols", stream_tiles<16, 512>, 16, 16 * 2 * 512 * 2},
+                           {"8 warps x 2048 cols", stream_tiles<8, 2048>, 8, 8 * 2 * 2048 * 2}};
+        auto tlaunch = [&](const Tf& f, bool one, int mode) {
+            const int stages = smem_cap / f.sb, smem = stages * f.sb + 16 * stages + 1024;
+            CK(cudaMemsetAsync(tc, 0, NPH * 64 * 4, st));
+            // (The launch after the memset without programmatic serialization: it follows no kernel.)
+            const CUtensorMap* mp = f.nc == 8 ? maps8 : maps16;
+            if (one) launch_ex(false, nsm, 32 * (f.nc + 1), smem, f.k, (const Phase*)dp, NPH, tc, stages, mode, mp);
+            else
+                for (int l = 0; l < L; l++)
+                    launch_ex(l > 0, nsm, 32 * (f.nc + 1), smem, f.k, (const Phase*)(dp + 4 * l), 4, tc + 4 * l * 64, stages, mode, mp + 4 * l);
+        };
+        for (const Tf& f : tfs) {
+            const int stages = smem_cap / f.sb, smem = stages * f.sb + 16 * stages + 1024;
+            CK(cudaFuncSetAttribute(f.k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+            int fits = 0;
+            CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fits, f.k, 32 * (f.nc + 1), smem));
+            printf("tiles %s: %d stages of %d bytes, %d bytes of shared memory, %d blocks fit per SM\n", f.name, stages, f.sb, smem, fits);
+            if (fits < 1) return 1;
+        }
+        const Way wpdl = {"", 0, true, 0, 2};
+        reset();
+        for (int l = 0; l < L; l++) four_launches(l, wpdl);
+        const std::vector<float> ref = grab_all();
+        for (const Tf& f : tfs)
+            for (int one = 1; one >= 0; one--)
+                for (int rep = 0; rep < 4; rep++) {
+                    reset();
+                    tlaunch(f, one, rep == 0 ? 1 : rep == 1 ? 5 : rep == 2 ? 9 : 17);  // run 1: the lanes copy; 2: cp.async; 3: 2-D maps
+                    const std::vector<float> got = grab_all();
+                    const int diff = differ(ref, got);
+                    printf("tiles %s, %s, run %d: %d of %zu outputs differ in bits from the 128 launches\n", f.name, one ? "one launch" : "a launch per layer", rep, diff, ref.size());
+                }
+        // Part 9: the chain in one launch of register-streaming warps.
+        int ldg_per = 0;
+        CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ldg_per, ldg_chain, GEMV_WARPS * 32, 0));
+        printf("ldg_chain: %d blocks per SM\n", ldg_per);
+        auto ldg_launch = [&](int mode) {
+            CK(cudaMemsetAsync(tc, 0, NPH * 64 * 4, st));
+            launch_ex(false, ldg_per * nsm, GEMV_WARPS * 32, 0, ldg_chain, (const Phase*)dp, NPH, tc, mode);
+        };
+        for (int rep = 0; rep < 2; rep++) {
+            reset();
+            ldg_launch(1);
+            const std::vector<float> got = grab_all();
+            const int diff = differ(ref, got);
+            printf("ldg_chain, run %d: %d of %zu outputs differ in bits from the 128 launches\n", rep, diff, ref.size());
+        }
+        const bool ldg_only = argc > 2 && !strcmp(argv[2], "ldg");
+        print_floor();
+        for (int round = 0; round < (ldg_only ? 3 : 2); round++) {
+            float best = 1e30f;
+            for (int r = 0; r < 3; r++) best = std::min(best, graph_us(st, 1, [&](int) { for (int l = 0; l < L; l++) four_launches(l, wpdl); }));
+            printf("round %d  128 launches (pdl): %.1f us  %.0f GB/s\n", round, best, gb / (best * 1e-6));
+            for (int mode : {1, 2}) {
+                best = 1e30f;
+                for (int r = 0; r < 3; r++) best = std::min(best, graph_us(st, 1, [&](int) { ldg_launch(mode); }));
+                printf("round %d  ldg_chain, %s: %.1f us  %.0f GB/s\n", round, mode == 1 ? "one launch" : "one launch, no waits (wrong results)", best, gb / (best * 1e-6));
+            }
+            if (ldg_only) continue;
+            for (const Tf& f : tfs)
+                for (int way : {4, 5, 6, 7, 16, 17, 18, 19}) {
+                    // 0–3 lane 0 copies: one launch, a launch per layer, no waits, no
+                    // arithmetic; 4–7 the same with the lanes copying; 8–11 by cp.async;
+                    // 16–19 by 2-D tensor maps (timed: the lanes' and the maps').
+                    const int m = way & 3, mode = (m == 0 || m == 1 ? 1 : m) | (way & 28);
+                    best = 1e30f;
+                    for (int r = 0; r < 3; r++) best = std::min(best, graph_us(st, 1, [&](int) { tlaunch(f, m != 1, mode); }));
+                    const char* names[4] = {"one launch", "a launch per layer", "one launch, no waits (wrong results)", "one launch, no waits, no arithmetic (the ring alone)"};
+                    printf("round %d  tiles %s, %s, %s: %.1f us  %.0f GB/s\n", round, f.name, way & 16 ? "2-D maps" : way & 8 ? "cp.async" : way & 4 ? "lanes copy" : "lane 0 copies", names[m], best, gb / (best * 1e-6));
+                }
         }
         return 0;
     }
@@ -640,18 +927,9 @@ int main(int argc, char** argv) {
         // Bits first (a broken ring could hang the timing): layer 0 through the four launches,
         // then through the streamed forms, from the same inputs; every output buffer compared.
         {
-            auto grab = [&]() {
-                std::vector<float> h(QKV + 2 * H + FF);
-                CK(cudaStreamSynchronize(st));
-                CK(cudaMemcpy(h.data(), qkv, QKV * 4, cudaMemcpyDeviceToHost));
-                CK(cudaMemcpy(h.data() + QKV, res, H * 4, cudaMemcpyDeviceToHost));
-                CK(cudaMemcpy(h.data() + QKV + H, res2, H * 4, cudaMemcpyDeviceToHost));
-                CK(cudaMemcpy(h.data() + QKV + 2 * H, act, FF * 4, cudaMemcpyDeviceToHost));
-                return h;
-            };
             reset();
             four_launches(0, Way{"", 0, false, 0, 2});
-            const std::vector<float> ref = grab();
+            const std::vector<float> ref = grab_all();
             for (int way = 0; way < 3; way++)
                 for (int rep = 0; rep < 3; rep++) {
                     reset();
@@ -659,9 +937,8 @@ int main(int argc, char** argv) {
                     trig = way == 2;
                     if (way != 1) split(0);
                     else fused(0);
-                    const std::vector<float> got = grab();
-                    int diff = 0;
-                    for (size_t i = 0; i < ref.size(); i++) diff += memcmp(&ref[i], &got[i], 4) != 0;
+                    const std::vector<float> got = grab_all();
+                    const int diff = differ(ref, got);
                     printf("streamed (%s), run %d: %d of %zu outputs differ in bits from the four launches\n", way == 1 ? "fused" : way ? "a launch per phase, early trigger" : "a launch per phase", rep, diff, ref.size());
                 }
         }
