@@ -29,7 +29,10 @@
 //      launch or a launch per layer, against the 128 programmatic launches (fiftieth session);
 //   9. (./chainlab tiles, after part 8; ./chainlab tiles ldg times it without part 8's
 //      forms) ldg_chain: all 128 phases in one persistent launch of register-streaming
-//      warps (part 3's loop), the phases dealt out round-robin, bits compared.
+//      warps (part 3's loop), the phases dealt out round-robin, bits compared;
+//      ldg_chain_bound, the same with chain_gemv's loop and no waits (the spill-free
+//      bound); ldg_chain_sync, that loop with a barrier per phase (counts adjacent or a
+//      line apart, sleeps between polls, every warp or one per block polling).
 // Results and what they mean: docs/PERF.md (twenty-sixth, twenty-seventh, forty-ninth and
 // fiftieth sessions).
 // Not part of the build;
@@ -515,6 +518,98 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, 4) ldg_chain(const Phase* phs
     }
 }
 
+// Part 9's bound without its waits' registers: the same round-robin over the phases, each
+// pair by chain_gemv's own loop and store (pair_stream, pair_store), no counts, no waits
+// (wrong results: the bound of a fused chain whose loop spills nothing). The phases sit in
+// constant memory, so their fields need no registers of their own (as chain_gemv's
+// parameters).
+__constant__ Phase c_phases[128];
+// Pair p's two rows and their first loads (U = 2, from the lane's column k0), as chain_gemv
+// starts a pair.
+__device__ __forceinline__ void pair_open(const Phase& P, int p, int k0, const unsigned short*& w0, const unsigned short*& w1, uint4 (&a)[2], uint4 (&b)[2]) {
+    w0 = P.w + (size_t)(P.kind == 2 ? p : 2 * p) * P.k;
+    w1 = P.w + (size_t)(P.kind == 2 ? p + P.pairs : 2 * p + 1) * P.k;
+#pragma unroll
+    for (int u = 0; u < 2; u++) a[u] = ld_stream_u4(w0 + k0 + u * 256), b[u] = ld_stream_u4(w1 + k0 + u * 256);
+}
+__global__ void __launch_bounds__(GEMV_WARPS * 32, 4) ldg_chain_bound(int nph) {
+    const int lane = threadIdx.x & 31;
+    const int W = gridDim.x * GEMV_WARPS, w = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
+    int rot = 0;
+    for (int ph = 0; ph < nph; ph++) {
+        const Phase& P = c_phases[ph];
+        for (int p = ((w - rot) % W + W) % W; p < P.pairs; p += W) {
+            const unsigned short *w0, *w1;
+            uint4 a[2], b[2];
+            const int k0 = lane * 8;
+            pair_open(P, p, k0, w0, w1, a, b);
+            float s0 = 0.f, s1 = 0.f;
+            pair_stream<2>(w0, w1, P.in, k0, P.k, a, b, s0, s1);
+            pair_store(P.out, p, P.kind, s0, s1);
+        }
+        rot = (rot + P.pairs) % W;
+    }
+}
+
+// Part 9 with a barrier per phase instead of waits per column group: the bound's loop, and
+// before its first pair of a phase (its first loads issued) a warp waits until every block
+// has counted the phase before complete. A warp counts its phase done into its block's
+// shared count after a fence (lane 0 stored all its outputs); the block's last warp, after
+// a fence of its own, adds 1 to the phase's global count. Waiting: lane 0 polls the count
+// with relaxed loads (no L1 invalidation per poll), then one acquire fence. bar: nph counts
+// `pad` words apart (1, or 32: a 128-byte line each), zeroed before the launch; sleep: ns
+// between polls (0: spin). bpoll: one warp of the block polls (the first to need the count)
+// and opens a shared flag for the others, so 528 lanes poll instead of 4,224.
+__device__ __forceinline__ unsigned ld_relaxed(const unsigned* p) {
+    unsigned v;
+    asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__global__ void __launch_bounds__(GEMV_WARPS * 32, 4) ldg_chain_sync(int nph, unsigned* bar, int sleep, int pad, int bpoll) {
+    __shared__ unsigned done[128], owner[128], opened[128];
+    const int lane = threadIdx.x & 31;
+    const int W = gridDim.x * GEMV_WARPS, w = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
+    for (int i = threadIdx.x; i < 128; i += blockDim.x) done[i] = 0, owner[i] = 0, opened[i] = 0;
+    __syncthreads();
+    int rot = 0;
+    for (int ph = 0; ph < nph; ph++) {
+        const Phase& P = c_phases[ph];
+        bool first = ph > 0;
+        for (int p = ((w - rot) % W + W) % W; p < P.pairs; p += W) {
+            const unsigned short *w0, *w1;
+            uint4 a[2], b[2];
+            const int k0 = lane * 8;
+            pair_open(P, p, k0, w0, w1, a, b);
+            if (first) {
+                if (lane == 0) {
+                    volatile unsigned* fl = opened + ph - 1;
+                    if (!bpoll || atomicCAS_block(owner + ph - 1, 0u, 1u) == 0u) {
+                        while (ld_relaxed(bar + (ph - 1) * pad) < gridDim.x)
+                            if (sleep) __nanosleep(sleep);
+                        asm volatile("fence.acq_rel.gpu;" ::: "memory");
+                        *fl = 1u;
+                    } else
+                        while (!*fl) __nanosleep(32);
+                }
+                __syncwarp();
+                asm volatile("fence.acq_rel.gpu;" ::: "memory");
+                first = false;
+            }
+            float s0 = 0.f, s1 = 0.f;
+            pair_stream<2>(w0, w1, P.in, k0, P.k, a, b, s0, s1);
+            pair_store(P.out, p, P.kind, s0, s1);
+        }
+        if (lane == 0) {
+            asm volatile("fence.acq_rel.gpu;" ::: "memory");
+            if (atomicAdd_block(done + ph, 1u) == GEMV_WARPS - 1) {
+                asm volatile("fence.acq_rel.gpu;" ::: "memory");
+                atomicAdd(bar + ph * pad, 1u);
+            }
+        }
+        rot = (rot + P.pairs) % W;
+    }
+}
+
 // Part 7 (./chainlab staged): a launch that lets the next one in early
 // (griddepcontrol.launch_dependents, at entry or later: trig_pm) and, before its
 // griddepcontrol.wait, copies the first `cols` columns of each warp's first row pair into
@@ -783,6 +878,7 @@ int main(int argc, char** argv) {
         Phase* dp;
         CK(cudaMalloc(&dp, NPH * sizeof(Phase)));
         CK(cudaMemcpy(dp, hp.data(), NPH * sizeof(Phase), cudaMemcpyHostToDevice));
+        CK(cudaMemcpyToSymbol(c_phases, hp.data(), NPH * sizeof(Phase)));
         unsigned* tc;
         CK(cudaMalloc(&tc, NPH * 64 * 4));
         // Each phase's tensor map for 8 and for 16 pairs a group (boxes of 256 columns × 16 or
@@ -856,6 +952,20 @@ int main(int argc, char** argv) {
             const int diff = differ(ref, got);
             printf("ldg_chain, run %d: %d of %zu outputs differ in bits from the 128 launches\n", rep, diff, ref.size());
         }
+        // (Every block must be resident: the grid is what fits at once.)
+        int sync_per = 0;
+        CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&sync_per, ldg_chain_sync, GEMV_WARPS * 32, 0));
+        printf("ldg_chain_sync: %d blocks per SM\n", sync_per);
+        auto sync_launch = [&](int sleep, int pad, int bpoll) {
+            CK(cudaMemsetAsync(tc, 0, NPH * 64 * 4, st));
+            launch_ex(false, sync_per * nsm, GEMV_WARPS * 32, 0, ldg_chain_sync, NPH, tc, sleep, pad, bpoll);
+        };
+        for (int bpoll : {0, 1}) {
+            reset();
+            sync_launch(256, 32, bpoll);
+            const std::vector<float> got = grab_all();
+            printf("ldg_chain_sync, %s: %d of %zu outputs differ in bits from the 128 launches\n", bpoll ? "a poller per block" : "every warp polls", differ(ref, got), ref.size());
+        }
         const bool ldg_only = argc > 2 && !strcmp(argv[2], "ldg");
         print_floor();
         for (int round = 0; round < (ldg_only ? 3 : 2); round++) {
@@ -867,6 +977,16 @@ int main(int argc, char** argv) {
                 for (int r = 0; r < 3; r++) best = std::min(best, graph_us(st, 1, [&](int) { ldg_launch(mode); }));
                 printf("round %d  ldg_chain, %s: %.1f us  %.0f GB/s\n", round, mode == 1 ? "one launch" : "one launch, no waits (wrong results)", best, gb / (best * 1e-6));
             }
+            best = 1e30f;
+            for (int r = 0; r < 3; r++)
+                best = std::min(best, graph_us(st, 1, [&](int) { launch_ex(false, ldg_per * nsm, GEMV_WARPS * 32, 0, ldg_chain_bound, NPH); }));
+            printf("round %d  ldg_chain_bound (chain_gemv's loop, no waits, wrong results): %.1f us  %.0f GB/s\n", round, best, gb / (best * 1e-6));
+            for (int bpoll : {0, 1})
+                for (int sleep : {256, 1024}) {
+                    best = 1e30f;
+                    for (int r = 0; r < 3; r++) best = std::min(best, graph_us(st, 1, [&](int) { sync_launch(sleep, 32, bpoll); }));
+                    printf("round %d  ldg_chain_sync (a barrier per phase, counts a line apart, %s, sleep %d ns): %.1f us  %.0f GB/s\n", round, bpoll ? "a poller per block" : "every warp polls", sleep, best, gb / (best * 1e-6));
+                }
             if (ldg_only) continue;
             for (const Tf& f : tfs)
                 for (int way : {4, 5, 6, 7, 16, 17, 18, 19}) {
