@@ -32,7 +32,8 @@
 //      warps (part 3's loop), the phases dealt out round-robin, bits compared;
 //      ldg_chain_bound, the same with chain_gemv's loop and no waits (the spill-free
 //      bound); ldg_chain_sync, that loop with a barrier per phase (counts adjacent or a
-//      line apart, sleeps between polls, every warp or one per block polling).
+//      line apart, sleeps between polls, every warp or one per block polling, fences at
+//      gpu or block scope before the block's count).
 // Results and what they mean: docs/PERF.md (twenty-sixth, twenty-seventh, forty-ninth and
 // fiftieth sessions).
 // Not part of the build;
@@ -559,13 +560,15 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, 4) ldg_chain_bound(int nph) {
 // with relaxed loads (no L1 invalidation per poll), then one acquire fence. bar: nph counts
 // `pad` words apart (1, or 32: a 128-byte line each), zeroed before the launch; sleep: ns
 // between polls (0: spin). bpoll: one warp of the block polls (the first to need the count)
-// and opens a shared flag for the others, so 528 lanes poll instead of 4,224.
+// and opens a shared flag for the others, so 528 lanes poll instead of 4,224. cta: a warp
+// fences at block scope before its shared count (the last warp's gpu-scope fence is
+// cumulative), instead of every warp fencing at gpu scope.
 __device__ __forceinline__ unsigned ld_relaxed(const unsigned* p) {
     unsigned v;
     asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
     return v;
 }
-__global__ void __launch_bounds__(GEMV_WARPS * 32, 4) ldg_chain_sync(int nph, unsigned* bar, int sleep, int pad, int bpoll) {
+__global__ void __launch_bounds__(GEMV_WARPS * 32, 4) ldg_chain_sync(int nph, unsigned* bar, int sleep, int pad, int bpoll, int cta) {
     __shared__ unsigned done[128], owner[128], opened[128];
     const int lane = threadIdx.x & 31;
     const int W = gridDim.x * GEMV_WARPS, w = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
@@ -600,7 +603,8 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, 4) ldg_chain_sync(int nph, un
             pair_store(P.out, p, P.kind, s0, s1);
         }
         if (lane == 0) {
-            asm volatile("fence.acq_rel.gpu;" ::: "memory");
+            if (cta) asm volatile("fence.acq_rel.cta;" ::: "memory");
+            else asm volatile("fence.acq_rel.gpu;" ::: "memory");
             if (atomicAdd_block(done + ph, 1u) == GEMV_WARPS - 1) {
                 asm volatile("fence.acq_rel.gpu;" ::: "memory");
                 atomicAdd(bar + ph * pad, 1u);
@@ -956,15 +960,15 @@ int main(int argc, char** argv) {
         int sync_per = 0;
         CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&sync_per, ldg_chain_sync, GEMV_WARPS * 32, 0));
         printf("ldg_chain_sync: %d blocks per SM\n", sync_per);
-        auto sync_launch = [&](int sleep, int pad, int bpoll) {
+        auto sync_launch = [&](int sleep, int pad, int bpoll, int cta) {
             CK(cudaMemsetAsync(tc, 0, NPH * 64 * 4, st));
-            launch_ex(false, sync_per * nsm, GEMV_WARPS * 32, 0, ldg_chain_sync, NPH, tc, sleep, pad, bpoll);
+            launch_ex(false, sync_per * nsm, GEMV_WARPS * 32, 0, ldg_chain_sync, NPH, tc, sleep, pad, bpoll, cta);
         };
-        for (int bpoll : {0, 1}) {
+        for (int cta : {0, 1}) {
             reset();
-            sync_launch(256, 32, bpoll);
+            sync_launch(256, 32, 1, cta);
             const std::vector<float> got = grab_all();
-            printf("ldg_chain_sync, %s: %d of %zu outputs differ in bits from the 128 launches\n", bpoll ? "a poller per block" : "every warp polls", differ(ref, got), ref.size());
+            printf("ldg_chain_sync, a poller per block, %s fences: %d of %zu outputs differ in bits from the 128 launches\n", cta ? "block-scope" : "gpu-scope", differ(ref, got), ref.size());
         }
         const bool ldg_only = argc > 2 && !strcmp(argv[2], "ldg");
         print_floor();
@@ -981,11 +985,11 @@ int main(int argc, char** argv) {
             for (int r = 0; r < 3; r++)
                 best = std::min(best, graph_us(st, 1, [&](int) { launch_ex(false, ldg_per * nsm, GEMV_WARPS * 32, 0, ldg_chain_bound, NPH); }));
             printf("round %d  ldg_chain_bound (chain_gemv's loop, no waits, wrong results): %.1f us  %.0f GB/s\n", round, best, gb / (best * 1e-6));
-            for (int bpoll : {0, 1})
-                for (int sleep : {256, 1024}) {
+            for (int cta : {0, 1})
+                for (int sleep : {64, 128, 256}) {
                     best = 1e30f;
-                    for (int r = 0; r < 3; r++) best = std::min(best, graph_us(st, 1, [&](int) { sync_launch(sleep, 32, bpoll); }));
-                    printf("round %d  ldg_chain_sync (a barrier per phase, counts a line apart, %s, sleep %d ns): %.1f us  %.0f GB/s\n", round, bpoll ? "a poller per block" : "every warp polls", sleep, best, gb / (best * 1e-6));
+                    for (int r = 0; r < 3; r++) best = std::min(best, graph_us(st, 1, [&](int) { sync_launch(sleep, 32, 1, cta); }));
+                    printf("round %d  ldg_chain_sync (a barrier per phase, counts a line apart, a poller per block, %s fences, sleep %d ns): %.1f us  %.0f GB/s\n", round, cta ? "block-scope" : "gpu-scope", sleep, best, gb / (best * 1e-6));
                 }
             if (ldg_only) continue;
             for (const Tf& f : tfs)
