@@ -399,9 +399,9 @@ __device__ __forceinline__ void tma_2d(unsigned dst, const CUtensorMap* map, int
 }
 template <int NC, int C>
 __global__ void __launch_bounds__(32 * (NC + 1), 1) stream_tiles(const Phase* phs, int nph, unsigned* cnt, int stages, int mode, const CUtensorMap* maps) {
-    extern __shared__ __align__(1024) unsigned char st_smem[];
+    extern __shared__ __align__(1024) unsigned char tiles_smem[];
     constexpr int SB = NC * 2 * C * 2;  // a stage's bytes
-    const unsigned base = ((unsigned)__cvta_generic_to_shared(st_smem) + 1023u) & ~1023u;
+    const unsigned base = ((unsigned)__cvta_generic_to_shared(tiles_smem) + 1023u) & ~1023u;
     const unsigned full_at = base + stages * SB, empty_at = full_at + 8 * stages;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int G = gridDim.x, b = blockIdx.x;
@@ -875,7 +875,8 @@ int main(int argc, char** argv) {
     // launch per layer, and ldg_chain, against the 128 programmatic launches and the
     // one-launch floor; bits first (a broken ring could hang the timing).
     if (argc > 1 && !strcmp(argv[1], "tiles")) {
-        const int NPH = 4 * L;
+        const int NPH = 4 * L;  // c_phases and ldg_chain_sync's shared counts hold 128
+        if (NPH > 128) { printf("parts 8 and 9 take at most 128 phases\n"); return 1; }
         std::vector<Phase> hp(NPH);
         for (int l = 0; l < L; l++)
             for (int i = 0; i < 4; i++) hp[4 * l + i] = phase(i, l);
