@@ -565,13 +565,16 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, 4) ldg_chain_bound(int nph) {
 // cumulative), instead of every warp fencing at gpu scope; cta 2 (written after the
 // fiftieth session's last run, not yet run) also has the block's last warp count by one
 // release reduction, and the warps that find the shared flag open acquire at block scope
-// (the poller's gpu-scope acquire before it opened the flag is cumulative).
+// (the poller's gpu-scope acquire before it opened the flag is cumulative). pf (also not yet
+// run): before it waits, a warp asks L2 for the first pf bytes of each of its pair's rows
+// (prefetch.global.L2, a 128-byte line per lane), so that the memory keeps working through
+// the barrier.
 __device__ __forceinline__ unsigned ld_relaxed(const unsigned* p) {
     unsigned v;
     asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
     return v;
 }
-__global__ void __launch_bounds__(GEMV_WARPS * 32, 4) ldg_chain_sync(int nph, unsigned* bar, int sleep, int pad, int bpoll, int cta) {
+__global__ void __launch_bounds__(GEMV_WARPS * 32, 4) ldg_chain_sync(int nph, unsigned* bar, int sleep, int pad, int bpoll, int cta, int pf) {
     __shared__ unsigned done[128], owner[128], opened[128];
     const int lane = threadIdx.x & 31;
     const int W = gridDim.x * GEMV_WARPS, w = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
@@ -587,6 +590,10 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, 4) ldg_chain_sync(int nph, un
             const int k0 = lane * 8;
             pair_open(P, p, k0, w0, w1, a, b);
             if (first) {
+                for (int off = 1024 + lane * 128; off < pf; off += 32 * 128) {  // (the first 1 KiB is loaded already)
+                    asm volatile("prefetch.global.L2 [%0];" ::"l"((const char*)w0 + off));
+                    asm volatile("prefetch.global.L2 [%0];" ::"l"((const char*)w1 + off));
+                }
                 if (lane == 0) {
                     volatile unsigned* fl = opened + ph - 1;
                     if (!bpoll || atomicCAS_block(owner + ph - 1, 0u, 1u) == 0u) {
@@ -968,14 +975,14 @@ int main(int argc, char** argv) {
         int sync_per = 0;
         CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&sync_per, ldg_chain_sync, GEMV_WARPS * 32, 0));
         printf("ldg_chain_sync: %d blocks per SM\n", sync_per);
-        auto sync_launch = [&](int sleep, int pad, int bpoll, int cta) {
+        auto sync_launch = [&](int sleep, int pad, int bpoll, int cta, int pf) {
             CK(cudaMemsetAsync(tc, 0, NPH * 64 * 4, st));
-            launch_ex(false, sync_per * nsm, GEMV_WARPS * 32, 0, ldg_chain_sync, NPH, tc, sleep, pad, bpoll, cta);
+            launch_ex(false, sync_per * nsm, GEMV_WARPS * 32, 0, ldg_chain_sync, NPH, tc, sleep, pad, bpoll, cta, pf);
         };
         const char* fences[3] = {"gpu-scope", "block-scope", "block-scope, lean"};
         for (int cta : {0, 1, 2}) {
             reset();
-            sync_launch(64, 32, 1, cta);
+            sync_launch(64, 32, 1, cta, cta == 2 ? 8192 : 0);
             const std::vector<float> got = grab_all();
             printf("ldg_chain_sync, a poller per block, %s fences: %d of %zu outputs differ in bits from the 128 launches\n", fences[cta], differ(ref, got), ref.size());
         }
@@ -997,9 +1004,15 @@ int main(int argc, char** argv) {
             for (int cta : {0, 1, 2})
                 for (int sleep : {64, 128, 256}) {
                     best = 1e30f;
-                    for (int r = 0; r < 3; r++) best = std::min(best, graph_us(st, 1, [&](int) { sync_launch(sleep, 32, 1, cta); }));
+                    for (int r = 0; r < 3; r++) best = std::min(best, graph_us(st, 1, [&](int) { sync_launch(sleep, 32, 1, cta, 0); }));
                     printf("round %d  ldg_chain_sync (a barrier per phase, counts a line apart, a poller per block, %s fences, sleep %d ns): %.1f us  %.0f GB/s\n", round, fences[cta], sleep, best, gb / (best * 1e-6));
                 }
+            // The lean barrier with the first bytes of each row asked of L2 before the wait.
+            for (int pf : {4096, 8192, 16384}) {
+                best = 1e30f;
+                for (int r = 0; r < 3; r++) best = std::min(best, graph_us(st, 1, [&](int) { sync_launch(64, 32, 1, 2, pf); }));
+                printf("round %d  ldg_chain_sync (lean barrier, 64 ns sleep, %d bytes of each row prefetched to L2 before the wait): %.1f us  %.0f GB/s\n", round, pf, best, gb / (best * 1e-6));
+            }
             if (ldg_only) continue;
             for (const Tf& f : tfs)
                 for (int way : {4, 5, 6, 7, 16, 17, 18, 19}) {
