@@ -1,0 +1,94 @@
+#!/usr/bin/env python3
+"""Where a graph-replayed step's time goes, from tools/gpu-lab/kernel_trace.c's records.
+
+  python3 tools/gpu-lab/trace_step.py /tmp/k.tsv [--min-replays 5] [--graph ID]
+
+For each captured graph replayed at least --min-replays times, the replays are cut out of
+the trace (one kernel per graph node each) and, per kernel name, summed over the step:
+- `own`: the kernel's own span (end - start), which with programmatic launch includes the
+  time its blocks sat at griddepcontrol.wait;
+- `adds`: how much it moves the step's end: its end minus the latest end before it. Over a
+  replay these sum to the replay's span (first start to last end), so they say where the
+  step's time goes with the kernels overlapping as they ran.
+Medians over the replays. Also the span, and the gap from one replay's last end to the
+next one's first start (the host's part of a step).
+"""
+import argparse
+import statistics as st
+from collections import defaultdict
+
+ap = argparse.ArgumentParser()
+ap.add_argument("trace")
+ap.add_argument("--min-replays", type=int, default=5)
+ap.add_argument("--graph", type=int)
+a = ap.parse_args()
+
+rows = []
+for line in open(a.trace):
+    f = line.rstrip("\n").split("\t")
+    if len(f) < 8:
+        continue
+    rows.append((int(f[0]), int(f[1]), int(f[2]), int(f[3]), f[5], f[6], f[7]))
+
+by_graph = defaultdict(list)
+for r in rows:
+    if r[2]:
+        by_graph[r[2]].append(r)
+
+
+def short(name):
+    return name if len(name) <= 58 else name[:55] + "..."
+
+
+print(f"{len(rows)} kernels, {len(by_graph)} graphs")
+for gid, rs in sorted(by_graph.items()):
+    if a.graph is not None and gid != a.graph:
+        continue
+    nodes = {r[3] for r in rs}
+    n = len(nodes)
+    rs.sort(key=lambda r: r[0])
+    replays = [rs[i:i + n] for i in range(0, len(rs) - n + 1, n)]
+    replays = [p for p in replays if {r[3] for r in p} == nodes]
+    if len(replays) < a.min_replays:
+        continue
+    spans = [max(r[1] for r in p) - p[0][0] for p in replays]
+    gaps = [replays[i + 1][0][0] - max(r[1] for r in replays[i]) for i in range(len(replays) - 1)]
+    periods = [replays[i + 1][0][0] - replays[i][0][0] for i in range(len(replays) - 1)]
+    own = defaultdict(list)
+    adds = defaultdict(list)
+    lags = defaultdict(list)
+    count = defaultdict(int)
+    grids = {}
+    for k, p in enumerate(replays):
+        p = sorted(p, key=lambda r: r[0])
+        o = defaultdict(int)
+        ad = defaultdict(int)
+        lg = defaultdict(int)
+        latest = p[0][0]
+        prev_end = None
+        for r in p:
+            o[r[6]] += r[1] - r[0]
+            ad[r[6]] += max(0, r[1] - latest)
+            if prev_end is not None:
+                lg[r[6]] += r[0] - prev_end
+            latest = max(latest, r[1])
+            prev_end = r[1]
+            if k == 0:
+                count[r[6]] += 1
+                grids[r[6]] = (r[4], r[5])
+        for name in o:
+            own[name].append(o[name])
+            adds[name].append(ad[name])
+            lags[name].append(lg[name])
+    med = lambda xs: st.median(xs) / 1000.0
+    print(f"\ngraph {gid}: {n} kernels, {len(replays)} replays; span median {med(spans):.1f} us "
+          f"(min {min(spans)/1000:.1f}, max {max(spans)/1000:.1f}); "
+          f"gap to next replay median {med(gaps) if gaps else 0:.1f} us; "
+          f"period median {med(periods) if periods else 0:.1f} us")
+    print(f"{'kernel':58} {'n':>4} {'adds us':>9} {'own us':>9} {'adds/n':>7} {'own/n':>7} "
+          f"{'start-prev.end/n':>16}  grid block")
+    for name in sorted(adds, key=lambda x: -st.median(adds[x])):
+        c = count[name]
+        print(f"{short(name):58} {c:4} {med(adds[name]):9.1f} {med(own[name]):9.1f} "
+              f"{med(adds[name])/c:7.2f} {med(own[name])/c:7.2f} {med(lags[name])/c:16.2f}  "
+              f"{grids[name][0]} {grids[name][1]}")
