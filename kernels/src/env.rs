@@ -318,6 +318,19 @@ pub const CUDA_PP_ROPE: &str = "DISAGG_CUDA_PP_ROPE";
 /// (`rope_write_k_f16`); the same bits, for A/B runs.
 pub const CUDA_ROPE_K_ROUND: &str = "DISAGG_CUDA_ROPE_K_ROUND";
 
+/// A percentage: every CUDA kernel asks for that share of the SM's L1 as shared memory
+/// (`CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT`), instead of the driver choosing
+/// per kernel; `100` lets the GEMVs and the attention's 104 KiB stages share an SM
+/// without a reconfiguration between them. For A/B runs.
+pub const CUDA_CARVEOUT: &str = "DISAGG_CUDA_CARVEOUT";
+
+/// Lets the attention be scheduled before the one-token QKV GEMV (with RoPE) ends, so its
+/// blocks ask for their older keys' tiles while the GEMV still runs (`griddepcontrol
+/// .launch_dependents`; programmatic launch only): bits `1` as each GEMV block starts, `2`
+/// after each block's loop, `4` the QKV GEMV at two loads per row (four blocks per SM,
+/// leaving room beside it) instead of three. `0` (the default): neither. For A/B runs.
+pub const CUDA_QKV_TRIGGER: &str = "DISAGG_CUDA_QKV_TRIGGER";
+
 /// `0`: one-token GEMVs keep two 16-byte loads per row in flight everywhere, instead of
 /// more where their grid leaves the SMs room and each lane has two whole groups of them:
 /// four in the residual GEMVs that leave the next norm's inputs, at most two blocks per

@@ -520,6 +520,10 @@ pub struct CudaBackend {
     /// One-token GEMVs whose grid leaves room keep more loads per row in flight
     /// (`DISAGG_CUDA_GEMV_DEEP=0`: two everywhere); see [`Self::gemv`].
     gemv_deep: bool,
+    /// `DISAGG_CUDA_QKV_TRIGGER`'s bits: where the one-token QKV GEMV lets the attention
+    /// after it be scheduled (1: at its blocks' start, 2: after their loop), and 4: that
+    /// GEMV at two loads per row.
+    qkv_trigger: u32,
     /// What the last such residual GEMV left: x · the norm weight, and the sums of x² per
     /// `NORM_SPAN` elements.
     prenorm_xg: CudaSlice<f32>,
@@ -852,6 +856,15 @@ impl CudaBackend {
             gemv_pipe: !off(crate::env::CUDA_GEMV_PIPE),
             gemv_prenorm: !off(crate::env::CUDA_GEMV_PRENORM),
             gemv_deep: !off(crate::env::CUDA_GEMV_DEEP),
+            qkv_trigger: match std::env::var(crate::env::CUDA_QKV_TRIGGER) {
+                Ok(v) => v.parse().ok().filter(|b: &u32| b & !7 == 0 && b & 3 != 3).ok_or_else(|| {
+                    KernelError::Device(format!(
+                        "{}={v}: give 0, or 1 (at the start) or 2 (after the loop), plus 4 for two loads per row",
+                        crate::env::CUDA_QKV_TRIGGER
+                    ))
+                })?,
+                Err(_) => 0,
+            },
             prenorm_xg: stream.alloc_zeros::<f32>(1).map_err(dev_err)?,
             prenorm_parts: stream.alloc_zeros::<f32>(1).map_err(dev_err)?,
             prenormed: None,
@@ -1755,7 +1768,12 @@ impl CudaBackend {
             Gemv::PlainStats(_) if self.gemv_deep && deep_gemv_fits(blocks, *cols, 4, self.n_sms) => {
                 super::GEMV_STATS_U4_M1
             }
-            Gemv::NormRope(_) if pre && self.gemv_deep && deep_gemv_fits(blocks, *cols, 3, self.n_sms) => {
+            Gemv::NormRope(_)
+                if pre
+                    && self.gemv_deep
+                    && self.qkv_trigger & 4 == 0
+                    && deep_gemv_fits(blocks, *cols, 3, self.n_sms) =>
+            {
                 super::GEMV_PNORM_ROPE_U3_M1
             }
             _ if pre => pnorm,
@@ -1767,6 +1785,7 @@ impl CudaBackend {
         let prepared = (pre || matches!(kind, Gemv::PlainStats(_)))
             .then(|| (self.prenorm_xg.device_ptr(&st).0, self.prenorm_parts.device_ptr(&st).0));
         let (xg, parts) = prepared.unwrap_or_default();
+        let qkv_trigger = if self.pdl { (self.qkv_trigger & 3) as i32 } else { 0 };
         let mut b = Launch::new(&st, self.dev.func(name));
         b.arg(w);
         if pre {
@@ -1780,6 +1799,7 @@ impl CudaBackend {
                 b.arg(&self.pos).arg(&self.inv_freq).arg(&self.slots);
                 b.arg(&r.n_heads).arg(&r.n_kv).arg(&r.head_dim).arg(&r.interleaved).arg(&r.block_size);
                 b.arg(&mut *r.cache).arg(&r.half);
+                b.arg(&qkv_trigger);
             }
             Gemv::PlainStats(g) => {
                 b.arg(*g).arg(&xg).arg(&parts);

@@ -7,13 +7,22 @@
 // writes are flushed, so its launch and its first loads of weights overlap that end.
 // pdl_wait blocks until the kernel before has finished and its writes are visible; every
 // kernel the backend launches that way calls it before it touches memory that another
-// kernel writes (reading only weights before it). No kernel lets the next one start
-// earlier (griddepcontrol.launch_dependents): blocks of the next kernel then took SMs
-// while this one still ran, and a decode step at batch 1 was 15% slower (PERF.md). Launched
-// without the attribute, pdl_wait is a no-op.
+// kernel writes (reading only weights before it). By default no kernel lets the next one
+// start earlier (griddepcontrol.launch_dependents): blocks of the next kernel then took SMs
+// while this one still ran, and a decode step at batch 1 was 15% slower (PERF.md); only the
+// one-token QKV GEMV can, for A/B runs (pdl_trigger below). Launched without the
+// attribute, pdl_wait is a no-op.
 __device__ __forceinline__ void pdl_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+// Lets the next kernel, launched programmatically, be scheduled before this one ends (its
+// blocks take SMs where room is left and run up to their pdl_wait). Only the one-token
+// QKV GEMV has it, by request (`RopeKv::trigger`).
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 }
 
@@ -2470,6 +2479,9 @@ struct RopeKv {
     int n_heads, n_kv, hd, interleaved, block_size;
     unsigned short* cache;
     long long half;
+    // 1: let the kernel after (the attention) be scheduled as each block starts; 2: after
+    // each block's loop; 0: not before this kernel ends.
+    int trigger;
 };
 
 // Rotation pair `i` of a token's [q|k|v] row: its two elements (neighbours when
@@ -2500,6 +2512,7 @@ __device__ void gemv_bf16_impl(const unsigned short* __restrict__ w, const float
     constexpr bool ROPE = EPI == EPI_ROPE;
     static_assert(EPI == EPI_OUT || (M == 1 && !SILU), "RoPE and stats epilogues: one token, plain rows");
     static_assert(NORM != NORM_PART || (M == 1 && PIPE), "the producer's norm: one token, pipelined");
+    if (ROPE && rk.trigger == 1) pdl_trigger();
     const int lane = threadIdx.x & 31;
     const int warp = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
     // The two rows of W this warp reads (none past the outputs).
@@ -2599,6 +2612,7 @@ __device__ void gemv_bf16_impl(const unsigned short* __restrict__ w, const float
             acc[1][m] += dot8_bf16(b, v);
         }
     }
+    if (ROPE && rk.trigger == 2) pdl_trigger();
 #pragma unroll
     for (int m = 0; m < M; m++)
 #pragma unroll
@@ -2707,8 +2721,8 @@ extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 4) gemv_pnorm_silu
 #define GEMV_ROPE_KERNEL(NAME, NORM, U, PER_SM) \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, PER_SM) NAME( \
         GEMV_ARGS, const int* pos, const float* inv_freq, const long long* slots, int n_heads, int n_kv, int hd, \
-        int interleaved, int block_size, unsigned short* cache, long long half) { \
-        const RopeKv rk{pos, inv_freq, slots, n_heads, n_kv, hd, interleaved, block_size, cache, half}; \
+        int interleaved, int block_size, unsigned short* cache, long long half, int trigger) { \
+        const RopeKv rk{pos, inv_freq, slots, n_heads, n_kv, hd, interleaved, block_size, cache, half, trigger}; \
         gemv_bf16_impl<1, NORM, false, U, true, EPI_ROPE>(w, x, nw, eps, n_out, k, out, accumulate, rk); \
     }
 GEMV_ROPE_KERNEL(gemv_norm_rope_bf16_m1, NORM_BLOCK, 2, 4)
