@@ -318,12 +318,6 @@ pub const CUDA_PP_ROPE: &str = "DISAGG_CUDA_PP_ROPE";
 /// (`rope_write_k_f16`); the same bits, for A/B runs.
 pub const CUDA_ROPE_K_ROUND: &str = "DISAGG_CUDA_ROPE_K_ROUND";
 
-/// A percentage: every CUDA kernel asks for that share of the SM's L1 as shared memory
-/// (`CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT`), instead of the driver choosing
-/// per kernel; `100` lets the GEMVs and the attention's 104 KiB stages share an SM
-/// without a reconfiguration between them. For A/B runs.
-pub const CUDA_CARVEOUT: &str = "DISAGG_CUDA_CARVEOUT";
-
 /// Lets the attention be scheduled before the one-token QKV GEMV (with RoPE) ends, so its
 /// blocks ask for their older keys' tiles while the GEMV still runs (`griddepcontrol
 /// .launch_dependents`; programmatic launch only): bits `1` as each GEMV block starts, `2`

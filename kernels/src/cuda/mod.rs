@@ -533,21 +533,6 @@ impl CudaDevice {
                 )
                 .map_err(dev_err)?;
         }
-        // DISAGG_CUDA_CARVEOUT: every kernel asks for this share of the SM's L1 as shared
-        // memory (percent), so that kernels of different needs run without the SM
-        // reconfiguring between them; for A/B runs.
-        if let Ok(v) = std::env::var(crate::env::CUDA_CARVEOUT) {
-            let pct: i32 = v.parse().ok().filter(|p| (0..=100).contains(p)).ok_or_else(|| {
-                KernelError::Device(format!("{}={v}: give a percentage, 0 to 100", crate::env::CUDA_CARVEOUT))
-            })?;
-            for func in funcs.values() {
-                func.set_attribute(
-                    cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
-                    pct,
-                )
-                .map_err(dev_err)?;
-            }
-        }
         // Clusters of up to 16 blocks (8 are portable) for the keys-on-M kernels' splits.
         let km_cluster_max = if arch.0 >= 9 {
             let wide = FLASH_KERNELS.iter().filter(|(k, _)| is_km_kernel(k)).all(|(k, _)| {
