@@ -17,6 +17,31 @@ __device__ __forceinline__ void pdl_wait() {
     asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
 }
+// KM_STAMPS (defined only by tools/gpu-lab/attnlab.cu, never by the engine's NVRTC
+// build): the GPU's clock at points of the keys-on-M decode kernel and of the one-token
+// QKV and residual GEMVs, by each block's thread 0, so the lab can see where a b1
+// attention's microseconds go. Otherwise the stamps are nothing.
+#ifdef KM_STAMPS
+__device__ unsigned long long km_stamps[256][8];
+__device__ unsigned long long gemv_stamps[3][1024][2];
+__device__ __forceinline__ unsigned long long globaltimer() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+#define KM_STAMP(i) \
+    do { \
+        if (threadIdx.x == 0) km_stamps[(blockIdx.z * gridDim.y + blockIdx.y) % 256][i] = globaltimer(); \
+    } while (0)
+#define GEMV_STAMP(epi, i) \
+    do { \
+        if (threadIdx.x == 0) gemv_stamps[epi][blockIdx.x % 1024][i] = globaltimer(); \
+    } while (0)
+#else
+#define KM_STAMP(i)
+#define GEMV_STAMP(epi, i)
+#endif
+
 // Lets the next kernel, launched programmatically, be scheduled before this one ends (its
 // blocks take SMs where room is left and run up to their pdl_wait). Only the one-token
 // QKV GEMV has it, by request (`RopeKv::trigger`).
@@ -1012,6 +1037,7 @@ __device__ __forceinline__ void wgmma_rs(float* d, const unsigned* a, unsigned l
 #define FLASH_LAZY_RESCALE 512  // O rescaled only when a warp's row maxima rose (× 1 skipped: the same bits)
 #define FLASH_PP_TURNS 1024     // warp-specialized: the consumers take turns at the tensor cores (else free)
 #define FLASH_PP_ROPE_Q 2048    // warp-specialized: q rotated as loaded, by rope_write_k_f16's cos/sin (else rotated before)
+#define FLASH_MERGE_ILP 4096    // keys on M, cluster: a merge reads every split's partial at once (else M, then in turn)
 // 2^x for the online softmax. FX: the bare MUFU instruction, inputs and results below
 // 2^-126 flushed to zero (x ≤ 0 here, and P is rounded to f16 anyway, whose smallest
 // subnormal is 2^-24); else exp2f, which scales around the MUFU for f32 subnormals.
@@ -2051,13 +2077,44 @@ __device__ __forceinline__ float ld_dsmem_f32(unsigned a, unsigned rank) {
 // lies at cpart + hh·(HD + 2) in block z's shared memory; each block merges a share of the
 // grp·HD outputs, reading the others' partials through the cluster, in attention_merge's
 // order and arithmetic (the same bits), to `out` from `at` (f32, or bf16 with `bf16`).
+// With `ilp` every split's M, L and sum come in one round of loads (at most 16 splits, the
+// cluster's limit) and the same arithmetic follows; else M's loads, then each split's L
+// and sum after its M is known (a round trip per split).
 template <int HD>
-__device__ void cluster_merge(const float* cpart, int grp, int splits, int z, float* out, size_t at, bool bf16) {
+__device__ void cluster_merge(const float* cpart, int grp, int splits, int z, float* out, size_t at, bool bf16,
+                              bool ilp) {
     cluster_sync_all();  // every split's partial written
     const unsigned base = smem_u32(cpart);
     for (int i = z * blockDim.x + threadIdx.x; i < grp * HD; i += splits * blockDim.x) {
         const int hh = i / HD, d = i % HD;
         const unsigned p = base + hh * (HD + 2) * 4;
+        if (ilp) {
+            float ms[16], ls[16], as[16];
+#pragma unroll
+            for (int s = 0; s < 16; s++)
+                if (s < splits) {
+                    ms[s] = ld_dsmem_f32(p, s);
+                    ls[s] = ld_dsmem_f32(p + 4, s);
+                    as[s] = ld_dsmem_f32(p + (2 + d) * 4, s);
+                }
+            float M = NEG_INF;
+#pragma unroll
+            for (int s = 0; s < 16; s++)
+                if (s < splits) M = fmaxf(M, ms[s]);
+            float L = 0.f, acc = 0.f;
+#pragma unroll
+            for (int s = 0; s < 16; s++)
+                if (s < splits && ms[s] != NEG_INF) {
+                    const float w = expf(ms[s] - M);
+                    L += ls[s] * w;
+                    acc += as[s] * w;
+                }
+            if (bf16)
+                ((unsigned short*)out)[at + i] = f32_to_bf16(acc / L);
+            else
+                out[at + i] = acc / L;
+            continue;
+        }
         float M = NEG_INF;
         for (int s = 0; s < splits; s++) M = fmaxf(M, ld_dsmem_f32(p, s));
         float L = 0.f, acc = 0.f;
@@ -2115,6 +2172,7 @@ __device__ void flash_decode_km_impl(const float* qkv, const KT* cache, long lon
                   PASSES = KM_KEYS / KPP, ST = HD + 8, RB = F8 ? HD + 16 : ST * 2;
     static_assert(128 % CH == 0 && KM_KEYS % KPP == 0, "whole passes of the 128 threads");
     constexpr unsigned KBYTES = KM_KEYS * RB, STAGE_BYTES = 2 * KBYTES;
+    KM_STAMP(0);
     extern __shared__ __align__(16) unsigned char km_smem[];
     const unsigned base = smem_u32(km_smem);
     const int* tile = tiles + 4 * blockIdx.x;
@@ -2225,7 +2283,9 @@ __device__ void flash_decode_km_impl(const float* qkv, const KT* cache, long lon
     int pre = 0;
     if (flags & FLASH_EARLY)
         for (; pre < STAGES - 1 && k0 + (pre + 1) * KM_KEYS <= pos0; pre++) load_tile(k0 + pre * KM_KEYS, pre);
+    KM_STAMP(1);
     pdl_wait();
+    KM_STAMP(2);
     // Q^T as B fragments (k = dims, n = heads): b0 = dims 16ks + 2t4, +1 of head g; b1 = +8.
     // Columns past the group are zero (never written).
     unsigned qf[KS][2];
@@ -2241,6 +2301,7 @@ __device__ void flash_decode_km_impl(const float* qkv, const KT* cache, long lon
             qf[ks][1] = real ? pack_f16x2(q_at(q, c0 + B1) * qs, q_at(q, c0 + B1 + 1) * qs) : 0u;
         }
     }
+    KM_STAMP(3);
     // The key's tile is the last: in the first loads, write it before them; else the
     // loop loads it after its first barrier, which orders the write before the load.
     if (writes_kv && ntiles < STAGES) {
@@ -2340,6 +2401,7 @@ __device__ void flash_decode_km_impl(const float* qkv, const KT* cache, long lon
             }
         }
     }
+    KM_STAMP(4);
     // This warp's sums over its keys: add the lanes of each head column.
 #pragma unroll
     for (int off = 4; off < 32; off <<= 1) {
@@ -2379,7 +2441,11 @@ __device__ void flash_decode_km_impl(const float* qkv, const KT* cache, long lon
         float* pp = splits == 1 ? nullptr : cluster ? cpart + hh * (HD + 2) : part + (th * splits + z) * (HD + 2);
         merge_warp_parts<HD, true>(ml, ro, 8, RS, hh, c, out, th * HD + c, pp, bf16);
     }
-    if (cluster) cluster_merge<HD>(cpart, grp, splits, z, out, ((size_t)row0 * n_heads + kvh * grp) * HD, bf16);
+    KM_STAMP(5);
+    if (cluster)
+        cluster_merge<HD>(cpart, grp, splits, z, out, ((size_t)row0 * n_heads + kvh * grp) * HD, bf16,
+                          (flags & FLASH_MERGE_ILP) != 0);
+    KM_STAMP(6);
 }
 
 // Three stages: two blocks per SM at head_dim 128 (the lab's best at batch 64; two
@@ -2513,6 +2579,7 @@ __device__ void gemv_bf16_impl(const unsigned short* __restrict__ w, const float
     static_assert(EPI == EPI_OUT || (M == 1 && !SILU), "RoPE and stats epilogues: one token, plain rows");
     static_assert(NORM != NORM_PART || (M == 1 && PIPE), "the producer's norm: one token, pipelined");
     if (ROPE && rk.trigger == 1) pdl_trigger();
+    GEMV_STAMP(EPI, 0);
     const int lane = threadIdx.x & 31;
     const int warp = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
     // The two rows of W this warp reads (none past the outputs).
@@ -2645,6 +2712,7 @@ __device__ void gemv_bf16_impl(const unsigned short* __restrict__ w, const float
             for (int i = 0; i < GEMV_WARPS; i++) t += sq[i];
             ns.parts[blockIdx.x] = t;
         }
+        GEMV_STAMP(EPI, 1);
         return;
     }
     if (lane != 0) return;
@@ -2663,6 +2731,7 @@ __device__ void gemv_bf16_impl(const unsigned short* __restrict__ w, const float
             kv_store(rk.cache, at + (r0 - h * rk.hd), x0);
             kv_store(rk.cache, at + (r1 - h * rk.hd), x1);
         }
+        GEMV_STAMP(EPI, 1);
     } else {
 #pragma unroll
         for (int m = 0; m < M; m++) {
