@@ -319,17 +319,20 @@ pub const CUDA_PP_ROPE: &str = "DISAGG_CUDA_PP_ROPE";
 pub const CUDA_ROPE_K_ROUND: &str = "DISAGG_CUDA_ROPE_K_ROUND";
 
 /// Lets the attention be scheduled before the one-token QKV GEMV (with RoPE) ends, so its
-/// blocks ask for their older keys' tiles while the GEMV still runs (`griddepcontrol
-/// .launch_dependents`; programmatic launch only): bits `1` as each GEMV block starts, `2`
-/// after each block's loop, `4` the QKV GEMV at two loads per row (four blocks per SM,
-/// leaving room beside it) instead of three. `0` (the default): neither. For A/B runs.
+/// blocks can ask for their older keys' tiles while the GEMV still runs, where room is
+/// left beside it (`griddepcontrol.launch_dependents`; with `DISAGG_CUDA_PDL` only): bit
+/// `1` as each GEMV block starts, or `2` as each block's first warp leaves its loop (not
+/// both); bit `4` the QKV GEMV at two loads per row (four blocks per SM) instead of the
+/// three of `DISAGG_CUDA_GEMV_DEEP`. `0` (the default): none. Measured level at the
+/// driver's shared-memory carveout (docs/PERF.md). For A/B runs.
 pub const CUDA_QKV_TRIGGER: &str = "DISAGG_CUDA_QKV_TRIGGER";
 
 /// `0`: one-token GEMVs keep two 16-byte loads per row in flight everywhere, instead of
 /// more where their grid leaves the SMs room and each lane has two whole groups of them:
 /// four in the residual GEMVs that leave the next norm's inputs, at most two blocks per
 /// SM (o and down at Llama-3-8B's 4,096 outputs), three in the prenormed QKV GEMV with
-/// RoPE at up to three (the same bits; Llama-3-8B batch 1 −2% on the H200, PERF.md).
+/// RoPE at up to three, unless `DISAGG_CUDA_QKV_TRIGGER`'s bit 4 keeps it at two (the same
+/// bits; Llama-3-8B batch 1 −2% on the H200, PERF.md).
 /// Only the prenormed path has them (nothing changes with `DISAGG_CUDA_GEMV_PRENORM=0` or
 /// `DISAGG_CUDA_GEMV_PIPE=0`). For A/B runs.
 pub const CUDA_GEMV_DEEP: &str = "DISAGG_CUDA_GEMV_DEEP";

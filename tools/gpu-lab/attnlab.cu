@@ -11,11 +11,14 @@
 // launches in one CUDA graph. It prints µs per replay, then the last layer's stamps
 // relative to the QKV GEMV's last block end.
 // Not part of the build; on a CUDA machine:
-//   nvcc -O3 -std=c++17 -arch=sm_90a tools/gpu-lab/attnlab.cu -o attnlab && ./attnlab [trigger [carveout [u2 [ilp]]]]
+//   nvcc -O3 -std=c++17 -arch=sm_90a tools/gpu-lab/attnlab.cu -o attnlab && ./attnlab [trigger [carveout [u2 [ilp [early]]]]]
 //   trigger: the QKV GEMV's RopeKv::trigger (0 none, 1 at entry, 2 after its loop);
 //   carveout: the QKV GEMV's preferred shared-memory carveout in percent (-1: the driver's);
 //   u2: 1 for the QKV GEMV at two loads per row (`gemv_pnorm_rope_bf16_m1`, four blocks per
-//   SM: room for an attention block beside three); ilp: 1 for FLASH_MERGE_ILP.
+//   SM: room for an attention block beside three); ilp: 1 for FLASH_MERGE_ILP; early: 0 to
+//   clear FLASH_EARLY (no tile asked for before the wait: do q's loads still take 3–4 µs?).
+// It also checks that FLASH_MERGE_ILP gives the merge's bits, with every split holding keys
+// and with the last splits empty (max_ctx past the row's position).
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -54,6 +57,7 @@ int main(int argc, char** argv) {
     const int trigger = argc > 1 ? atoi(argv[1]) : 0;
     const int carveout = argc > 2 ? atoi(argv[2]) : -1;
     const bool u2 = argc > 3 && atoi(argv[3]) != 0, ilp = argc > 4 && atoi(argv[4]) != 0;
+    const bool early = argc <= 5 || atoi(argv[5]) != 0;
     auto qkv_gemv = u2 ? gemv_pnorm_rope_bf16_m1 : gemv_pnorm_rope_u3_bf16_m1;
     const int L = 32, H = 4096, NH = 32, NKV = 8, HD = 128, QKV = (NH + 2 * NKV) * HD, BS = 16;
     const int POS = 1024, NBLK = POS / BS + 1, SPLITS = 9;
@@ -68,7 +72,7 @@ int main(int argc, char** argv) {
         CK(cudaMalloc(&cache[l], (size_t)2 * HALF * 2));
         fill_bf16<<<1024, 256, 0, st>>>(wqkv[l], (size_t)QKV * H, 11u + l, 0.02f);
         fill_bf16<<<1024, 256, 0, st>>>(wo[l], (size_t)H * H, 101u + l, 0.02f);
-        // f16 keys and values in (−1, 1): bf16 bits of small values read as f16 are small too.
+        // Small finite f16 keys and values: bf16 bits of values under 0.5 read as f16 (up to ~±1.75).
         fill_bf16<<<1024, 256, 0, st>>>(cache[l], (size_t)2 * HALF, 1001u + l, 0.5f);
     }
     float *xg, *parts, *g, *qkv, *attn, *resid, *part, *inv_freq;
@@ -117,7 +121,7 @@ int main(int argc, char** argv) {
     if (carveout >= 0)
         CK(cudaFuncSetAttribute(qkv_gemv, cudaFuncAttributePreferredSharedMemoryCarveout, carveout));
     const int flags = FLASH_LEAN_LOADS | FLASH_WIDE_MERGE | FLASH_MASK_EDGE | FLASH_PAIR_LOADS | FLASH_CLUSTER |
-                      FLASH_EARLY | FLASH_LAZY_RESCALE | (ilp ? FLASH_MERGE_ILP : 0);
+                      (early ? FLASH_EARLY : 0) | FLASH_LAZY_RESCALE | (ilp ? FLASH_MERGE_ILP : 0);
     const float eps = 1e-5f, scale = 1.f / sqrtf((float)HD);
     const int nq = QKV, nh = H, k = H, zero = 0, one = 1;
     auto layer = [&](int l) {
@@ -139,9 +143,9 @@ int main(int argc, char** argv) {
     }));
     CK(cudaStreamSynchronize(st));
     std::sort(us.begin(), us.end());
-    printf("QKV %s, trigger %d, carveout %d, merge%s: %d layers of QKV -> attention -> o, us per replay: best %.1f, median %.1f "
+    printf("QKV %s, trigger %d, carveout %d, merge%s%s: %d layers of QKV -> attention -> o, us per replay: best %.1f, median %.1f "
            "(%.2f per layer)\n",
-           u2 ? "u2" : "u3", trigger, carveout, ilp ? " ILP" : "", L, us[0], us[2], us[2] / L);
+           u2 ? "u2" : "u3", trigger, carveout, ilp ? " ILP" : "", early ? "" : ", no early tiles", L, us[0], us[2], us[2] / L);
     // The last replay's last layer.
     static unsigned long long ks[256][8], gs[3][1024][2];
     CK(cudaMemcpyFromSymbol(ks, km_stamps, sizeof(ks)));
@@ -167,8 +171,10 @@ int main(int argc, char** argv) {
         std::sort(last.begin(), last.end());
         printf("  %-22s %8.2f %8.2f %8.2f   %8.2f\n", what[i], v.front(), v[v.size() / 2], v.back(), last[last.size() / 2]);
     }
-    // The merge's two forms on the last layer's inputs: the same bits.
-    {
+    // The merge's two forms on the last layer's inputs: the same bits, with the row's own
+    // max_ctx (every split has keys) and with a longer one (the last splits have none).
+    for (const int mc : {POS + 1, POS + 600}) {
+        CK(cudaMemcpy(max_ctx, &mc, 4, cudaMemcpyHostToDevice));
         std::vector<unsigned> o[2];
         for (int v = 0; v < 2; v++) {
             const int f = (flags & ~FLASH_MERGE_ILP) | (v ? FLASH_MERGE_ILP : 0);
@@ -186,7 +192,8 @@ int main(int argc, char** argv) {
             memcpy(&f, &o[0][i], 4);
             finite += std::isfinite(f);
         }
-        printf("cluster merge, in turn against ILP: %d of %d outputs differ in bits (%d finite)\n", diff, NH * HD, finite);
+        printf("cluster merge, in turn against ILP, max_ctx %d: %d of %d outputs differ in bits (%d finite)\n", mc, diff,
+               NH * HD, finite);
     }
     return 0;
 }

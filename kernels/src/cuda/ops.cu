@@ -2444,7 +2444,7 @@ __device__ void flash_decode_km_impl(const float* qkv, const KT* cache, long lon
     KM_STAMP(5);
     if (cluster)
         cluster_merge<HD>(cpart, grp, splits, z, out, ((size_t)row0 * n_heads + kvh * grp) * HD, bf16,
-                          (flags & FLASH_MERGE_ILP) != 0);
+                          (flags & FLASH_MERGE_ILP) != 0 && splits <= 16);
     KM_STAMP(6);
 }
 
@@ -2545,8 +2545,10 @@ struct RopeKv {
     int n_heads, n_kv, hd, interleaved, block_size;
     unsigned short* cache;
     long long half;
-    // 1: let the kernel after (the attention) be scheduled as each block starts; 2: after
-    // each block's loop; 0: not before this kernel ends.
+    // 1: let the kernel after (the attention) be scheduled as each block starts; 2: as the
+    // first of each block's warps leaves its loop (one thread's trigger counts for its
+    // block); 0: not before this kernel ends. The attention is scheduled once every block
+    // has triggered, so none of this kernel's blocks waits for room behind it.
     int trigger;
 };
 
