@@ -323,8 +323,10 @@ pub const CUDA_ROPE_K_ROUND: &str = "DISAGG_CUDA_ROPE_K_ROUND";
 /// left beside it (`griddepcontrol.launch_dependents`; with `DISAGG_CUDA_PDL` only): bit
 /// `1` as each GEMV block starts, or `2` as each block's first warp leaves its loop (not
 /// both); bit `4` the QKV GEMV at two loads per row (four blocks per SM) instead of the
-/// three of `DISAGG_CUDA_GEMV_DEEP`. `0` (the default): none. Measured level at the
-/// driver's shared-memory carveout (docs/PERF.md). For A/B runs.
+/// three of `DISAGG_CUDA_GEMV_DEEP`; bit `8` the QKV GEMVs ask for a 132 KiB shared-memory
+/// carveout (58%), room for an attention block beside them. `0` (the default): none.
+/// Bits 1, 2 and 4 were measured level at the driver's carveout; 8 is not yet measured
+/// (docs/PERF.md). For A/B runs.
 pub const CUDA_QKV_TRIGGER: &str = "DISAGG_CUDA_QKV_TRIGGER";
 
 /// `0`: one-token GEMVs keep two 16-byte loads per row in flight everywhere, instead of

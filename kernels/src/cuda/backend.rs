@@ -521,8 +521,8 @@ pub struct CudaBackend {
     /// (`DISAGG_CUDA_GEMV_DEEP=0`: two everywhere); see [`Self::gemv`].
     gemv_deep: bool,
     /// `DISAGG_CUDA_QKV_TRIGGER`'s bits: where the one-token QKV GEMV lets the attention
-    /// after it be scheduled (1: at its blocks' start, 2: after their loop), and 4: that
-    /// GEMV at two loads per row.
+    /// after it be scheduled (1: at its blocks' start, 2: after their loop), 4: that GEMV at
+    /// two loads per row, 8: the QKV GEMVs' shared-memory carveout set at start.
     qkv_trigger: u32,
     /// What the last such residual GEMV left: x · the norm weight, and the sums of x² per
     /// `NORM_SPAN` elements.
@@ -827,6 +827,28 @@ impl CudaBackend {
                 (name, [(0..=dev.km_cluster_max).map(resident).collect(), vec![full; dev.km_cluster_max + 1]])
             })
             .collect();
+        let qkv_trigger = match std::env::var(crate::env::CUDA_QKV_TRIGGER) {
+            Ok(v) => v.parse().ok().filter(|b: &u32| b & !15 == 0 && b & 3 != 3).ok_or_else(|| {
+                KernelError::Device(format!(
+                    "{}={v}: give 0, or 1 (at the start) or 2 (after the loop), plus 4 for two loads per row \
+                     and 8 for the shared-memory carveout",
+                    crate::env::CUDA_QKV_TRIGGER
+                ))
+            })?,
+            Err(_) => 0,
+        };
+        if qkv_trigger & 8 != 0 {
+            // 58% of the SM's 228 KiB rounds up to its 132 KiB configuration: room for one
+            // keys-on-M attention block (102 KiB of stages) beside the GEMV's blocks.
+            for name in [super::GEMV_NORM_ROPE_M1, super::GEMV_PNORM_M1[2], super::GEMV_PNORM_ROPE_U3_M1] {
+                dev.func(name)
+                    .set_attribute(
+                        cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+                        58,
+                    )
+                    .map_err(dev_err)?;
+            }
+        }
         Ok(CudaBackend {
             attn_waves: !off(crate::env::CUDA_ATTN_WAVES),
             flash_ldmatrix: !off(crate::env::CUDA_FLASH_LDMATRIX),
@@ -856,15 +878,7 @@ impl CudaBackend {
             gemv_pipe: !off(crate::env::CUDA_GEMV_PIPE),
             gemv_prenorm: !off(crate::env::CUDA_GEMV_PRENORM),
             gemv_deep: !off(crate::env::CUDA_GEMV_DEEP),
-            qkv_trigger: match std::env::var(crate::env::CUDA_QKV_TRIGGER) {
-                Ok(v) => v.parse().ok().filter(|b: &u32| b & !7 == 0 && b & 3 != 3).ok_or_else(|| {
-                    KernelError::Device(format!(
-                        "{}={v}: give 0, or 1 (at the start) or 2 (after the loop), plus 4 for two loads per row",
-                        crate::env::CUDA_QKV_TRIGGER
-                    ))
-                })?,
-                Err(_) => 0,
-            },
+            qkv_trigger,
             prenorm_xg: stream.alloc_zeros::<f32>(1).map_err(dev_err)?,
             prenorm_parts: stream.alloc_zeros::<f32>(1).map_err(dev_err)?,
             prenormed: None,
