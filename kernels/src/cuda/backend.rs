@@ -521,8 +521,9 @@ pub struct CudaBackend {
     /// (`DISAGG_CUDA_GEMV_DEEP=0`: two everywhere); see [`Self::gemv`].
     gemv_deep: bool,
     /// `DISAGG_CUDA_QKV_TRIGGER`'s bits: where the one-token QKV GEMV lets the attention
-    /// after it be scheduled (1: at its blocks' start, 2: after their loop), 4: that GEMV at
-    /// two loads per row, 8: the QKV GEMVs' shared-memory carveout set at start.
+    /// after it be scheduled (1: at its blocks' start, 2: as each block's first warp leaves
+    /// its loop), 4: that GEMV at two loads per row, 8: the QKV GEMVs' shared-memory
+    /// carveout set at start.
     qkv_trigger: u32,
     /// What the last such residual GEMV left: x · the norm weight, and the sums of x² per
     /// `NORM_SPAN` elements.
