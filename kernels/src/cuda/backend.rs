@@ -1800,7 +1800,6 @@ impl CudaBackend {
         let prepared = (pre || matches!(kind, Gemv::PlainStats(_)))
             .then(|| (self.prenorm_xg.device_ptr(&st).0, self.prenorm_parts.device_ptr(&st).0));
         let (xg, parts) = prepared.unwrap_or_default();
-        let qkv_trigger = if self.pdl { (self.qkv_trigger & 3) as i32 } else { 0 };
         let mut b = Launch::new(&st, self.dev.func(name));
         b.arg(w);
         if pre {
@@ -1814,7 +1813,9 @@ impl CudaBackend {
                 b.arg(&self.pos).arg(&self.inv_freq).arg(&self.slots);
                 b.arg(&r.n_heads).arg(&r.n_kv).arg(&r.head_dim).arg(&r.interleaved).arg(&r.block_size);
                 b.arg(&mut *r.cache).arg(&r.half);
-                b.arg(&qkv_trigger);
+                // The attention after it may be scheduled early only if launched programmatically.
+                let trigger = if self.pdl { (self.qkv_trigger & 3) as i32 } else { 0 };
+                b.arg(&trigger);
             }
             Gemv::PlainStats(g) => {
                 b.arg(*g).arg(&xg).arg(&parts);

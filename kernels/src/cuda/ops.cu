@@ -2088,6 +2088,7 @@ __device__ void cluster_merge(const float* cpart, int grp, int splits, int z, fl
     for (int i = z * blockDim.x + threadIdx.x; i < grp * HD; i += splits * blockDim.x) {
         const int hh = i / HD, d = i % HD;
         const unsigned p = base + hh * (HD + 2) * 4;
+        float M = NEG_INF, L = 0.f, acc = 0.f;
         if (ilp) {
             float ms[16], ls[16], as[16];
 #pragma unroll
@@ -2097,11 +2098,9 @@ __device__ void cluster_merge(const float* cpart, int grp, int splits, int z, fl
                     ls[s] = ld_dsmem_f32(p + 4, s);
                     as[s] = ld_dsmem_f32(p + (2 + d) * 4, s);
                 }
-            float M = NEG_INF;
 #pragma unroll
             for (int s = 0; s < 16; s++)
                 if (s < splits) M = fmaxf(M, ms[s]);
-            float L = 0.f, acc = 0.f;
 #pragma unroll
             for (int s = 0; s < 16; s++)
                 if (s < splits && ms[s] != NEG_INF) {
@@ -2109,21 +2108,15 @@ __device__ void cluster_merge(const float* cpart, int grp, int splits, int z, fl
                     L += ls[s] * w;
                     acc += as[s] * w;
                 }
-            if (bf16)
-                ((unsigned short*)out)[at + i] = f32_to_bf16(acc / L);
-            else
-                out[at + i] = acc / L;
-            continue;
-        }
-        float M = NEG_INF;
-        for (int s = 0; s < splits; s++) M = fmaxf(M, ld_dsmem_f32(p, s));
-        float L = 0.f, acc = 0.f;
-        for (int s = 0; s < splits; s++) {
-            const float ms = ld_dsmem_f32(p, s);
-            if (ms != NEG_INF) {
-                const float w = expf(ms - M);
-                L += ld_dsmem_f32(p + 4, s) * w;
-                acc += ld_dsmem_f32(p + (2 + d) * 4, s) * w;
+        } else {
+            for (int s = 0; s < splits; s++) M = fmaxf(M, ld_dsmem_f32(p, s));
+            for (int s = 0; s < splits; s++) {
+                const float ms = ld_dsmem_f32(p, s);
+                if (ms != NEG_INF) {
+                    const float w = expf(ms - M);
+                    L += ld_dsmem_f32(p + 4, s) * w;
+                    acc += ld_dsmem_f32(p + (2 + d) * 4, s) * w;
+                }
             }
         }
         if (bf16)
