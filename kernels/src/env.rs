@@ -291,6 +291,25 @@ pub const CUDA_KM_BULK: &str = "DISAGG_CUDA_KM_BULK";
 /// with 1 skipped: the same bits); for A/B runs.
 pub const CUDA_FLASH_LAZY_RESCALE: &str = "DISAGG_CUDA_FLASH_LAZY_RESCALE";
 
+/// `0`: a keys-on-M decode attention split in a thread block cluster merges its splits
+/// reading each split's partial after the maximum over them is known (a round trip per
+/// split), instead of every split's in one round of loads (at most 16 splits; the same
+/// arithmetic, the same bits); for A/B runs.
+pub const CUDA_FLASH_MERGE_ILP: &str = "DISAGG_CUDA_FLASH_MERGE_ILP";
+
+/// `1`: the keys-on-M decode kernel loads q's values and each key tile's block-table
+/// entries all before the first use (one round trip; the same values, the same bits),
+/// instead of one after another as it uses them (the default: per the SASS, a round trip
+/// each, the loads waiting behind the uses in the instruction stream). Opt-in until it is
+/// measured on a GPU (docs/PERF.md); for A/B runs.
+pub const CUDA_KM_BATCH_LOADS: &str = "DISAGG_CUDA_KM_BATCH_LOADS";
+
+/// `1`: the cluster barrier after a keys-on-M cluster's merge orders no memory (what it
+/// guards is only that no block leaves while another reads its shared memory), instead
+/// of release/acquire (the default: every block's output stores drained first). Opt-in
+/// until it is measured on a GPU (docs/PERF.md); for A/B runs.
+pub const CUDA_CLUSTER_RELAXED_EXIT: &str = "DISAGG_CUDA_CLUSTER_RELAXED_EXIT";
+
 /// `0`: CUDA prefill steps at head_dim 128 on sm_90 take the one-warpgroup flash kernel
 /// (64-row tiles, three blocks per SM) instead of the warp-specialized one (128-row
 /// tiles: a producer warpgroup loading K/V tiles, two consumer warpgroups sharing them);
@@ -323,9 +342,10 @@ pub const CUDA_ROPE_K_ROUND: &str = "DISAGG_CUDA_ROPE_K_ROUND";
 /// left beside it (`griddepcontrol.launch_dependents`; with `DISAGG_CUDA_PDL` only): bit
 /// `1` as each GEMV block starts, or `2` as each block's first warp leaves its loop (not
 /// both); bit `4` the QKV GEMV at two loads per row (four blocks per SM) instead of the
-/// three of `DISAGG_CUDA_GEMV_DEEP`; bit `8` the QKV GEMVs ask for a 132 KiB shared-memory
-/// carveout (58%), room for an attention block beside them. `0` (the default): none.
-/// Bits 1, 2 and 4 were measured level at the driver's carveout; 8 is not yet measured
+/// three of `DISAGG_CUDA_GEMV_DEEP`; bit `8` the QKV GEMVs ask for the largest shared-memory
+/// carveout (100%), room for an attention block beside them (58% left none). `0` (the
+/// default): none. Bits 1, 2 and 4 were measured level at the driver's carveout; `13`
+/// (entry, two loads, 100%) 0.2–0.4% faster at Llama-3-8B batch 1 on one H100
 /// (docs/PERF.md). For A/B runs.
 pub const CUDA_QKV_TRIGGER: &str = "DISAGG_CUDA_QKV_TRIGGER";
 

@@ -189,7 +189,9 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
             // the keys-on-M kernel (with every switch on; the cases that switch one off
             // test the flash kernel's decode form), its splits merged in the kernel as
             // thread block clusters (sm_90) and by attention_merge, its first tiles asked
-            // for before waiting for the kernel before and after: the same bits. Split, the
+            // for before waiting for the kernel before and after, the cluster merge's loads
+            // in one round and in turn, q's and the block tables' loads all first and each
+            // as used, the barrier after the merge relaxed and not: the same bits. Split, the
             // mixed step's decode row takes the keys-on-M kernel in a launch of its own
             // (with clusters; without, the step is not split).
             #[derive(Clone, Copy, PartialEq)]
@@ -209,6 +211,9 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
                 early: bool,
                 bulk: bool,
                 lazy: bool,
+                merge_ilp: bool,
+                batch: bool,
+                relaxed: bool,
                 pp: bool,
                 turns: bool,
                 pp_lean: bool,
@@ -230,6 +235,9 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
                 early: true,
                 bulk: true,
                 lazy: true,
+                merge_ilp: true,
+                batch: true,
+                relaxed: true,
                 pp: true,
                 turns: false,
                 pp_lean: true,
@@ -243,6 +251,9 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
                 Flash { early: false, ..all },
                 Flash { bulk: false, ..all },
                 Flash { lazy: false, ..all },
+                Flash { merge_ilp: false, ..all },
+                Flash { batch: false, ..all },
+                Flash { relaxed: false, ..all },
                 sa,
                 Flash { ldsm: false, ..sa },
                 Flash { lean: false, ..sa },
@@ -262,8 +273,10 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
             let decode = seqs.iter().all(|s| s.1 == 1);
             let mut lazy_ref: Vec<(usize, Vec<u32>)> = Vec::new();
             let mut producer_ref: Vec<(usize, Vec<u32>)> = Vec::new();
-            // ((early tiles, bulk copies), merged in clusters, splits, the outputs)
-            type Merged = ((bool, bool), bool, usize, Vec<f32>);
+            // ((early tiles, bulk copies, the cluster merge's one round of loads, q's and the
+            // tables' loads first, the relaxed exit barrier), merged in clusters, splits,
+            // the outputs)
+            type Merged = ((bool, bool, bool, bool, bool), bool, usize, Vec<f32>);
             let mut merged: Vec<Merged> = Vec::new();
             // The bits of the cluster merge and attention_merge are compared at the same
             // splits: split counts that assume clusters as resident as single blocks,
@@ -287,6 +300,9 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
                 be.set_km_early(f.early);
                 be.set_km_bulk(f.bulk);
                 be.set_flash_lazy_rescale(f.lazy);
+                be.set_flash_merge_ilp(f.merge_ilp);
+                be.set_km_batch_loads(f.batch);
+                be.set_cluster_relaxed_exit(f.relaxed);
                 be.set_flash_warp_spec(f.pp);
                 be.set_flash_pp_turns(f.turns);
                 be.set_flash_pp_lean(f.pp_lean);
@@ -371,7 +387,8 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
                             be.step_cluster()
                         ));
                     }
-                    merged.push(((f.early, f.bulk), be.step_cluster(), be.step_splits(), got.clone()));
+                    let key = (f.early, f.bulk, f.merge_ilp, f.batch, f.relaxed);
+                    merged.push((key, be.step_cluster(), be.step_splits(), got.clone()));
                 }
                 if err.is_nan() || err >= if flash { 5e-3 } else { 1e-4 } {
                     failed.push(format!(
@@ -382,19 +399,23 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
                 }
             }
             // The cluster merge against attention_merge, the first tiles before the wait
-            // against after it, bulk copies against cp.async: the same splits, the same bits.
-            if let [((true, true), true, s1, a), rest @ ..] = &merged[..] {
-                for ((early, bulk), cluster, s2, b) in rest {
+            // against after it, bulk copies against cp.async, the cluster merge's one round
+            // of loads against a round trip per split, q's and the tables' loads first against
+            // in turn, the relaxed exit barrier against release/acquire: the same splits, the
+            // same bits.
+            if let [((true, true, true, true, true), true, s1, a), rest @ ..] = &merged[..] {
+                for ((early, bulk, ilp, batch, relaxed), cluster, s2, b) in rest {
                     let diff = a.iter().zip(b).filter(|(x, y)| x.to_bits() != y.to_bits()).count();
                     println!(
-                        "{n_heads}/{n_kv} heads: against clusters, early tiles and bulk copies ({s1} splits), \
-                         clusters {cluster}, early tiles {early}, bulk copies {bulk} ({s2} splits): {diff} of {} \
-                         outputs differ",
+                        "{n_heads}/{n_kv} heads: against clusters, early tiles, bulk copies and the one-round merge ({s1} splits), \
+                         clusters {cluster}, early tiles {early}, bulk copies {bulk}, merge in one round {ilp}, \
+                         loads first {batch}, relaxed exit {relaxed} ({s2} splits): {diff} of {} outputs differ",
                         a.len()
                     );
                     if s1 != s2 || diff > 0 {
                         failed.push(format!(
-                            "{n_heads}/{n_kv} heads: clusters {cluster}, early {early}, bulk {bulk}: {diff} differ"
+                            "{n_heads}/{n_kv} heads: clusters {cluster}, early {early}, bulk {bulk}, ilp {ilp}, \
+                             batch {batch}, relaxed {relaxed}: {diff} differ"
                         ));
                     }
                 }

@@ -11,14 +11,19 @@
 // launches in one CUDA graph. It prints µs per replay, then the last layer's stamps
 // relative to the QKV GEMV's last block end.
 // Not part of the build; on a CUDA machine:
-//   nvcc -O3 -std=c++17 -arch=sm_90a tools/gpu-lab/attnlab.cu -o attnlab && ./attnlab [trigger [carveout [u2 [ilp [early]]]]]
+//   nvcc -O3 -std=c++17 -arch=sm_90a tools/gpu-lab/attnlab.cu -o attnlab && ./attnlab [trigger [carveout [u2 [ilp [early [twice [batch [relaxed]]]]]]]]
 //   trigger: the QKV GEMV's RopeKv::trigger (0 none, 1 at entry, 2 after its loop);
 //   carveout: the QKV GEMV's preferred shared-memory carveout in percent (-1: the driver's);
 //   u2: 1 for the QKV GEMV at two loads per row (`gemv_pnorm_rope_bf16_m1`, four blocks per
 //   SM: room for an attention block beside three); ilp: 1 for FLASH_MERGE_ILP; early: 0 to
-//   clear FLASH_EARLY (no tile asked for before the wait: do q's loads still take 3–4 µs?).
-// It also checks that FLASH_MERGE_ILP gives the merge's bits, with every split holding keys
-// and with the last splits empty (max_ctx past the row's position).
+//   clear FLASH_EARLY (no tile asked for before the wait: do q's loads still take 3–4 µs?);
+//   twice: 1 to launch the attention a second time in each layer (stamped apart), with its
+//   code and metadata fresh in the caches; batch: 1 for FLASH_BATCH_LOADS (q's values and
+//   the tiles' block-table entries loaded before their first use); relaxed: 1 for
+//   FLASH_RELAXED_EXIT (the barrier after the cluster merge without memory ordering).
+// It also checks that the run's flags give the bits of the kernel without FLASH_MERGE_ILP,
+// FLASH_BATCH_LOADS and FLASH_RELAXED_EXIT, with every split holding keys and with the
+// last splits empty (max_ctx past the row's position).
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -58,6 +63,8 @@ int main(int argc, char** argv) {
     const int carveout = argc > 2 ? atoi(argv[2]) : -1;
     const bool u2 = argc > 3 && atoi(argv[3]) != 0, ilp = argc > 4 && atoi(argv[4]) != 0;
     const bool early = argc <= 5 || atoi(argv[5]) != 0;
+    const bool twice = argc > 6 && atoi(argv[6]) != 0;
+    const bool batch = argc > 7 && atoi(argv[7]) != 0, relaxed = argc > 8 && atoi(argv[8]) != 0;
     auto qkv_gemv = u2 ? gemv_pnorm_rope_bf16_m1 : gemv_pnorm_rope_u3_bf16_m1;
     const int L = 32, H = 4096, NH = 32, NKV = 8, HD = 128, QKV = (NH + 2 * NKV) * HD, BS = 16;
     const int POS = 1024, NBLK = POS / BS + 1, SPLITS = 9;
@@ -121,7 +128,8 @@ int main(int argc, char** argv) {
     if (carveout >= 0)
         CK(cudaFuncSetAttribute(qkv_gemv, cudaFuncAttributePreferredSharedMemoryCarveout, carveout));
     const int flags = FLASH_LEAN_LOADS | FLASH_WIDE_MERGE | FLASH_MASK_EDGE | FLASH_PAIR_LOADS | FLASH_CLUSTER |
-                      (early ? FLASH_EARLY : 0) | FLASH_LAZY_RESCALE | (ilp ? FLASH_MERGE_ILP : 0);
+                      (early ? FLASH_EARLY : 0) | FLASH_LAZY_RESCALE | (ilp ? FLASH_MERGE_ILP : 0) |
+                      (batch ? FLASH_BATCH_LOADS : 0) | (relaxed ? FLASH_RELAXED_EXIT : 0);
     const float eps = 1e-5f, scale = 1.f / sqrtf((float)HD);
     const int nq = QKV, nh = H, k = H, zero = 0, one = 1;
     auto layer = [&](int l) {
@@ -132,6 +140,11 @@ int main(int argc, char** argv) {
         launch(flash_decode_km_f16_d128, dim3(1, NKV, SPLITS), dim3(128), km_smem, st, SPLITS, (const float*)qkv,
                (const unsigned short*)cache[l], HALF, (const int*)tiles, (const unsigned*)tables, NH, NKV, BS, scale,
                (const int*)max_ctx, attn, part, flags, (const float*)inv_freq, (const long long*)slots, zero);
+        if (twice)  // the same attention again, its code and metadata now fresh in the caches
+            launch(flash_decode_km_f16_d128, dim3(1, NKV, SPLITS), dim3(128), km_smem, st, SPLITS, (const float*)qkv,
+                   (const unsigned short*)cache[l], HALF, (const int*)tiles, (const unsigned*)tables, NH, NKV, BS,
+                   scale, (const int*)max_ctx, attn, part, flags | (1 << 30), (const float*)inv_freq,
+                   (const long long*)slots, zero);
         launch(gemv_stats_u4_bf16_m1, dim3(H / 2 / GEMV_WARPS), dim3(GEMV_WARPS * 32), 0, st, 1,
                (const unsigned short*)wo[l], (const float*)attn, (const float*)nullptr, eps, nh, k, resid, one,
                (const float*)g, xg, parts);
@@ -143,9 +156,10 @@ int main(int argc, char** argv) {
     }));
     CK(cudaStreamSynchronize(st));
     std::sort(us.begin(), us.end());
-    printf("QKV %s, trigger %d, carveout %d, merge%s%s: %d layers of QKV -> attention -> o, us per replay: best %.1f, median %.1f "
+    printf("QKV %s, trigger %d, carveout %d, merge%s%s%s%s%s: %d layers of QKV -> attention -> o, us per replay: best %.1f, median %.1f "
            "(%.2f per layer)\n",
-           u2 ? "u2" : "u3", trigger, carveout, ilp ? " ILP" : "", early ? "" : ", no early tiles", L, us[0], us[2], us[2] / L);
+           u2 ? "u2" : "u3", trigger, carveout, ilp ? " ILP" : "", early ? "" : ", no early tiles",
+           twice ? ", attention twice" : "", batch ? ", loads first" : "", relaxed ? ", relaxed exit" : "", L, us[0], us[2], us[2] / L);
     // The last replay's last layer.
     static unsigned long long ks[256][8], gs[3][1024][2];
     CK(cudaMemcpyFromSymbol(ks, km_stamps, sizeof(ks)));
@@ -161,23 +175,34 @@ int main(int argc, char** argv) {
                            "warps merged", "cluster merged (exit)"};
     const int nb = NKV * SPLITS;
     printf("attention, %d blocks (us from the QKV GEMV's last block out): min / median / max; last split's median\n", nb);
-    for (int i = 0; i < 7; i++) {
-        std::vector<double> v, last;
-        for (int b = 0; b < nb; b++) {
-            v.push_back(rel(ks[b][i]));
-            if (b / NKV == SPLITS - 1) last.push_back(rel(ks[b][i]));
+    for (int set = 0; set < (twice ? 2 : 1); set++) {
+        if (set) {
+            // The second launch from the first's last block out.
+            unsigned long long e = 0;
+            for (int b = 0; b < nb; b++) e = std::max(e, ks[b][6]);
+            q1 = e;
+            printf("attention again (us from the first launch's last block out):\n");
         }
-        std::sort(v.begin(), v.end());
-        std::sort(last.begin(), last.end());
-        printf("  %-22s %8.2f %8.2f %8.2f   %8.2f\n", what[i], v.front(), v[v.size() / 2], v.back(), last[last.size() / 2]);
+        for (int i = 0; i < 7; i++) {
+            std::vector<double> v, last;
+            for (int b = 0; b < nb; b++) {
+                v.push_back(rel(ks[128 * set + b][i]));
+                if (b / NKV == SPLITS - 1) last.push_back(rel(ks[128 * set + b][i]));
+            }
+            std::sort(v.begin(), v.end());
+            std::sort(last.begin(), last.end());
+            printf("  %-22s %8.2f %8.2f %8.2f   %8.2f\n", what[i], v.front(), v[v.size() / 2], v.back(),
+                   last[last.size() / 2]);
+        }
     }
-    // The merge's two forms on the last layer's inputs: the same bits, with the row's own
-    // max_ctx (every split has keys) and with a longer one (the last splits have none).
+    // The kernel with none of the merge's one round, the loads first and the relaxed exit,
+    // and with this run's flags, on the last layer's inputs: the same bits, with the row's
+    // own max_ctx (every split has keys) and with a longer one (the last splits have none).
     for (const int mc : {POS + 1, POS + 600}) {
         CK(cudaMemcpy(max_ctx, &mc, 4, cudaMemcpyHostToDevice));
         std::vector<unsigned> o[2];
         for (int v = 0; v < 2; v++) {
-            const int f = (flags & ~FLASH_MERGE_ILP) | (v ? FLASH_MERGE_ILP : 0);
+            const int f = v ? flags : flags & ~(FLASH_MERGE_ILP | FLASH_BATCH_LOADS | FLASH_RELAXED_EXIT);
             launch(flash_decode_km_f16_d128, dim3(1, NKV, SPLITS), dim3(128), km_smem, st, SPLITS, (const float*)qkv,
                    (const unsigned short*)cache[L - 1], HALF, (const int*)tiles, (const unsigned*)tables, NH, NKV, BS,
                    scale, (const int*)max_ctx, attn, part, f, (const float*)inv_freq, (const long long*)slots, zero);
@@ -192,8 +217,8 @@ int main(int argc, char** argv) {
             memcpy(&f, &o[0][i], 4);
             finite += std::isfinite(f);
         }
-        printf("cluster merge, in turn against ILP, max_ctx %d: %d of %d outputs differ in bits (%d finite)\n", mc, diff,
-               NH * HD, finite);
+        printf("attention without the merge's one round, loads first, relaxed exit against this run's flags, max_ctx %d: "
+               "%d of %d outputs differ in bits (%d finite)\n", mc, diff, NH * HD, finite);
     }
     return 0;
 }

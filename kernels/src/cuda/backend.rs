@@ -523,8 +523,18 @@ pub struct CudaBackend {
     /// `DISAGG_CUDA_QKV_TRIGGER`'s bits: where the one-token QKV GEMV lets the attention
     /// after it be scheduled (1: at its blocks' start, 2: as each block's first warp leaves
     /// its loop), 4: that GEMV at two loads per row, 8: the QKV GEMVs' shared-memory
-    /// carveout set at start.
+    /// carveout set at start (the largest).
     qkv_trigger: u32,
+    /// A split keys-on-M attention merged in its cluster reads every split's partial in
+    /// one round of loads (`DISAGG_CUDA_FLASH_MERGE_ILP=0`: M first, then each split's in
+    /// turn; the same bits).
+    flash_merge_ilp: bool,
+    /// The keys-on-M kernel loads q's values and a tile's block-table entries all before
+    /// the first use (`DISAGG_CUDA_KM_BATCH_LOADS=1`; else each in turn; the same bits).
+    km_batch_loads: bool,
+    /// The barrier after a keys-on-M cluster's merge orders no memory
+    /// (`DISAGG_CUDA_CLUSTER_RELAXED_EXIT=1`; else release/acquire).
+    cluster_relaxed_exit: bool,
     /// What the last such residual GEMV left: x · the norm weight, and the sums of x² per
     /// `NORM_SPAN` elements.
     prenorm_xg: CudaSlice<f32>,
@@ -839,13 +849,14 @@ impl CudaBackend {
             Err(_) => 0,
         };
         if qkv_trigger & 8 != 0 {
-            // 58% of the SM's 228 KiB rounds up to its 132 KiB configuration: room for one
-            // keys-on-M attention block (102 KiB of stages) beside the GEMV's blocks.
+            // The SM's 228 KiB: room for one keys-on-M attention block (102 KiB of stages)
+            // beside the GEMV's blocks (58%, its 132 KiB configuration, left none: the
+            // attention lab, docs/PERF.md).
             for name in [super::GEMV_NORM_ROPE_M1, super::GEMV_PNORM_M1[2], super::GEMV_PNORM_ROPE_U3_M1] {
                 dev.func(name)
                     .set_attribute(
                         cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
-                        58,
+                        100,
                     )
                     .map_err(dev_err)?;
             }
@@ -897,6 +908,9 @@ impl CudaBackend {
             km_early: !off(crate::env::CUDA_KM_EARLY),
             km_bulk: on(crate::env::CUDA_KM_BULK) && dev.arch.0 >= 9,
             flash_lazy_rescale: !off(crate::env::CUDA_FLASH_LAZY_RESCALE),
+            flash_merge_ilp: !off(crate::env::CUDA_FLASH_MERGE_ILP),
+            km_batch_loads: on(crate::env::CUDA_KM_BATCH_LOADS),
+            cluster_relaxed_exit: on(crate::env::CUDA_CLUSTER_RELAXED_EXIT),
             flash_warp_spec: !off(crate::env::CUDA_FLASH_WARP_SPEC),
             flash_pp_turns: on(crate::env::CUDA_FLASH_PP_TURNS),
             flash_pp_lean: !off(crate::env::CUDA_FLASH_PP_LEAN),
@@ -1330,6 +1344,25 @@ impl CudaBackend {
     /// unless `DISAGG_CUDA_FLASH_LAZY_RESCALE=0`).
     pub fn set_flash_lazy_rescale(&mut self, on: bool) {
         self.set_switch(on, |b| &mut b.flash_lazy_rescale);
+    }
+
+    /// A split keys-on-M attention merged in its cluster reads every split's partial in
+    /// one round of loads (default: on unless `DISAGG_CUDA_FLASH_MERGE_ILP=0`; the same
+    /// bits).
+    pub fn set_flash_merge_ilp(&mut self, on: bool) {
+        self.set_switch(on, |b| &mut b.flash_merge_ilp);
+    }
+
+    /// The keys-on-M kernel loads q's values and a tile's block-table entries all before
+    /// the first use (default: off unless `DISAGG_CUDA_KM_BATCH_LOADS=1`; the same bits).
+    pub fn set_km_batch_loads(&mut self, on: bool) {
+        self.set_switch(on, |b| &mut b.km_batch_loads);
+    }
+
+    /// The barrier after a keys-on-M cluster's merge orders no memory (default: off unless
+    /// `DISAGG_CUDA_CLUSTER_RELAXED_EXIT=1`).
+    pub fn set_cluster_relaxed_exit(&mut self, on: bool) {
+        self.set_switch(on, |b| &mut b.cluster_relaxed_exit);
     }
 
     /// Prefill steps at head_dim 128 take the warp-specialized flash kernel where the
@@ -2150,7 +2183,10 @@ impl CudaBackend {
             | (self.km_early as i32) << 7
             | (self.km_bulk as i32) << 8
             | (self.flash_lazy_rescale as i32) << 9
-            | (self.flash_pp_turns as i32) << 10;
+            | (self.flash_pp_turns as i32) << 10
+            | (self.flash_merge_ilp as i32) << 12
+            | (self.km_batch_loads as i32) << 13
+            | (self.cluster_relaxed_exit as i32) << 14;
         match &mut kv.layers[layer] {
             c @ (KvBuf::F16(_) | KvBuf::Fp8(_)) if self.step_flash => {
                 let name = self.step_flash_kernel;

@@ -29,9 +29,11 @@ __device__ __forceinline__ unsigned long long globaltimer() {
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
     return t;
 }
+// (flags bit 30: a second launch in the same layer, stamped from row 128 on.)
 #define KM_STAMP(i) \
     do { \
-        if (threadIdx.x == 0) km_stamps[(blockIdx.z * gridDim.y + blockIdx.y) % 256][i] = globaltimer(); \
+        if (threadIdx.x == 0) \
+            km_stamps[((flags >> 30) & 1) * 128 + (blockIdx.z * gridDim.y + blockIdx.y) % 128][i] = globaltimer(); \
     } while (0)
 #define GEMV_STAMP(epi, i) \
     do { \
@@ -1038,6 +1040,8 @@ __device__ __forceinline__ void wgmma_rs(float* d, const unsigned* a, unsigned l
 #define FLASH_PP_TURNS 1024     // warp-specialized: the consumers take turns at the tensor cores (else free)
 #define FLASH_PP_ROPE_Q 2048    // warp-specialized: q rotated as loaded, by rope_write_k_f16's cos/sin (else rotated before)
 #define FLASH_MERGE_ILP 4096    // keys on M, cluster: a merge reads every split's partial at once (else M, then in turn)
+#define FLASH_BATCH_LOADS 8192  // keys on M: q's values and a tile's block-table entries all loaded before use (else each in turn)
+#define FLASH_RELAXED_EXIT 16384  // keys on M, cluster: the barrier after the merge without release/acquire (else with)
 // 2^x for the online softmax. FX: the bare MUFU instruction, inputs and results below
 // 2^-126 flushed to zero (x ≤ 0 here, and P is rounded to f16 anyway, whose smallest
 // subnormal is 2^-24); else exp2f, which scales around the MUFU for f32 subnormals.
@@ -2045,6 +2049,15 @@ __device__ __forceinline__ void cluster_sync_all() {
     __trap();
 #endif
 }
+// Cluster barrier without memory ordering: where no thread's writes need be seen by
+// another block after it (each thread's remote loads were used before it arrives).
+__device__ __forceinline__ void cluster_sync_relaxed() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;\nbarrier.cluster.wait.aligned;\n" ::: "memory");
+#else
+    __trap();
+#endif
+}
 // Four floats at shared address `a` of cluster block `rank`.
 __device__ __forceinline__ float4 ld_dsmem_f4(unsigned a, unsigned rank) {
     float4 v;
@@ -2079,10 +2092,12 @@ __device__ __forceinline__ float ld_dsmem_f32(unsigned a, unsigned rank) {
 // order and arithmetic (the same bits), to `out` from `at` (f32, or bf16 with `bf16`).
 // With `ilp` every split's M, L and sum come in one round of loads (at most 16 splits, the
 // cluster's limit) and the same arithmetic follows; else M's loads, then each split's L
-// and sum after its M is known (a round trip per split).
+// and sum after its M is known (a round trip per split). With `relaxed_exit` the barrier
+// that keeps each block's shared memory until the others have read it orders no memory
+// (the reads' values were used before it), so the outputs' stores need not drain first.
 template <int HD>
 __device__ void cluster_merge(const float* cpart, int grp, int splits, int z, float* out, size_t at, bool bf16,
-                              bool ilp) {
+                              bool ilp, bool relaxed_exit) {
     cluster_sync_all();  // every split's partial written
     const unsigned base = smem_u32(cpart);
     for (int i = z * blockDim.x + threadIdx.x; i < grp * HD; i += splits * blockDim.x) {
@@ -2124,7 +2139,11 @@ __device__ void cluster_merge(const float* cpart, int grp, int splits, int z, fl
         else
             out[at + i] = acc / L;
     }
-    cluster_sync_all();  // no block leaves while another still reads its shared memory
+    // No block leaves while another still reads its shared memory.
+    if (relaxed_exit)
+        cluster_sync_relaxed();
+    else
+        cluster_sync_all();
 }
 
 #define KM_KEYS 64
@@ -2233,6 +2252,26 @@ __device__ void flash_decode_km_impl(const float* qkv, const KT* cache, long lon
             const KT* src =
                 head_src + table[bi] * blk_stride + (size_t)(j - bi * block_size) * HD + (threadIdx.x < KM_KEYS ? 0 : half);
             bulk_copy_g2s(base + st * STAGE_BYTES + (threadIdx.x / KM_KEYS) * KBYTES + r * RB, src, HD * sizeof(KT), bar);
+        } else if (kb < k1 && (flags & FLASH_BATCH_LOADS)) {
+            // Every pass's block-table entry asked for before the first copy needs one (keys
+            // past the end read the last key's entry), so the copies wait for one round trip.
+            const unsigned at = base + st * STAGE_BYTES + my_key * RB + my_c * sizeof(KT);
+            int bi[PASSES];
+            unsigned blk[PASSES];
+#pragma unroll
+            for (int p = 0; p < PASSES; p++) {
+                const int j = min(kb + my_key + p * KPP, k1 - 1);
+                bi[p] = bs_pow2 ? j >> bs_shift : j / block_size;
+                blk[p] = table[bi[p]];
+            }
+#pragma unroll
+            for (int p = 0; p < PASSES; p++) {
+                const int j = kb + my_key + p * KPP;
+                const bool real = j < k1;
+                const KT* src = real ? my_src + blk[p] * blk_stride + (size_t)(j - bi[p] * block_size) * HD : cache;
+                cp_async16_at(at + p * KPP * RB, src, real ? 16 : 0);
+                cp_async16_at(at + KBYTES + p * KPP * RB, real ? src + half : cache, real ? 16 : 0);
+            }
         } else if (kb < k1) {
             const unsigned at = base + st * STAGE_BYTES + my_key * RB + my_c * sizeof(KT);
 #pragma unroll
@@ -2287,11 +2326,47 @@ __device__ void flash_decode_km_impl(const float* qkv, const KT* cache, long lon
         const float* q = qkv + (size_t)row0 * w + (kvh * grp + (real ? g : 0)) * HD;
         // FP8: the k-columns 2t4, 2t4 + 1 | 2t4 + 8, 2t4 + 9 are dims 4t4, +1 | +2, +3.
         constexpr int B1 = F8 ? 2 : 8;
+        if (flags & FLASH_BATCH_LOADS) {
+            // Every value loaded (with RoPE, both of its pair) before any is used, so the
+            // loads take one round trip, not one per pack: the same values as q_at's.
+            auto col = [&](int ks, int e) { return 16 * ks + (F8 ? 4 : 2) * t4 + (e >> 1) * B1 + (e & 1); };
+            float x[KS][4], y[KS][4];
+            if (rope) {
 #pragma unroll
-        for (int ks = 0; ks < KS; ks++) {
-            const int c0 = 16 * ks + (F8 ? 4 : 2) * t4;
-            qf[ks][0] = real ? pack_f16x2(q_at(q, c0) * qs, q_at(q, c0 + 1) * qs) : 0u;
-            qf[ks][1] = real ? pack_f16x2(q_at(q, c0 + B1) * qs, q_at(q, c0 + B1 + 1) * qs) : 0u;
+                for (int ks = 0; ks < KS; ks++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        const int c = col(ks, e), j = interleaved ? c >> 1 : (c < HH ? c : c - HH);
+                        x[ks][e] = q[pair_a(j)];
+                        y[ks][e] = q[pair_b(j)];
+                    }
+#pragma unroll
+                for (int ks = 0; ks < KS; ks++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        const int c = col(ks, e), j = interleaved ? c >> 1 : (c < HH ? c : c - HH);
+                        float x0 = x[ks][e], x1 = y[ks][e];
+                        rope_apply(rope_c[j], rope_s[j], x0, x1);
+                        x[ks][e] = c == pair_a(j) ? x0 : x1;
+                    }
+            } else {
+#pragma unroll
+                for (int ks = 0; ks < KS; ks++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++) x[ks][e] = q[col(ks, e)];
+            }
+#pragma unroll
+            for (int ks = 0; ks < KS; ks++) {
+                qf[ks][0] = real ? pack_f16x2(x[ks][0] * qs, x[ks][1] * qs) : 0u;
+                qf[ks][1] = real ? pack_f16x2(x[ks][2] * qs, x[ks][3] * qs) : 0u;
+            }
+        } else {
+#pragma unroll
+            for (int ks = 0; ks < KS; ks++) {
+                const int c0 = 16 * ks + (F8 ? 4 : 2) * t4;
+                qf[ks][0] = real ? pack_f16x2(q_at(q, c0) * qs, q_at(q, c0 + 1) * qs) : 0u;
+                qf[ks][1] = real ? pack_f16x2(q_at(q, c0 + B1) * qs, q_at(q, c0 + B1 + 1) * qs) : 0u;
+            }
         }
     }
     KM_STAMP(3);
@@ -2437,7 +2512,7 @@ __device__ void flash_decode_km_impl(const float* qkv, const KT* cache, long lon
     KM_STAMP(5);
     if (cluster)
         cluster_merge<HD>(cpart, grp, splits, z, out, ((size_t)row0 * n_heads + kvh * grp) * HD, bf16,
-                          (flags & FLASH_MERGE_ILP) != 0 && splits <= 16);
+                          (flags & FLASH_MERGE_ILP) != 0 && splits <= 16, (flags & FLASH_RELAXED_EXIT) != 0);
     KM_STAMP(6);
 }
 
