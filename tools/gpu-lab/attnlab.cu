@@ -20,7 +20,7 @@
 //   twice: 1 to launch the attention a second time in each layer (stamped apart), with its
 //   code and metadata fresh in the caches; batch: 1 for FLASH_BATCH_LOADS (q's values and
 //   the tiles' block-table entries loaded before their first use); relaxed: 1 for
-//   FLASH_RELAXED_EXIT (the barrier after the cluster merge without memory ordering).
+//   FLASH_RELAXED_EXIT (the barrier after the cluster merge arrives without release).
 // It also checks that the run's flags give the bits of the kernel without FLASH_MERGE_ILP,
 // FLASH_BATCH_LOADS and FLASH_RELAXED_EXIT, with every split holding keys and with the
 // last splits empty (max_ctx past the row's position).

@@ -532,8 +532,8 @@ pub struct CudaBackend {
     /// The keys-on-M kernel loads q's values and a tile's block-table entries all before
     /// the first use (`DISAGG_CUDA_KM_BATCH_LOADS=1`; else each in turn; the same bits).
     km_batch_loads: bool,
-    /// The barrier after a keys-on-M cluster's merge orders no memory
-    /// (`DISAGG_CUDA_CLUSTER_RELAXED_EXIT=1`; else release/acquire).
+    /// The barrier after a keys-on-M cluster's merge arrives without release
+    /// (`DISAGG_CUDA_CLUSTER_RELAXED_EXIT=1`; else with it).
     cluster_relaxed_exit: bool,
     /// What the last such residual GEMV left: x · the norm weight, and the sums of x² per
     /// `NORM_SPAN` elements.
@@ -1359,8 +1359,8 @@ impl CudaBackend {
         self.set_switch(on, |b| &mut b.km_batch_loads);
     }
 
-    /// The barrier after a keys-on-M cluster's merge orders no memory (default: off unless
-    /// `DISAGG_CUDA_CLUSTER_RELAXED_EXIT=1`).
+    /// The barrier after a keys-on-M cluster's merge arrives without release (default: off
+    /// unless `DISAGG_CUDA_CLUSTER_RELAXED_EXIT=1`).
     pub fn set_cluster_relaxed_exit(&mut self, on: bool) {
         self.set_switch(on, |b| &mut b.cluster_relaxed_exit);
     }
@@ -2224,7 +2224,9 @@ impl CudaBackend {
                 b.arg(&nh).arg(&nkv).arg(&bs).arg(&scale).arg(&self.max_ctx_dev);
                 // Split: each block writes its partials to the scratch, merged below.
                 // The kernel's switch bits (FLASH_LEAN_LOADS, FLASH_WIDE_MERGE,
-                // FLASH_MASK_EDGE, FLASH_PAIR_LOADS in ops.cu), and
+                // FLASH_MASK_EDGE, FLASH_PAIR_LOADS, the keys-on-M kernel's FLASH_EARLY,
+                // FLASH_BULK, FLASH_MERGE_ILP, FLASH_BATCH_LOADS, FLASH_RELAXED_EXIT,
+                // FLASH_LAZY_RESCALE in ops.cu), and
                 // FLASH_OUT_BF16: the bf16 GEMM scratch in place of `out`.
                 let flags = flash_flags
                     | (rope.is_some() as i32) << 5

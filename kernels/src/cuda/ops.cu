@@ -1041,7 +1041,7 @@ __device__ __forceinline__ void wgmma_rs(float* d, const unsigned* a, unsigned l
 #define FLASH_PP_ROPE_Q 2048    // warp-specialized: q rotated as loaded, by rope_write_k_f16's cos/sin (else rotated before)
 #define FLASH_MERGE_ILP 4096    // keys on M, cluster: a merge reads every split's partial at once (else M, then in turn)
 #define FLASH_BATCH_LOADS 8192  // keys on M: q's values and a tile's block-table entries all loaded before use (else each in turn)
-#define FLASH_RELAXED_EXIT 16384  // keys on M, cluster: the barrier after the merge without release/acquire (else with)
+#define FLASH_RELAXED_EXIT 16384  // keys on M, cluster: the barrier after the merge arrives without release (else with)
 // 2^x for the online softmax. FX: the bare MUFU instruction, inputs and results below
 // 2^-126 flushed to zero (x ≤ 0 here, and P is rounded to f16 anyway, whose smallest
 // subnormal is 2^-24); else exp2f, which scales around the MUFU for f32 subnormals.
@@ -2049,8 +2049,9 @@ __device__ __forceinline__ void cluster_sync_all() {
     __trap();
 #endif
 }
-// Cluster barrier without memory ordering: where no thread's writes need be seen by
-// another block after it (each thread's remote loads were used before it arrives).
+// Cluster barrier whose arrive has no release: where no thread's writes need be seen by
+// another block after it. A relaxed arrive does not wait for the thread's loads still in
+// flight, so their values must have been used before it.
 __device__ __forceinline__ void cluster_sync_relaxed() {
 #if __CUDA_ARCH__ >= 900
     asm volatile("barrier.cluster.arrive.relaxed.aligned;\nbarrier.cluster.wait.aligned;\n" ::: "memory");
@@ -2093,13 +2094,15 @@ __device__ __forceinline__ float ld_dsmem_f32(unsigned a, unsigned rank) {
 // With `ilp` every split's M, L and sum come in one round of loads (at most 16 splits, the
 // cluster's limit) and the same arithmetic follows; else M's loads, then each split's L
 // and sum after its M is known (a round trip per split). With `relaxed_exit` the barrier
-// that keeps each block's shared memory until the others have read it orders no memory
-// (the reads' values were used before it), so the outputs' stores need not drain first.
+// that keeps each block's shared memory until the others have read it arrives without
+// release, so the outputs' stores need not drain first; every value read from another
+// block is used before it (the ILP form's L and sum of empty splits through `touched`).
 template <int HD>
 __device__ void cluster_merge(const float* cpart, int grp, int splits, int z, float* out, size_t at, bool bf16,
                               bool ilp, bool relaxed_exit) {
     cluster_sync_all();  // every split's partial written
     const unsigned base = smem_u32(cpart);
+    float touched = 0.f;
     for (int i = z * blockDim.x + threadIdx.x; i < grp * HD; i += splits * blockDim.x) {
         const int hh = i / HD, d = i % HD;
         const unsigned p = base + hh * (HD + 2) * 4;
@@ -2123,6 +2126,10 @@ __device__ void cluster_merge(const float* cpart, int grp, int splits, int z, fl
                     L += ls[s] * w;
                     acc += as[s] * w;
                 }
+            if (relaxed_exit)
+#pragma unroll
+                for (int s = 0; s < 16; s++)
+                    if (s < splits) touched += ls[s] + as[s];
         } else {
             for (int s = 0; s < splits; s++) M = fmaxf(M, ld_dsmem_f32(p, s));
             for (int s = 0; s < splits; s++) {
@@ -2140,10 +2147,20 @@ __device__ void cluster_merge(const float* cpart, int grp, int splits, int z, fl
             out[at + i] = acc / L;
     }
     // No block leaves while another still reads its shared memory.
-    if (relaxed_exit)
+    if (relaxed_exit) {
+        // Every loaded value used before the arrive: a compare reads their sum, guarding a
+        // store to this block's own scratch that nothing reads (in asm, so that neither
+        // compiler drops the use).
+        __shared__ float sink;
+#if __CUDA_ARCH__ >= 900
+        asm volatile("{\n.reg .pred p;\nsetp.eq.f32 p, %0, 0f0DA24260;\n@p st.shared.f32 [%1], %0;\n}\n" ::"f"(touched),
+                     "r"(smem_u32(&sink))
+                     : "memory");
+#endif
         cluster_sync_relaxed();
-    else
+    } else {
         cluster_sync_all();
+    }
 }
 
 #define KM_KEYS 64
@@ -2327,33 +2344,33 @@ __device__ void flash_decode_km_impl(const float* qkv, const KT* cache, long lon
         // FP8: the k-columns 2t4, 2t4 + 1 | 2t4 + 8, 2t4 + 9 are dims 4t4, +1 | +2, +3.
         constexpr int B1 = F8 ? 2 : 8;
         if (flags & FLASH_BATCH_LOADS) {
-            // Every value loaded (with RoPE, both of its pair) before any is used, so the
-            // loads take one round trip, not one per pack: the same values as q_at's.
+            // Every value loaded before any is used, so the loads take one round trip, not
+            // one per pack. With RoPE each value's pair partner is one of the lane's own:
+            // interleaved, column c ^ 1 (entry e ^ 1); else c ± HD/2 (the same entry KS/2
+            // chunks on). The rotation is q_at's, on the same values: the same bits.
             auto col = [&](int ks, int e) { return 16 * ks + (F8 ? 4 : 2) * t4 + (e >> 1) * B1 + (e & 1); };
-            float x[KS][4], y[KS][4];
+            float x[KS][4];
+#pragma unroll
+            for (int ks = 0; ks < KS; ks++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) x[ks][e] = q[col(ks, e)];
             if (rope) {
+                float r[KS][4];
 #pragma unroll
                 for (int ks = 0; ks < KS; ks++)
 #pragma unroll
                     for (int e = 0; e < 4; e++) {
                         const int c = col(ks, e), j = interleaved ? c >> 1 : (c < HH ? c : c - HH);
-                        x[ks][e] = q[pair_a(j)];
-                        y[ks][e] = q[pair_b(j)];
-                    }
-#pragma unroll
-                for (int ks = 0; ks < KS; ks++)
-#pragma unroll
-                    for (int e = 0; e < 4; e++) {
-                        const int c = col(ks, e), j = interleaved ? c >> 1 : (c < HH ? c : c - HH);
-                        float x0 = x[ks][e], x1 = y[ks][e];
+                        const float own = x[ks][e], other = interleaved ? x[ks][e ^ 1] : x[(ks + KS / 2) % KS][e];
+                        const bool is_a = c == pair_a(j);
+                        float x0 = is_a ? own : other, x1 = is_a ? other : own;
                         rope_apply(rope_c[j], rope_s[j], x0, x1);
-                        x[ks][e] = c == pair_a(j) ? x0 : x1;
+                        r[ks][e] = is_a ? x0 : x1;
                     }
-            } else {
 #pragma unroll
                 for (int ks = 0; ks < KS; ks++)
 #pragma unroll
-                    for (int e = 0; e < 4; e++) x[ks][e] = q[col(ks, e)];
+                    for (int e = 0; e < 4; e++) x[ks][e] = r[ks][e];
             }
 #pragma unroll
             for (int ks = 0; ks < KS; ks++) {
