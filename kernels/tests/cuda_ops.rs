@@ -910,26 +910,34 @@ fn attention_with_rope_equals_the_separate_ops() {
             for chunk in [0usize, 64] {
                 let mut runs: Vec<(Vec<f32>, Vec<u8>)> = Vec::new();
                 // (RoPE in the attention, rope_write_k_f16's grouped form, heads per thread,
-                // grouped RoPE before the attention); the last, a block per token, is the reference.
-                let forms: &[(bool, bool, Option<usize>, bool)] = if prefill {
+                // grouped RoPE before the attention, the keys-on-M kernel's loads first and
+                // relaxed exit barrier); the last, a block per token, is the reference.
+                let forms: &[(bool, bool, Option<usize>, bool, bool)] = if prefill {
                     &[
-                        (true, true, None, true),
-                        (true, true, Some(3), true),
-                        (true, true, Some(1), true),
-                        (true, false, None, true),
-                        (false, true, None, true),
-                        (false, true, Some(1), true),
-                        (false, true, None, false),
+                        (true, true, None, true, false),
+                        (true, true, Some(3), true, false),
+                        (true, true, Some(1), true, false),
+                        (true, false, None, true, false),
+                        (false, true, None, true, false),
+                        (false, true, Some(1), true, false),
+                        (false, true, None, false, false),
                     ]
                 } else {
-                    &[(true, true, None, true), (false, true, None, true), (false, true, None, false)]
+                    &[
+                        (true, true, None, true, false),
+                        (true, true, None, true, true),
+                        (false, true, None, true, false),
+                        (false, true, None, false, false),
+                    ]
                 };
-                for &(fused, round, group, pairs) in forms {
+                for &(fused, round, group, pairs, loads_first) in forms {
                     be.set_attn_rope(fused);
                     be.set_pp_rope(fused);
                     be.set_rope_k_round(round);
                     be.set_rope_group(group);
                     be.set_rope_pairs(pairs);
+                    be.set_km_batch_loads(loads_first);
+                    be.set_cluster_relaxed_exit(loads_first);
                     be.set_attn_chunk(chunk);
                     let mut kv = be.kv_cache(shape).unwrap();
                     for layer in 0..n_layers {
