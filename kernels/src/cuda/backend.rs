@@ -850,8 +850,7 @@ impl CudaBackend {
         };
         if qkv_trigger & 8 != 0 {
             // The SM's 228 KiB: room for one keys-on-M attention block (102 KiB of stages)
-            // beside the GEMV's blocks (58%, its 132 KiB configuration, left none: the
-            // attention lab, docs/PERF.md).
+            // beside the GEMV's blocks (58% left none: the attention lab, docs/PERF.md).
             for name in [super::GEMV_NORM_ROPE_M1, super::GEMV_PNORM_M1[2], super::GEMV_PNORM_ROPE_U3_M1] {
                 dev.func(name)
                     .set_attribute(
