@@ -307,8 +307,8 @@ pub const CUDA_KM_BATCH_LOADS: &str = "DISAGG_CUDA_KM_BATCH_LOADS";
 /// `1`: the cluster barrier after a keys-on-M cluster's merge arrives without release
 /// (what it guards is only that no block leaves while another reads its shared memory;
 /// each value read is used first), instead of with it (the default: every block's output
-/// stores drained first). Opt-in
-/// until it is measured on a GPU (docs/PERF.md); for A/B runs.
+/// stores drained first). Opt-in until it is measured on a GPU (docs/PERF.md); for A/B
+/// runs.
 pub const CUDA_CLUSTER_RELAXED_EXIT: &str = "DISAGG_CUDA_CLUSTER_RELAXED_EXIT";
 
 /// `0`: CUDA prefill steps at head_dim 128 on sm_90 take the one-warpgroup flash kernel

@@ -132,19 +132,19 @@ int main(int argc, char** argv) {
                       (batch ? FLASH_BATCH_LOADS : 0) | (relaxed ? FLASH_RELAXED_EXIT : 0);
     const float eps = 1e-5f, scale = 1.f / sqrtf((float)HD);
     const int nq = QKV, nh = H, k = H, zero = 0, one = 1;
+    // The attention over layer l's cache with flags f.
+    auto attention = [&](int l, int f) {
+        launch(flash_decode_km_f16_d128, dim3(1, NKV, SPLITS), dim3(128), km_smem, st, SPLITS, (const float*)qkv,
+               (const unsigned short*)cache[l], HALF, (const int*)tiles, (const unsigned*)tables, NH, NKV, BS, scale,
+               (const int*)max_ctx, attn, part, f, (const float*)inv_freq, (const long long*)slots, zero);
+    };
     auto layer = [&](int l) {
         launch(qkv_gemv, dim3(QKV / 2 / GEMV_WARPS), dim3(GEMV_WARPS * 32), 0, st, 1,
                (const unsigned short*)wqkv[l], (const float*)xg, (const float*)parts, eps, nq, k, qkv, zero,
                (const int*)pos, (const float*)inv_freq, (const long long*)slots, NH, NKV, HD, zero, BS, cache[l],
                HALF, trigger);
-        launch(flash_decode_km_f16_d128, dim3(1, NKV, SPLITS), dim3(128), km_smem, st, SPLITS, (const float*)qkv,
-               (const unsigned short*)cache[l], HALF, (const int*)tiles, (const unsigned*)tables, NH, NKV, BS, scale,
-               (const int*)max_ctx, attn, part, flags, (const float*)inv_freq, (const long long*)slots, zero);
-        if (twice)  // the same attention again, its code and metadata now fresh in the caches
-            launch(flash_decode_km_f16_d128, dim3(1, NKV, SPLITS), dim3(128), km_smem, st, SPLITS, (const float*)qkv,
-                   (const unsigned short*)cache[l], HALF, (const int*)tiles, (const unsigned*)tables, NH, NKV, BS,
-                   scale, (const int*)max_ctx, attn, part, flags | (1 << 30), (const float*)inv_freq,
-                   (const long long*)slots, zero);
+        attention(l, flags);
+        if (twice) attention(l, flags | (1 << 30));  // the same attention again, stamped apart
         launch(gemv_stats_u4_bf16_m1, dim3(H / 2 / GEMV_WARPS), dim3(GEMV_WARPS * 32), 0, st, 1,
                (const unsigned short*)wo[l], (const float*)attn, (const float*)nullptr, eps, nh, k, resid, one,
                (const float*)g, xg, parts);
@@ -202,10 +202,7 @@ int main(int argc, char** argv) {
         CK(cudaMemcpy(max_ctx, &mc, 4, cudaMemcpyHostToDevice));
         std::vector<unsigned> o[2];
         for (int v = 0; v < 2; v++) {
-            const int f = v ? flags : flags & ~(FLASH_MERGE_ILP | FLASH_BATCH_LOADS | FLASH_RELAXED_EXIT);
-            launch(flash_decode_km_f16_d128, dim3(1, NKV, SPLITS), dim3(128), km_smem, st, SPLITS, (const float*)qkv,
-                   (const unsigned short*)cache[L - 1], HALF, (const int*)tiles, (const unsigned*)tables, NH, NKV, BS,
-                   scale, (const int*)max_ctx, attn, part, f, (const float*)inv_freq, (const long long*)slots, zero);
+            attention(L - 1, v ? flags : flags & ~(FLASH_MERGE_ILP | FLASH_BATCH_LOADS | FLASH_RELAXED_EXIT));
             o[v].resize(NH * HD);
             CK(cudaMemcpyAsync(o[v].data(), attn, NH * HD * 4, cudaMemcpyDeviceToHost, st));
             CK(cudaStreamSynchronize(st));

@@ -2041,20 +2041,17 @@ __device__ __forceinline__ unsigned movmatrix_trans(unsigned x) {
     return r;
 }
 
-// Cluster barrier (all threads of every block of the cluster), release/acquire.
-__device__ __forceinline__ void cluster_sync_all() {
+// Cluster barrier (all threads of every block of the cluster), release/acquire; with
+// `relaxed` the arrive has no release: for where no thread's writes need be seen by another
+// block after it. A relaxed arrive does not wait for the thread's loads still in flight,
+// so their values must have been used before it.
+__device__ __forceinline__ void cluster_sync_all(bool relaxed = false) {
 #if __CUDA_ARCH__ >= 900
-    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-#else
-    __trap();
-#endif
-}
-// Cluster barrier whose arrive has no release: where no thread's writes need be seen by
-// another block after it. A relaxed arrive does not wait for the thread's loads still in
-// flight, so their values must have been used before it.
-__device__ __forceinline__ void cluster_sync_relaxed() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("barrier.cluster.arrive.relaxed.aligned;\nbarrier.cluster.wait.aligned;\n" ::: "memory");
+    if (relaxed)
+        asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
+    else
+        asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
+    asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 #else
     __trap();
 #endif
@@ -2146,7 +2143,6 @@ __device__ void cluster_merge(const float* cpart, int grp, int splits, int z, fl
         else
             out[at + i] = acc / L;
     }
-    // No block leaves while another still reads its shared memory.
     if (relaxed_exit) {
         // Every loaded value used before the arrive: a compare reads their sum, guarding a
         // store to this block's own scratch that nothing reads (in asm, so that neither
@@ -2157,10 +2153,8 @@ __device__ void cluster_merge(const float* cpart, int grp, int splits, int z, fl
                      "r"(smem_u32(&sink))
                      : "memory");
 #endif
-        cluster_sync_relaxed();
-    } else {
-        cluster_sync_all();
     }
+    cluster_sync_all(relaxed_exit);  // no block leaves while another still reads its shared memory
 }
 
 #define KM_KEYS 64
@@ -2231,10 +2225,12 @@ __device__ void flash_decode_km_impl(const float* qkv, const KT* cache, long lon
     // Pair j's dims (a, b), as rope_write_kv_impl pairs them.
     auto pair_a = [&](int j) { return interleaved ? 2 * j : j; };
     auto pair_b = [&](int j) { return interleaved ? 2 * j + 1 : j + HH; };
+    // The pair that dim c of a head belongs to.
+    auto pair_of = [&](int c) { return interleaved ? c >> 1 : (c < HH ? c : c - HH); };
     // Dim c of a q head (rotated with RoPE here).
     auto q_at = [&](const float* q, int c) {
         if (!rope) return q[c];
-        const int j = interleaved ? c >> 1 : (c < HH ? c : c - HH);
+        const int j = pair_of(c);
         float x0 = q[pair_a(j)], x1 = q[pair_b(j)];
         rope_apply(rope_c[j], rope_s[j], x0, x1);
         return c == pair_a(j) ? x0 : x1;
@@ -2254,6 +2250,7 @@ __device__ void flash_decode_km_impl(const float* qkv, const KT* cache, long lon
     const int my_c = (threadIdx.x % CH) * EPC, my_key = threadIdx.x / CH;
     const bool bs_pow2 = (block_size & (block_size - 1)) == 0;
     const int bs_shift = __ffs(block_size) - 1;
+    auto block_of = [&](int j) { return bs_pow2 ? j >> bs_shift : j / block_size; };  // key j's cache block
     const KT* head_src = cache + (size_t)kvh * block_size * HD;  // this KV head's rows
     const KT* my_src = head_src + my_c;
     const size_t blk_stride = (size_t)n_kv * block_size * HD;
@@ -2265,7 +2262,7 @@ __device__ void flash_decode_km_impl(const float* qkv, const KT* cache, long lon
             const unsigned bar = bar0 + 8 * st;
             if (threadIdx.x == 0) mbar_arrive_expect_tx(bar, 2 * KM_KEYS * HD * sizeof(KT));
             const int r = threadIdx.x % KM_KEYS, j = min(kb + r, k1 - 1);
-            const int bi = bs_pow2 ? j >> bs_shift : j / block_size;
+            const int bi = block_of(j);
             const KT* src =
                 head_src + table[bi] * blk_stride + (size_t)(j - bi * block_size) * HD + (threadIdx.x < KM_KEYS ? 0 : half);
             bulk_copy_g2s(base + st * STAGE_BYTES + (threadIdx.x / KM_KEYS) * KBYTES + r * RB, src, HD * sizeof(KT), bar);
@@ -2278,7 +2275,7 @@ __device__ void flash_decode_km_impl(const float* qkv, const KT* cache, long lon
 #pragma unroll
             for (int p = 0; p < PASSES; p++) {
                 const int j = min(kb + my_key + p * KPP, k1 - 1);
-                bi[p] = bs_pow2 ? j >> bs_shift : j / block_size;
+                bi[p] = block_of(j);
                 blk[p] = table[bi[p]];
             }
 #pragma unroll
@@ -2297,7 +2294,7 @@ __device__ void flash_decode_km_impl(const float* qkv, const KT* cache, long lon
                 const KT* src = cache;
                 int bytes = 0;
                 if (j < k1) {
-                    const int bi = bs_pow2 ? j >> bs_shift : j / block_size;
+                    const int bi = block_of(j);
                     src = my_src + table[bi] * blk_stride + (size_t)(j - bi * block_size) * HD;
                     bytes = 16;
                 }
@@ -2360,7 +2357,7 @@ __device__ void flash_decode_km_impl(const float* qkv, const KT* cache, long lon
                 for (int ks = 0; ks < KS; ks++)
 #pragma unroll
                     for (int e = 0; e < 4; e++) {
-                        const int c = col(ks, e), j = interleaved ? c >> 1 : (c < HH ? c : c - HH);
+                        const int c = col(ks, e), j = pair_of(c);
                         const float own = x[ks][e], other = interleaved ? x[ks][e ^ 1] : x[(ks + KS / 2) % KS][e];
                         const bool is_a = c == pair_a(j);
                         float x0 = is_a ? own : other, x1 = is_a ? other : own;
