@@ -297,18 +297,17 @@ pub const CUDA_FLASH_LAZY_RESCALE: &str = "DISAGG_CUDA_FLASH_LAZY_RESCALE";
 /// arithmetic, the same bits); for A/B runs.
 pub const CUDA_FLASH_MERGE_ILP: &str = "DISAGG_CUDA_FLASH_MERGE_ILP";
 
-/// `1`: the keys-on-M decode kernel loads q's values and each key tile's block-table
-/// entries all before the first use (one round trip; the same values, the same bits),
-/// instead of one after another as it uses them (the default: per the SASS, a round trip
-/// each, the loads waiting behind the uses in the instruction stream). Opt-in until it is
-/// measured on a GPU (docs/PERF.md); for A/B runs.
+/// `0`: the keys-on-M decode kernel loads q's values and each key tile's block-table
+/// entries one after another as it uses them (per the SASS, a round trip each, the loads
+/// waiting behind the uses in the instruction stream), instead of all before the first use
+/// (one round trip; the same values, the same bits; with the relaxed exit below, Llama-3-8B
+/// batch 1 −1.8 to −2.1% and batch 64 −2.8 to −3.0% on an H100, docs/PERF.md); for A/B runs.
 pub const CUDA_KM_BATCH_LOADS: &str = "DISAGG_CUDA_KM_BATCH_LOADS";
 
-/// `1`: the cluster barrier after a keys-on-M cluster's merge arrives without release
-/// (what it guards is only that no block leaves while another reads its shared memory;
-/// each value read is used first), instead of with it (the default: every block's output
-/// stores drained first). Opt-in until it is measured on a GPU (docs/PERF.md); for A/B
-/// runs.
+/// `0`: the cluster barrier after a keys-on-M cluster's merge arrives with release (every
+/// block's output stores drained first), instead of without (what it guards is only that
+/// no block leaves while another reads its shared memory; each value read is used first;
+/// 0.25 µs a layer in the attention lab on an H100, docs/PERF.md); for A/B runs.
 pub const CUDA_CLUSTER_RELAXED_EXIT: &str = "DISAGG_CUDA_CLUSTER_RELAXED_EXIT";
 
 /// `0`: CUDA prefill steps at head_dim 128 on sm_90 take the one-warpgroup flash kernel

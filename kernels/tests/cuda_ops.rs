@@ -249,11 +249,12 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
                 all,
                 Flash { cluster: false, ..all },
                 Flash { early: false, ..all },
+                // The engine's default tile loads (cp.async, a tile's entries first).
                 Flash { bulk: false, ..all },
                 Flash { lazy: false, ..all },
                 Flash { merge_ilp: false, ..all },
                 Flash { batch: false, ..all },
-                // The engine's default tile loads (cp.async, each entry as used).
+                // DISAGG_CUDA_KM_BATCH_LOADS=0's tile loads (cp.async, each entry as used).
                 Flash { bulk: false, batch: false, ..all },
                 Flash { relaxed: false, ..all },
                 sa,

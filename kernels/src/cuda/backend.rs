@@ -530,10 +530,10 @@ pub struct CudaBackend {
     /// turn; the same bits).
     flash_merge_ilp: bool,
     /// The keys-on-M kernel loads q's values and a tile's block-table entries all before
-    /// the first use (`DISAGG_CUDA_KM_BATCH_LOADS=1`; else each in turn; the same bits).
+    /// the first use (`DISAGG_CUDA_KM_BATCH_LOADS=0`: each in turn; the same bits).
     km_batch_loads: bool,
     /// The barrier after a keys-on-M cluster's merge arrives without release
-    /// (`DISAGG_CUDA_CLUSTER_RELAXED_EXIT=1`; else with it).
+    /// (`DISAGG_CUDA_CLUSTER_RELAXED_EXIT=0`: with it).
     cluster_relaxed_exit: bool,
     /// What the last such residual GEMV left: x · the norm weight, and the sums of x² per
     /// `NORM_SPAN` elements.
@@ -908,8 +908,8 @@ impl CudaBackend {
             km_bulk: on(crate::env::CUDA_KM_BULK) && dev.arch.0 >= 9,
             flash_lazy_rescale: !off(crate::env::CUDA_FLASH_LAZY_RESCALE),
             flash_merge_ilp: !off(crate::env::CUDA_FLASH_MERGE_ILP),
-            km_batch_loads: on(crate::env::CUDA_KM_BATCH_LOADS),
-            cluster_relaxed_exit: on(crate::env::CUDA_CLUSTER_RELAXED_EXIT),
+            km_batch_loads: !off(crate::env::CUDA_KM_BATCH_LOADS),
+            cluster_relaxed_exit: !off(crate::env::CUDA_CLUSTER_RELAXED_EXIT),
             flash_warp_spec: !off(crate::env::CUDA_FLASH_WARP_SPEC),
             flash_pp_turns: on(crate::env::CUDA_FLASH_PP_TURNS),
             flash_pp_lean: !off(crate::env::CUDA_FLASH_PP_LEAN),
@@ -1353,13 +1353,13 @@ impl CudaBackend {
     }
 
     /// The keys-on-M kernel loads q's values and a tile's block-table entries all before
-    /// the first use (default: off unless `DISAGG_CUDA_KM_BATCH_LOADS=1`; the same bits).
+    /// the first use (default: on unless `DISAGG_CUDA_KM_BATCH_LOADS=0`; the same bits).
     pub fn set_km_batch_loads(&mut self, on: bool) {
         self.set_switch(on, |b| &mut b.km_batch_loads);
     }
 
-    /// The barrier after a keys-on-M cluster's merge arrives without release (default: off
-    /// unless `DISAGG_CUDA_CLUSTER_RELAXED_EXIT=1`).
+    /// The barrier after a keys-on-M cluster's merge arrives without release (default: on
+    /// unless `DISAGG_CUDA_CLUSTER_RELAXED_EXIT=0`).
     pub fn set_cluster_relaxed_exit(&mut self, on: bool) {
         self.set_switch(on, |b| &mut b.cluster_relaxed_exit);
     }
