@@ -310,6 +310,13 @@ pub const CUDA_KM_BATCH_LOADS: &str = "DISAGG_CUDA_KM_BATCH_LOADS";
 /// 0.25 µs a layer in the attention lab on an H100, docs/PERF.md); for A/B runs.
 pub const CUDA_CLUSTER_RELAXED_EXIT: &str = "DISAGG_CUDA_CLUSTER_RELAXED_EXIT";
 
+/// `1`: with its loads first (above) and cp.async tiles (`DISAGG_CUDA_KM_BULK` off), the
+/// keys-on-M decode kernel asks for the next tile's block-table entries as it issues a
+/// tile's copies, so that in the loop a tile's copies need not wait a round trip for its
+/// entries (eight more registers; the same bits). Opt-in until it is measured on a GPU
+/// (docs/PERF.md); for A/B runs.
+pub const CUDA_KM_TABLE_AHEAD: &str = "DISAGG_CUDA_KM_TABLE_AHEAD";
+
 /// `0`: CUDA prefill steps at head_dim 128 on sm_90 take the one-warpgroup flash kernel
 /// (64-row tiles, three blocks per SM) instead of the warp-specialized one (128-row
 /// tiles: a producer warpgroup loading K/V tiles, two consumer warpgroups sharing them);

@@ -214,6 +214,7 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
                 merge_ilp: bool,
                 batch: bool,
                 relaxed: bool,
+                ahead: bool,
                 pp: bool,
                 turns: bool,
                 pp_lean: bool,
@@ -238,6 +239,7 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
                 merge_ilp: true,
                 batch: true,
                 relaxed: true,
+                ahead: true,
                 pp: true,
                 turns: false,
                 pp_lean: true,
@@ -249,7 +251,9 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
                 all,
                 Flash { cluster: false, ..all },
                 Flash { early: false, ..all },
-                // The engine's default tile loads (cp.async, a tile's entries first).
+                // The engine's default tile loads (cp.async, a tile's entries first), and
+                // with the entries one tile ahead.
+                Flash { bulk: false, ahead: false, ..all },
                 Flash { bulk: false, ..all },
                 Flash { lazy: false, ..all },
                 Flash { merge_ilp: false, ..all },
@@ -279,7 +283,7 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
             // ((early tiles, bulk copies, the cluster merge's one round of loads, q's and the
             // tables' loads first, the relaxed exit barrier), merged in clusters, splits,
             // the outputs)
-            type Merged = ((bool, bool, bool, bool, bool), bool, usize, Vec<f32>);
+            type Merged = ((bool, bool, bool, bool, bool, bool), bool, usize, Vec<f32>);
             let mut merged: Vec<Merged> = Vec::new();
             // The bits of the cluster merge and attention_merge are compared at the same
             // splits: split counts that assume clusters as resident as single blocks,
@@ -306,6 +310,7 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
                 be.set_flash_merge_ilp(f.merge_ilp);
                 be.set_km_batch_loads(f.batch);
                 be.set_cluster_relaxed_exit(f.relaxed);
+                be.set_km_table_ahead(f.ahead);
                 be.set_flash_warp_spec(f.pp);
                 be.set_flash_pp_turns(f.turns);
                 be.set_flash_pp_lean(f.pp_lean);
@@ -390,7 +395,7 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
                             be.step_cluster()
                         ));
                     }
-                    let key = (f.early, f.bulk, f.merge_ilp, f.batch, f.relaxed);
+                    let key = (f.early, f.bulk, f.merge_ilp, f.batch, f.relaxed, f.ahead);
                     merged.push((key, be.step_cluster(), be.step_splits(), got.clone()));
                 }
                 if err.is_nan() || err >= if flash { 5e-3 } else { 1e-4 } {
@@ -404,21 +409,22 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
             // The cluster merge against attention_merge, the first tiles before the wait
             // against after it, bulk copies against cp.async, the cluster merge's one round
             // of loads against a round trip per split, q's and the tables' loads first against
-            // in turn, the relaxed exit barrier against release/acquire: the same splits, the
-            // same bits.
-            if let [((true, true, true, true, true), true, s1, a), rest @ ..] = &merged[..] {
-                for ((early, bulk, ilp, batch, relaxed), cluster, s2, b) in rest {
+            // in turn, the relaxed exit barrier against release/acquire, a tile's entries
+            // one tile ahead against at its load: the same splits, the same bits.
+            if let [((true, true, true, true, true, true), true, s1, a), rest @ ..] = &merged[..] {
+                for ((early, bulk, ilp, batch, relaxed, ahead), cluster, s2, b) in rest {
                     let diff = a.iter().zip(b).filter(|(x, y)| x.to_bits() != y.to_bits()).count();
                     println!(
                         "{n_heads}/{n_kv} heads: against every switch on ({s1} splits), \
                          clusters {cluster}, early tiles {early}, bulk copies {bulk}, merge in one round {ilp}, \
-                         loads first {batch}, relaxed exit {relaxed} ({s2} splits): {diff} of {} outputs differ",
+                         loads first {batch}, relaxed exit {relaxed}, table ahead {ahead} ({s2} splits): {diff} of {} \
+                         outputs differ",
                         a.len()
                     );
                     if s1 != s2 || diff > 0 {
                         failed.push(format!(
                             "{n_heads}/{n_kv} heads: clusters {cluster}, early {early}, bulk {bulk}, ilp {ilp}, \
-                             batch {batch}, relaxed {relaxed}: {diff} differ"
+                             batch {batch}, relaxed {relaxed}, ahead {ahead}: {diff} differ"
                         ));
                     }
                 }
@@ -939,6 +945,7 @@ fn attention_with_rope_equals_the_separate_ops() {
                     be.set_rope_pairs(pairs);
                     be.set_km_batch_loads(loads_first);
                     be.set_cluster_relaxed_exit(loads_first);
+                    be.set_km_table_ahead(loads_first);
                     be.set_attn_chunk(chunk);
                     let mut kv = be.kv_cache(shape).unwrap();
                     for layer in 0..n_layers {

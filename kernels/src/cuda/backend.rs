@@ -535,6 +535,9 @@ pub struct CudaBackend {
     /// The barrier after a keys-on-M cluster's merge arrives without release
     /// (`DISAGG_CUDA_CLUSTER_RELAXED_EXIT=0`: with it).
     cluster_relaxed_exit: bool,
+    /// With the loads first and cp.async tiles, the keys-on-M kernel asks for a tile's
+    /// block-table entries one tile ahead (`DISAGG_CUDA_KM_TABLE_AHEAD=1`; else at its load).
+    km_table_ahead: bool,
     /// What the last such residual GEMV left: x · the norm weight, and the sums of x² per
     /// `NORM_SPAN` elements.
     prenorm_xg: CudaSlice<f32>,
@@ -910,6 +913,7 @@ impl CudaBackend {
             flash_merge_ilp: !off(crate::env::CUDA_FLASH_MERGE_ILP),
             km_batch_loads: !off(crate::env::CUDA_KM_BATCH_LOADS),
             cluster_relaxed_exit: !off(crate::env::CUDA_CLUSTER_RELAXED_EXIT),
+            km_table_ahead: on(crate::env::CUDA_KM_TABLE_AHEAD),
             flash_warp_spec: !off(crate::env::CUDA_FLASH_WARP_SPEC),
             flash_pp_turns: on(crate::env::CUDA_FLASH_PP_TURNS),
             flash_pp_lean: !off(crate::env::CUDA_FLASH_PP_LEAN),
@@ -1362,6 +1366,13 @@ impl CudaBackend {
     /// unless `DISAGG_CUDA_CLUSTER_RELAXED_EXIT=0`).
     pub fn set_cluster_relaxed_exit(&mut self, on: bool) {
         self.set_switch(on, |b| &mut b.cluster_relaxed_exit);
+    }
+
+    /// With the loads first and cp.async tiles, the keys-on-M kernel asks for a tile's
+    /// block-table entries one tile ahead (default: off unless `DISAGG_CUDA_KM_TABLE_AHEAD=1`;
+    /// the same bits).
+    pub fn set_km_table_ahead(&mut self, on: bool) {
+        self.set_switch(on, |b| &mut b.km_table_ahead);
     }
 
     /// Prefill steps at head_dim 128 take the warp-specialized flash kernel where the
@@ -2185,7 +2196,8 @@ impl CudaBackend {
             | (self.flash_pp_turns as i32) << 10
             | (self.flash_merge_ilp as i32) << 12
             | (self.km_batch_loads as i32) << 13
-            | (self.cluster_relaxed_exit as i32) << 14;
+            | (self.cluster_relaxed_exit as i32) << 14
+            | (self.km_table_ahead as i32) << 15;
         match &mut kv.layers[layer] {
             c @ (KvBuf::F16(_) | KvBuf::Fp8(_)) if self.step_flash => {
                 let name = self.step_flash_kernel;
@@ -2225,6 +2237,7 @@ impl CudaBackend {
                 // The kernel's switch bits (FLASH_LEAN_LOADS, FLASH_WIDE_MERGE,
                 // FLASH_MASK_EDGE, FLASH_PAIR_LOADS, the keys-on-M kernel's FLASH_EARLY,
                 // FLASH_BULK, FLASH_MERGE_ILP, FLASH_BATCH_LOADS, FLASH_RELAXED_EXIT,
+                // FLASH_TABLE_AHEAD,
                 // FLASH_LAZY_RESCALE in ops.cu), and
                 // FLASH_OUT_BF16: the bf16 GEMM scratch in place of `out`.
                 let flags = flash_flags

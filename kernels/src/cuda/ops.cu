@@ -1042,6 +1042,7 @@ __device__ __forceinline__ void wgmma_rs(float* d, const unsigned* a, unsigned l
 #define FLASH_MERGE_ILP 4096    // keys on M, cluster: a merge reads every split's partial at once (else M, then in turn)
 #define FLASH_BATCH_LOADS 8192  // keys on M: q's values and a tile's block-table entries all loaded before use (else each in turn)
 #define FLASH_RELAXED_EXIT 16384  // keys on M, cluster: the barrier after the merge arrives without release (else with)
+#define FLASH_TABLE_AHEAD 32768   // keys on M, loads first: a tile's block-table entries loaded one tile ahead (else at its load)
 // 2^x for the online softmax. FX: the bare MUFU instruction, inputs and results below
 // 2^-126 flushed to zero (x ≤ 0 here, and P is rounded to f16 anyway, whose smallest
 // subnormal is 2^-24); else exp2f, which scales around the MUFU for f32 subnormals.
@@ -2254,6 +2255,15 @@ __device__ void flash_decode_km_impl(const float* qkv, const KT* cache, long lon
     const KT* head_src = cache + (size_t)kvh * block_size * HD;  // this KV head's rows
     const KT* my_src = head_src + my_c;
     const size_t blk_stride = (size_t)n_kv * block_size * HD;
+    // FLASH_TABLE_AHEAD: the next tile's entries, asked for as this tile's copies go out,
+    // so that its copies need not wait a round trip for them (tiles load in key order).
+    const bool ahead = (flags & FLASH_TABLE_AHEAD) != 0;
+    unsigned next_blk[PASSES];
+    int next_kb = -1;
+    auto table_entries = [&](int kb, unsigned* blk) {
+#pragma unroll
+        for (int p = 0; p < PASSES; p++) blk[p] = table[block_of(min(kb + my_key + p * KPP, k1 - 1))];
+    };
     auto load_tile = [&](int kb, int st) {
         if (kb < k1 && bulk) {
             // Thread t copies key t % 64's K (t < 64) or V row: keys past the end copy
@@ -2270,19 +2280,22 @@ __device__ void flash_decode_km_impl(const float* qkv, const KT* cache, long lon
             // Every pass's block-table entry asked for before the first copy needs one (keys
             // past the end read the last key's entry), so the copies wait for one round trip.
             const unsigned at = base + st * STAGE_BYTES + my_key * RB + my_c * sizeof(KT);
-            int bi[PASSES];
             unsigned blk[PASSES];
+            if (ahead && next_kb == kb) {
 #pragma unroll
-            for (int p = 0; p < PASSES; p++) {
-                const int j = min(kb + my_key + p * KPP, k1 - 1);
-                bi[p] = block_of(j);
-                blk[p] = table[bi[p]];
+                for (int p = 0; p < PASSES; p++) blk[p] = next_blk[p];
+            } else {
+                table_entries(kb, blk);
+            }
+            if (ahead && kb + KM_KEYS < k1) {
+                next_kb = kb + KM_KEYS;
+                table_entries(next_kb, next_blk);
             }
 #pragma unroll
             for (int p = 0; p < PASSES; p++) {
                 const int j = kb + my_key + p * KPP;
                 const bool real = j < k1;
-                const KT* src = real ? my_src + blk[p] * blk_stride + (size_t)(j - bi[p] * block_size) * HD : cache;
+                const KT* src = real ? my_src + blk[p] * blk_stride + (size_t)(j - block_of(j) * block_size) * HD : cache;
                 cp_async16_at(at + p * KPP * RB, src, real ? 16 : 0);
                 cp_async16_at(at + KBYTES + p * KPP * RB, real ? src + half : cache, real ? 16 : 0);
             }
