@@ -313,7 +313,7 @@ pub const CUDA_CLUSTER_RELAXED_EXIT: &str = "DISAGG_CUDA_CLUSTER_RELAXED_EXIT";
 /// `1`: with its loads first (above) and cp.async tiles (`DISAGG_CUDA_KM_BULK` off), the
 /// keys-on-M decode kernel asks for the next tile's block-table entries as it issues a
 /// tile's copies, so that in the loop a tile's copies need not wait a round trip for its
-/// entries (eight more registers; the same bits). Opt-in until it is measured on a GPU
+/// entries (a register per 16-byte pass of a tile; the same bits). Opt-in until it is measured on a GPU
 /// (docs/PERF.md); for A/B runs.
 pub const CUDA_KM_TABLE_AHEAD: &str = "DISAGG_CUDA_KM_TABLE_AHEAD";
 

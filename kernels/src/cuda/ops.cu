@@ -2278,7 +2278,8 @@ __device__ void flash_decode_km_impl(const float* qkv, const KT* cache, long lon
             bulk_copy_g2s(base + st * STAGE_BYTES + (threadIdx.x / KM_KEYS) * KBYTES + r * RB, src, HD * sizeof(KT), bar);
         } else if (kb < k1 && (flags & FLASH_BATCH_LOADS)) {
             // Every pass's block-table entry asked for before the first copy needs one (keys
-            // past the end read the last key's entry), so the copies wait for one round trip.
+            // past the end read the last key's entry), so the copies wait for one round trip
+            // (none with FLASH_TABLE_AHEAD, whose entries came with the tile before).
             const unsigned at = base + st * STAGE_BYTES + my_key * RB + my_c * sizeof(KT);
             unsigned blk[PASSES];
             if (ahead && next_kb == kb) {
