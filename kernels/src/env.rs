@@ -301,20 +301,20 @@ pub const CUDA_FLASH_MERGE_ILP: &str = "DISAGG_CUDA_FLASH_MERGE_ILP";
 /// entries one after another as it uses them (per the SASS, a round trip each, the loads
 /// waiting behind the uses in the instruction stream), instead of all before the first use
 /// (one round trip; the same values, the same bits; with the relaxed exit below, Llama-3-8B
-/// batch 1 −1.8 to −2.1% and batch 64 −2.8 to −3.0% on an H100, docs/PERF.md); for A/B runs.
+/// batch 1 −1.6 to −2.1% and batch 64 −2.8 to −3.3% on an H100, docs/PERF.md); for A/B runs.
 pub const CUDA_KM_BATCH_LOADS: &str = "DISAGG_CUDA_KM_BATCH_LOADS";
 
 /// `0`: the cluster barrier after a keys-on-M cluster's merge arrives with release (every
 /// block's output stores drained first), instead of without (what it guards is only that
 /// no block leaves while another reads its shared memory; each value read is used first;
-/// 0.25 µs a layer in the attention lab on an H100, docs/PERF.md); for A/B runs.
+/// in the attention lab on an H100 its exit 0.26 µs sooner, docs/PERF.md); for A/B runs.
 pub const CUDA_CLUSTER_RELAXED_EXIT: &str = "DISAGG_CUDA_CLUSTER_RELAXED_EXIT";
 
 /// `1`: with its loads first (above) and cp.async tiles (`DISAGG_CUDA_KM_BULK` off), the
 /// keys-on-M decode kernel asks for the next tile's block-table entries as it issues a
 /// tile's copies, so that in the loop a tile's copies need not wait a round trip for its
-/// entries (a register per 16-byte pass of a tile; the same bits). Opt-in until it is measured on a GPU
-/// (docs/PERF.md); for A/B runs.
+/// entries (a register per 16-byte pass of a tile; the same bits). Opt-in until it is
+/// measured on a GPU (docs/PERF.md); for A/B runs.
 pub const CUDA_KM_TABLE_AHEAD: &str = "DISAGG_CUDA_KM_TABLE_AHEAD";
 
 /// `0`: CUDA prefill steps at head_dim 128 on sm_90 take the one-warpgroup flash kernel

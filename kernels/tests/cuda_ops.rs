@@ -192,9 +192,9 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
             // for before waiting for the kernel before and after, the cluster merge's loads
             // in one round and in turn, q's and the block tables' loads all first and each
             // as used, the barrier after the merge relaxed and not, a tile's table entries one
-            // tile ahead and at its load: the same bits. Split, the
-            // mixed step's decode row takes the keys-on-M kernel in a launch of its own
-            // (with clusters; without, the step is not split).
+            // tile ahead and at its load: the same bits. Split, the mixed step's decode row
+            // takes the keys-on-M kernel in a launch of its own (with clusters; without, the
+            // step is not split).
             #[derive(Clone, Copy, PartialEq)]
             struct Flash {
                 on: bool,
