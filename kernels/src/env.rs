@@ -352,7 +352,7 @@ pub const CUDA_ROPE_K_ROUND: &str = "DISAGG_CUDA_ROPE_K_ROUND";
 /// three of `DISAGG_CUDA_GEMV_DEEP`; bit `8` the QKV GEMVs ask for the largest shared-memory
 /// carveout (100%), room for an attention block beside them (58% left none). `0` (the
 /// default): none. Bits 1, 2 and 4 were measured level at the driver's carveout; `13`
-/// (entry, two loads, 100%) 0.2–0.4% faster at Llama-3-8B batch 1 on one H100
+/// (entry, two loads, 100%) 0.2–0.5% faster at Llama-3-8B batch 1 on two H100 starts
 /// (docs/PERF.md). For A/B runs.
 pub const CUDA_QKV_TRIGGER: &str = "DISAGG_CUDA_QKV_TRIGGER";
 
