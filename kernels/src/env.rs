@@ -317,6 +317,13 @@ pub const CUDA_CLUSTER_RELAXED_EXIT: &str = "DISAGG_CUDA_CLUSTER_RELAXED_EXIT";
 /// measured on a GPU (docs/PERF.md); for A/B runs.
 pub const CUDA_KM_TABLE_AHEAD: &str = "DISAGG_CUDA_KM_TABLE_AHEAD";
 
+/// `1`: the keys-on-M decode kernel refills the stage that the last tile freed as soon as
+/// every warp is done with it, before it waits for the next tile, so that all three stages'
+/// tiles are in flight at the wait instead of two (with cp.async tiles a second barrier
+/// per tile; the same bits). Opt-in until it is measured on a GPU (docs/PERF.md); for A/B
+/// runs.
+pub const CUDA_KM_REFILL_FIRST: &str = "DISAGG_CUDA_KM_REFILL_FIRST";
+
 /// `0`: CUDA prefill steps at head_dim 128 on sm_90 take the one-warpgroup flash kernel
 /// (64-row tiles, three blocks per SM) instead of the warp-specialized one (128-row
 /// tiles: a producer warpgroup loading K/V tiles, two consumer warpgroups sharing them);

@@ -192,7 +192,8 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
             // for before waiting for the kernel before and after, the cluster merge's loads
             // in one round and in turn, q's and the block tables' loads all first and each
             // as used, the barrier after the merge relaxed and not, a tile's table entries one
-            // tile ahead and at its load: the same bits. Split, the mixed step's decode row
+            // tile ahead and at its load, a freed stage refilled before the next tile's wait
+            // and after: the same bits. Split, the mixed step's decode row
             // takes the keys-on-M kernel in a launch of its own (with clusters; without, the
             // step is not split).
             #[derive(Clone, Copy, PartialEq)]
@@ -216,6 +217,7 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
                 batch: bool,
                 relaxed: bool,
                 ahead: bool,
+                refill: bool,
                 pp: bool,
                 turns: bool,
                 pp_lean: bool,
@@ -241,6 +243,7 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
                 batch: true,
                 relaxed: true,
                 ahead: true,
+                refill: true,
                 pp: true,
                 turns: false,
                 pp_lean: true,
@@ -252,9 +255,13 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
                 all,
                 Flash { cluster: false, ..all },
                 Flash { early: false, ..all },
-                // The engine's default tile loads (cp.async, a tile's entries first), and
-                // with the entries one tile ahead.
+                // Bulk copies with a freed stage refilled after the next tile lands.
+                Flash { refill: false, ..all },
+                // cp.async tiles, a tile's entries first, with and without the refill before
+                // the wait (the engine's default tile loads), and with the entries one tile
+                // ahead.
                 Flash { bulk: false, ahead: false, ..all },
+                Flash { bulk: false, ahead: false, refill: false, ..all },
                 Flash { bulk: false, ..all },
                 Flash { lazy: false, ..all },
                 Flash { merge_ilp: false, ..all },
@@ -282,9 +289,10 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
             // (which pair below, chunk, bits) of each pair's first case
             let mut same_refs: Vec<(usize, usize, Vec<u32>)> = Vec::new();
             // ((early tiles, bulk copies, the cluster merge's one round of loads, q's and the
-            // tables' loads first, the relaxed exit barrier, the tables one tile ahead),
+            // tables' loads first, the relaxed exit barrier, the tables one tile ahead, the
+            // refill before the wait),
             // merged in clusters, splits, the outputs)
-            type Merged = ((bool, bool, bool, bool, bool, bool), bool, usize, Vec<f32>);
+            type Merged = ((bool, bool, bool, bool, bool, bool, bool), bool, usize, Vec<f32>);
             let mut merged: Vec<Merged> = Vec::new();
             // The bits of the cluster merge and attention_merge are compared at the same
             // splits: split counts that assume clusters as resident as single blocks,
@@ -312,6 +320,7 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
                 be.set_km_batch_loads(f.batch);
                 be.set_cluster_relaxed_exit(f.relaxed);
                 be.set_km_table_ahead(f.ahead);
+                be.set_km_refill_first(f.refill);
                 be.set_flash_warp_spec(f.pp);
                 be.set_flash_pp_turns(f.turns);
                 be.set_flash_pp_lean(f.pp_lean);
@@ -355,12 +364,19 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
                 // Pairs of cases whose bits must be equal, per chunk: skipping the products
                 // with 1 (`all` against the kernels rescaling on every tile); the producer's
                 // lean copy loop (`sa` against the general loop); a tile's block-table
-                // entries one tile ahead (cp.async tiles; at chunk 0 the loop runs).
+                // entries one tile ahead (cp.async tiles; at chunk 0 the loop runs); a freed
+                // stage refilled before the next tile's wait (bulk copies and cp.async).
                 let bits: Vec<u32> = got.iter().map(|v| v.to_bits()).collect();
                 let pairs = [
                     (all, Flash { lazy: false, ..all }, "lazy rescale"),
                     (sa, Flash { pp_lean: false, ..sa }, "general producer loop"),
                     (Flash { bulk: false, ahead: false, ..all }, Flash { bulk: false, ..all }, "table ahead"),
+                    (all, Flash { refill: false, ..all }, "refill first, bulk copies,"),
+                    (
+                        Flash { bulk: false, ahead: false, ..all },
+                        Flash { bulk: false, ahead: false, refill: false, ..all },
+                        "refill first, cp.async,",
+                    ),
                 ];
                 for (i, (first, second, what)) in pairs.iter().enumerate() {
                     if f == first {
@@ -392,7 +408,7 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
                             be.step_cluster()
                         ));
                     }
-                    let key = (f.early, f.bulk, f.merge_ilp, f.batch, f.relaxed, f.ahead);
+                    let key = (f.early, f.bulk, f.merge_ilp, f.batch, f.relaxed, f.ahead, f.refill);
                     merged.push((key, be.step_cluster(), be.step_splits(), got.clone()));
                 }
                 if err.is_nan() || err >= if flash { 5e-3 } else { 1e-4 } {
@@ -407,21 +423,23 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
             // against after it, bulk copies against cp.async, the cluster merge's one round
             // of loads against a round trip per split, q's and the tables' loads first against
             // in turn, the relaxed exit barrier against release/acquire, a tile's entries
-            // one tile ahead against at its load: the same splits, the same bits.
-            if let [((true, true, true, true, true, true), true, s1, a), rest @ ..] = &merged[..] {
-                for ((early, bulk, ilp, batch, relaxed, ahead), cluster, s2, b) in rest {
+            // one tile ahead against at its load, a freed stage refilled before the next
+            // tile's wait against after it: the same splits, the same bits.
+            if let [((true, true, true, true, true, true, true), true, s1, a), rest @ ..] = &merged[..] {
+                for ((early, bulk, ilp, batch, relaxed, ahead, refill), cluster, s2, b) in rest {
                     let diff = a.iter().zip(b).filter(|(x, y)| x.to_bits() != y.to_bits()).count();
                     println!(
                         "{n_heads}/{n_kv} heads: against every switch on ({s1} splits), \
                          clusters {cluster}, early tiles {early}, bulk copies {bulk}, merge in one round {ilp}, \
-                         loads first {batch}, relaxed exit {relaxed}, table ahead {ahead} ({s2} splits): {diff} of {} \
+                         loads first {batch}, relaxed exit {relaxed}, table ahead {ahead}, refill first {refill} \
+                         ({s2} splits): {diff} of {} \
                          outputs differ",
                         a.len()
                     );
                     if s1 != s2 || diff > 0 {
                         failed.push(format!(
                             "{n_heads}/{n_kv} heads: clusters {cluster}, early {early}, bulk {bulk}, ilp {ilp}, \
-                             batch {batch}, relaxed {relaxed}, ahead {ahead}: {diff} differ"
+                             batch {batch}, relaxed {relaxed}, ahead {ahead}, refill {refill}: {diff} differ"
                         ));
                     }
                 }
@@ -914,8 +932,9 @@ fn attention_with_rope_equals_the_separate_ops() {
             for chunk in [0usize, 64] {
                 let mut runs: Vec<(Vec<f32>, Vec<u8>)> = Vec::new();
                 // (RoPE in the attention, rope_write_k_f16's grouped form, heads per thread,
-                // grouped RoPE before the attention, the keys-on-M kernel's loads first and
-                // relaxed exit barrier); the last, a block per token, is the reference.
+                // grouped RoPE before the attention, the keys-on-M kernel's loads first,
+                // relaxed exit barrier, tables one tile ahead and refill before the wait); the
+                // last, a block per token, is the reference.
                 let forms: &[(bool, bool, Option<usize>, bool, bool)] = if prefill {
                     &[
                         (true, true, None, true, false),
@@ -943,6 +962,7 @@ fn attention_with_rope_equals_the_separate_ops() {
                     be.set_km_batch_loads(loads_first);
                     be.set_cluster_relaxed_exit(loads_first);
                     be.set_km_table_ahead(loads_first);
+                    be.set_km_refill_first(loads_first);
                     be.set_attn_chunk(chunk);
                     let mut kv = be.kv_cache(shape).unwrap();
                     for layer in 0..n_layers {

@@ -538,6 +538,9 @@ pub struct CudaBackend {
     /// With the loads first and cp.async tiles, the keys-on-M kernel asks for a tile's
     /// block-table entries one tile ahead (`DISAGG_CUDA_KM_TABLE_AHEAD=1`; else at its load).
     km_table_ahead: bool,
+    /// The keys-on-M kernel refills a freed stage before it waits for the next tile
+    /// (`DISAGG_CUDA_KM_REFILL_FIRST=1`; else after the tile lands).
+    km_refill_first: bool,
     /// What the last such residual GEMV left: x · the norm weight, and the sums of x² per
     /// `NORM_SPAN` elements.
     prenorm_xg: CudaSlice<f32>,
@@ -914,6 +917,7 @@ impl CudaBackend {
             km_batch_loads: !off(crate::env::CUDA_KM_BATCH_LOADS),
             cluster_relaxed_exit: !off(crate::env::CUDA_CLUSTER_RELAXED_EXIT),
             km_table_ahead: on(crate::env::CUDA_KM_TABLE_AHEAD),
+            km_refill_first: on(crate::env::CUDA_KM_REFILL_FIRST),
             flash_warp_spec: !off(crate::env::CUDA_FLASH_WARP_SPEC),
             flash_pp_turns: on(crate::env::CUDA_FLASH_PP_TURNS),
             flash_pp_lean: !off(crate::env::CUDA_FLASH_PP_LEAN),
@@ -1373,6 +1377,13 @@ impl CudaBackend {
     /// the same bits).
     pub fn set_km_table_ahead(&mut self, on: bool) {
         self.set_switch(on, |b| &mut b.km_table_ahead);
+    }
+
+    /// The keys-on-M kernel refills a freed stage before it waits for the next tile, so
+    /// that all its stages are in flight at the wait (default: off unless
+    /// `DISAGG_CUDA_KM_REFILL_FIRST=1`; the same bits).
+    pub fn set_km_refill_first(&mut self, on: bool) {
+        self.set_switch(on, |b| &mut b.km_refill_first);
     }
 
     /// Prefill steps at head_dim 128 take the warp-specialized flash kernel where the
@@ -2197,7 +2208,8 @@ impl CudaBackend {
             | (self.flash_merge_ilp as i32) << 12
             | (self.km_batch_loads as i32) << 13
             | (self.cluster_relaxed_exit as i32) << 14
-            | (self.km_table_ahead as i32) << 15;
+            | (self.km_table_ahead as i32) << 15
+            | (self.km_refill_first as i32) << 16;
         match &mut kv.layers[layer] {
             c @ (KvBuf::F16(_) | KvBuf::Fp8(_)) if self.step_flash => {
                 let name = self.step_flash_kernel;
@@ -2237,7 +2249,7 @@ impl CudaBackend {
                 // The kernel's switch bits (FLASH_LEAN_LOADS, FLASH_WIDE_MERGE,
                 // FLASH_MASK_EDGE, FLASH_PAIR_LOADS, the keys-on-M kernel's FLASH_EARLY,
                 // FLASH_BULK, FLASH_MERGE_ILP, FLASH_BATCH_LOADS, FLASH_RELAXED_EXIT,
-                // FLASH_TABLE_AHEAD, FLASH_LAZY_RESCALE in ops.cu), and
+                // FLASH_TABLE_AHEAD, FLASH_REFILL_FIRST, FLASH_LAZY_RESCALE in ops.cu), and
                 // FLASH_OUT_BF16: the bf16 GEMM scratch in place of `out`.
                 let flags = flash_flags
                     | (rope.is_some() as i32) << 5

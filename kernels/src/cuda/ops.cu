@@ -1043,6 +1043,7 @@ __device__ __forceinline__ void wgmma_rs(float* d, const unsigned* a, unsigned l
 #define FLASH_BATCH_LOADS 8192  // keys on M: q's values and a tile's block-table entries all loaded before use (else each in turn)
 #define FLASH_RELAXED_EXIT 16384  // keys on M, cluster: the barrier after the merge arrives without release (else with)
 #define FLASH_TABLE_AHEAD 32768   // keys on M, loads first: a tile's block-table entries loaded one tile ahead (else at its load)
+#define FLASH_REFILL_FIRST 65536  // keys on M: a freed stage refilled before the next tile is waited for (else after)
 // 2^x for the online softmax. FX: the bare MUFU instruction, inputs and results below
 // 2^-126 flushed to zero (x ≤ 0 here, and P is rounded to f16 anyway, whose smallest
 // subnormal is 2^-24); else exp2f, which scales around the MUFU for f32 subnormals.
@@ -2406,13 +2407,29 @@ __device__ void flash_decode_km_impl(const float* qkv, const KT* cache, long lon
     }
     for (int i = pre; i < STAGES - 1; i++) load_tile(k0 + i * KM_KEYS, i);
     if (writes_kv && ntiles >= STAGES) write_kv();
+    // FLASH_REFILL_FIRST: tile i − 1's stage takes tile i + STAGES − 1 as soon as every
+    // warp is done with it, before tile i is waited for, so that all STAGES tiles are in
+    // flight at the wait (else STAGES − 1: the refill waits for tile i to land). With
+    // cp.async that costs a second barrier per tile (each thread waits only for its own
+    // copies); a bulk copy's barrier makes the tile visible to every waiting thread.
+    const bool refill = (flags & FLASH_REFILL_FIRST) != 0;
     for (int i = 0; i < ntiles; i++) {
-        if (bulk)
-            mbar_wait(bar0 + 8 * (i % STAGES), (i / STAGES) & 1);
-        else
-            cp_async_wait<STAGES - 2>();
-        __syncthreads();  // tile i staged by all; tile i − 1's stage free
+        auto wait_tile = [&]() {
+            if (bulk)
+                mbar_wait(bar0 + 8 * (i % STAGES), (i / STAGES) & 1);
+            else if (refill)
+                cp_async_wait<STAGES - 1>();
+            else
+                cp_async_wait<STAGES - 2>();
+        };
+        if (!refill) wait_tile();
+        __syncthreads();  // tile i − 1's stage free (and the row's k and v written); without
+                          // the refill first, tile i staged by all
         load_tile(k0 + (i + STAGES - 1) * KM_KEYS, (i + STAGES - 1) % STAGES);
+        if (refill) {
+            wait_tile();
+            if (!bulk) __syncthreads();  // tile i staged by all
+        }
         const int kw = k0 + i * KM_KEYS + 16 * warp;  // this warp's first key
         if (kw >= k1) continue;
         const unsigned ks_at = base + (i % STAGES) * STAGE_BYTES, vs_at = ks_at + KBYTES;
