@@ -193,7 +193,8 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
             // in one round and in turn, q's and the block tables' loads all first and each
             // as used, the barrier after the merge relaxed and not, a tile's table entries one
             // tile ahead and at its load, a freed stage refilled before the next tile's wait
-            // and after: the same bits. Split, the mixed step's decode row
+            // (the tile counted in by its stage's mbarrier or a second barrier) and after:
+            // the same bits. Split, the mixed step's decode row
             // takes the keys-on-M kernel in a launch of its own (with clusters; without, the
             // step is not split).
             #[derive(Clone, Copy, PartialEq)]
@@ -218,6 +219,7 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
                 relaxed: bool,
                 ahead: bool,
                 refill: bool,
+                mbar: bool,
                 pp: bool,
                 turns: bool,
                 pp_lean: bool,
@@ -244,6 +246,7 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
                 relaxed: true,
                 ahead: true,
                 refill: true,
+                mbar: true,
                 pp: true,
                 turns: false,
                 pp_lean: true,
@@ -257,10 +260,12 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
                 Flash { early: false, ..all },
                 // Bulk copies with a freed stage refilled after the next tile lands.
                 Flash { refill: false, ..all },
-                // cp.async tiles, a tile's entries first, with and without the refill before
-                // the wait (the engine's default tile loads), and with the entries one tile
+                // cp.async tiles, a tile's entries first, with the refill before the wait
+                // (counted in by the stage's mbarrier, and by a second block barrier) and
+                // without (the engine's default tile loads), and with the entries one tile
                 // ahead.
                 Flash { bulk: false, ahead: false, ..all },
+                Flash { bulk: false, ahead: false, mbar: false, ..all },
                 Flash { bulk: false, ahead: false, refill: false, ..all },
                 Flash { bulk: false, ..all },
                 Flash { lazy: false, ..all },
@@ -290,9 +295,9 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
             let mut same_refs: Vec<(usize, usize, Vec<u32>)> = Vec::new();
             // ((early tiles, bulk copies, the cluster merge's one round of loads, q's and the
             // tables' loads first, the relaxed exit barrier, the tables one tile ahead, the
-            // refill before the wait),
+            // refill before the wait, its tiles counted in by the stage's mbarrier),
             // merged in clusters, splits, the outputs)
-            type Merged = ((bool, bool, bool, bool, bool, bool, bool), bool, usize, Vec<f32>);
+            type Merged = ((bool, bool, bool, bool, bool, bool, bool, bool), bool, usize, Vec<f32>);
             let mut merged: Vec<Merged> = Vec::new();
             // The bits of the cluster merge and attention_merge are compared at the same
             // splits: split counts that assume clusters as resident as single blocks,
@@ -321,6 +326,7 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
                 be.set_cluster_relaxed_exit(f.relaxed);
                 be.set_km_table_ahead(f.ahead);
                 be.set_km_refill_first(f.refill);
+                be.set_km_refill_mbar(f.mbar);
                 be.set_flash_warp_spec(f.pp);
                 be.set_flash_pp_turns(f.turns);
                 be.set_flash_pp_lean(f.pp_lean);
@@ -377,6 +383,11 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
                         Flash { bulk: false, ahead: false, refill: false, ..all },
                         "refill first, cp.async,",
                     ),
+                    (
+                        Flash { bulk: false, ahead: false, ..all },
+                        Flash { bulk: false, ahead: false, mbar: false, ..all },
+                        "refill first, cp.async, a second barrier,",
+                    ),
                 ];
                 for (i, (first, second, what)) in pairs.iter().enumerate() {
                     if f == first {
@@ -408,7 +419,7 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
                             be.step_cluster()
                         ));
                     }
-                    let key = (f.early, f.bulk, f.merge_ilp, f.batch, f.relaxed, f.ahead, f.refill);
+                    let key = (f.early, f.bulk, f.merge_ilp, f.batch, f.relaxed, f.ahead, f.refill, f.mbar);
                     merged.push((key, be.step_cluster(), be.step_splits(), got.clone()));
                 }
                 if err.is_nan() || err >= if flash { 5e-3 } else { 1e-4 } {
@@ -424,22 +435,23 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
             // of loads against a round trip per split, q's and the tables' loads first against
             // in turn, the relaxed exit barrier against release/acquire, a tile's entries
             // one tile ahead against at its load, a freed stage refilled before the next
-            // tile's wait against after it: the same splits, the same bits.
-            if let [((true, true, true, true, true, true, true), true, s1, a), rest @ ..] = &merged[..] {
-                for ((early, bulk, ilp, batch, relaxed, ahead, refill), cluster, s2, b) in rest {
+            // tile's wait against after it (its tiles counted in by the stage's mbarrier
+            // against a second barrier): the same splits, the same bits.
+            if let [((true, true, true, true, true, true, true, true), true, s1, a), rest @ ..] = &merged[..] {
+                for ((early, bulk, ilp, batch, relaxed, ahead, refill, mbar), cluster, s2, b) in rest {
                     let diff = a.iter().zip(b).filter(|(x, y)| x.to_bits() != y.to_bits()).count();
                     println!(
                         "{n_heads}/{n_kv} heads: against every switch on ({s1} splits), \
                          clusters {cluster}, early tiles {early}, bulk copies {bulk}, merge in one round {ilp}, \
                          loads first {batch}, relaxed exit {relaxed}, table ahead {ahead}, refill first {refill} \
-                         ({s2} splits): {diff} of {} \
+                         (by mbarrier {mbar}) ({s2} splits): {diff} of {} \
                          outputs differ",
                         a.len()
                     );
                     if s1 != s2 || diff > 0 {
                         failed.push(format!(
                             "{n_heads}/{n_kv} heads: clusters {cluster}, early {early}, bulk {bulk}, ilp {ilp}, \
-                             batch {batch}, relaxed {relaxed}, ahead {ahead}, refill {refill}: {diff} differ"
+                             batch {batch}, relaxed {relaxed}, ahead {ahead}, refill {refill}, mbar {mbar}: {diff} differ"
                         ));
                     }
                 }
@@ -963,6 +975,7 @@ fn attention_with_rope_equals_the_separate_ops() {
                     be.set_cluster_relaxed_exit(loads_first);
                     be.set_km_table_ahead(loads_first);
                     be.set_km_refill_first(loads_first);
+                    be.set_km_refill_mbar(loads_first);
                     be.set_attn_chunk(chunk);
                     let mut kv = be.kv_cache(shape).unwrap();
                     for layer in 0..n_layers {

@@ -1044,6 +1044,7 @@ __device__ __forceinline__ void wgmma_rs(float* d, const unsigned* a, unsigned l
 #define FLASH_RELAXED_EXIT 16384  // keys on M, cluster: the barrier after the merge arrives without release (else with)
 #define FLASH_TABLE_AHEAD 32768   // keys on M, loads first: a tile's block-table entries loaded one tile ahead (else at its load)
 #define FLASH_REFILL_FIRST 65536  // keys on M: a freed stage refilled before the next tile is waited for (else after)
+#define FLASH_REFILL_MBAR 131072  // keys on M, with REFILL_FIRST and cp.async only: a tile counted in by its stage's mbarrier (sm_90)
 // 2^x for the online softmax. FX: the bare MUFU instruction, inputs and results below
 // 2^-126 flushed to zero (x ≤ 0 here, and P is rounded to f16 anyway, whose smallest
 // subnormal is 2^-24); else exp2f, which scales around the MUFU for f32 subnormals.
@@ -2208,14 +2209,21 @@ __device__ void flash_decode_km_impl(const float* qkv, const KT* cache, long lon
     const int w = (n_heads + 2 * n_kv) * HD;
     const float qs = scale * 1.4426950408889634f;
     const bool rope = (flags & FLASH_ROPE) != 0, bulk = (flags & FLASH_BULK) != 0;
+    // FLASH_REFILL_FIRST (the loop below); FLASH_REFILL_MBAR (set only with it and cp.async
+    // tiles; as one bit the kernel keeps 96 registers, not 114): every thread's copies of a
+    // tile arrive on the stage's barrier, so a wait on it sees the whole tile without a
+    // block barrier.
+    const bool refill = (flags & FLASH_REFILL_FIRST) != 0,
+               cp_mbar = (flags & FLASH_REFILL_MBAR) != 0;
     constexpr int HH = HD / 2;
     __shared__ float rope_c[HH], rope_s[HH];
-    // FLASH_BULK: a stage's barrier counts its tile's bytes in.
+    // FLASH_BULK: a stage's barrier counts its tile's bytes in; FLASH_REFILL_MBAR: every
+    // thread's arrival once its copies of the tile landed.
     __shared__ __align__(8) unsigned long long km_bar[STAGES];
     const unsigned bar0 = smem_u32(km_bar);
-    if (bulk) {
+    if (bulk || cp_mbar) {
         if (threadIdx.x == 0) {
-            for (int i = 0; i < STAGES; i++) mbar_init(bar0 + 8 * i, 1);
+            for (int i = 0; i < STAGES; i++) mbar_init(bar0 + 8 * i, bulk ? 1 : blockDim.x);
             fence_proxy_async();  // the initialised barriers visible to the copies' updates
         }
         __syncthreads();
@@ -2406,16 +2414,19 @@ __device__ void flash_decode_km_impl(const float* qkv, const KT* cache, long lon
         __syncthreads();
     }
     for (int i = pre; i < STAGES - 1; i++) load_tile(k0 + i * KM_KEYS, i);
+    // FLASH_REFILL_MBAR: each first tile's stage counts this thread's copies so far in.
+    if (cp_mbar)
+        for (int i = 0; i < STAGES - 1; i++) cp_async_mbar_arrive(bar0 + 8 * i);
     if (writes_kv && ntiles >= STAGES) write_kv();
     // FLASH_REFILL_FIRST: tile i − 1's stage takes tile i + STAGES − 1 as soon as every
     // warp is done with it, before tile i is waited for, so that all STAGES tiles are in
     // flight at the wait (else STAGES − 1: the refill waits for tile i to land). With
-    // cp.async that costs a second barrier per tile (each thread waits only for its own
-    // copies); a bulk copy's barrier makes the tile visible to every waiting thread.
-    const bool refill = (flags & FLASH_REFILL_FIRST) != 0;
+    // cp.async waited for by each thread that costs a second barrier per tile (each thread
+    // waits only for its own copies); a stage barrier (bulk copies, FLASH_REFILL_MBAR)
+    // makes the tile visible to every thread that waits on it.
     for (int i = 0; i < ntiles; i++) {
         auto wait_tile = [&]() {
-            if (bulk)
+            if (bulk || cp_mbar)
                 mbar_wait(bar0 + 8 * (i % STAGES), (i / STAGES) & 1);
             else if (refill)
                 cp_async_wait<STAGES - 1>();
@@ -2426,9 +2437,10 @@ __device__ void flash_decode_km_impl(const float* qkv, const KT* cache, long lon
         __syncthreads();  // tile i − 1's stage free (and the row's k and v written); without
                           // the refill first, tile i staged by all
         load_tile(k0 + (i + STAGES - 1) * KM_KEYS, (i + STAGES - 1) % STAGES);
+        if (cp_mbar) cp_async_mbar_arrive(bar0 + 8 * ((i + STAGES - 1) % STAGES));
         if (refill) {
             wait_tile();
-            if (!bulk) __syncthreads();  // tile i staged by all
+            if (!bulk && !cp_mbar) __syncthreads();  // tile i staged by all
         }
         const int kw = k0 + i * KM_KEYS + 16 * warp;  // this warp's first key
         if (kw >= k1) continue;
