@@ -2212,7 +2212,8 @@ __device__ void flash_decode_km_impl(const float* qkv, const KT* cache, long lon
     // FLASH_REFILL_FIRST (the loop below); FLASH_REFILL_MBAR (set only with it and cp.async
     // tiles; as one bit the kernel keeps 96 registers, not 114): every thread's copies of a
     // tile arrive on the stage's barrier, so a wait on it sees the whole tile without a
-    // block barrier.
+    // block barrier. Only tiles that exist arrive, so every arrival is waited for before
+    // the block leaves.
     const bool refill = (flags & FLASH_REFILL_FIRST) != 0,
                cp_mbar = (flags & FLASH_REFILL_MBAR) != 0;
     constexpr int HH = HD / 2;
@@ -2309,6 +2310,7 @@ __device__ void flash_decode_km_impl(const float* qkv, const KT* cache, long lon
                 cp_async16_at(at + p * KPP * RB, src, real ? 16 : 0);
                 cp_async16_at(at + KBYTES + p * KPP * RB, real ? src + half : cache, real ? 16 : 0);
             }
+            if (cp_mbar) cp_async_mbar_arrive(bar0 + 8 * st);
         } else if (kb < k1) {
             const unsigned at = base + st * STAGE_BYTES + my_key * RB + my_c * sizeof(KT);
 #pragma unroll
@@ -2324,6 +2326,7 @@ __device__ void flash_decode_km_impl(const float* qkv, const KT* cache, long lon
                 cp_async16_at(at + p * KPP * RB, src, bytes);
                 cp_async16_at(at + KBYTES + p * KPP * RB, bytes ? src + half : cache, bytes);
             }
+            if (cp_mbar) cp_async_mbar_arrive(bar0 + 8 * st);
         }
         if (!bulk) cp_async_commit();
     };
@@ -2414,9 +2417,6 @@ __device__ void flash_decode_km_impl(const float* qkv, const KT* cache, long lon
         __syncthreads();
     }
     for (int i = pre; i < STAGES - 1; i++) load_tile(k0 + i * KM_KEYS, i);
-    // FLASH_REFILL_MBAR: each first tile's stage counts this thread's copies so far in.
-    if (cp_mbar)
-        for (int i = 0; i < STAGES - 1; i++) cp_async_mbar_arrive(bar0 + 8 * i);
     if (writes_kv && ntiles >= STAGES) write_kv();
     // FLASH_REFILL_FIRST: tile i − 1's stage takes tile i + STAGES − 1 as soon as every
     // warp is done with it, before tile i is waited for, so that all STAGES tiles are in
@@ -2437,7 +2437,6 @@ __device__ void flash_decode_km_impl(const float* qkv, const KT* cache, long lon
         __syncthreads();  // tile i − 1's stage free (and the row's k and v written); without
                           // the refill first, tile i staged by all
         load_tile(k0 + (i + STAGES - 1) * KM_KEYS, (i + STAGES - 1) % STAGES);
-        if (cp_mbar) cp_async_mbar_arrive(bar0 + 8 * ((i + STAGES - 1) % STAGES));
         if (refill) {
             wait_tile();
             if (!bulk && !cp_mbar) __syncthreads();  // tile i staged by all
