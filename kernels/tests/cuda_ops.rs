@@ -194,9 +194,8 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
             // as used, the barrier after the merge relaxed and not, a tile's table entries one
             // tile ahead and at its load, a freed stage refilled before the next tile's wait
             // (the tile counted in by its stage's mbarrier or a second barrier) and after:
-            // the same bits. Split, the mixed step's decode row
-            // takes the keys-on-M kernel in a launch of its own (with clusters; without, the
-            // step is not split).
+            // the same bits. Split, the mixed step's decode row takes the keys-on-M kernel
+            // in a launch of its own (with clusters; without, the step is not split).
             #[derive(Clone, Copy, PartialEq)]
             struct Flash {
                 on: bool,
