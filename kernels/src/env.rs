@@ -310,21 +310,6 @@ pub const CUDA_KM_BATCH_LOADS: &str = "DISAGG_CUDA_KM_BATCH_LOADS";
 /// in the attention lab on an H100 its exit 0.26 µs sooner, docs/PERF.md); for A/B runs.
 pub const CUDA_CLUSTER_RELAXED_EXIT: &str = "DISAGG_CUDA_CLUSTER_RELAXED_EXIT";
 
-/// `1`: with its loads first (above) and cp.async tiles (`DISAGG_CUDA_KM_BULK` off), the
-/// keys-on-M decode kernel asks for the next tile's block-table entries as it issues a
-/// tile's copies, so that in the loop a tile's copies need not wait a round trip for its
-/// entries (a register per 16-byte pass of a tile; the same bits). Opt-in until it is
-/// measured on a GPU (docs/PERF.md); for A/B runs.
-pub const CUDA_KM_TABLE_AHEAD: &str = "DISAGG_CUDA_KM_TABLE_AHEAD";
-
-/// `1`: the keys-on-M decode kernel refills the stage that the last tile freed as soon as
-/// every warp is done with it, before it waits for the next tile, so that all three stages'
-/// tiles are in flight at the wait instead of two (with cp.async tiles a second barrier
-/// per tile; the same bits). `2` (sm_90): the same, with each thread's cp.async copies of a
-/// tile arriving on the stage's mbarrier, which every thread waits on, in place of the
-/// second barrier. Opt-in until it is measured on a GPU (docs/PERF.md); for A/B runs.
-pub const CUDA_KM_REFILL_FIRST: &str = "DISAGG_CUDA_KM_REFILL_FIRST";
-
 /// `0`: CUDA prefill steps at head_dim 128 on sm_90 take the one-warpgroup flash kernel
 /// (64-row tiles, three blocks per SM) instead of the warp-specialized one (128-row
 /// tiles: a producer warpgroup loading K/V tiles, two consumer warpgroups sharing them);

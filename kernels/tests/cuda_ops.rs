@@ -191,11 +191,9 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
             // thread block clusters (sm_90) and by attention_merge, its first tiles asked
             // for before waiting for the kernel before and after, the cluster merge's loads
             // in one round and in turn, q's and the block tables' loads all first and each
-            // as used, the barrier after the merge relaxed and not, a tile's table entries one
-            // tile ahead and at its load, a freed stage refilled before the next tile's wait
-            // (the tile counted in by its stage's mbarrier or a second barrier) and after:
-            // the same bits. Split, the mixed step's decode row takes the keys-on-M kernel
-            // in a launch of its own (with clusters; without, the step is not split).
+            // as used, the barrier after the merge relaxed and not: the same bits. Split, the
+            // mixed step's decode row takes the keys-on-M kernel in a launch of its own
+            // (with clusters; without, the step is not split).
             #[derive(Clone, Copy, PartialEq)]
             struct Flash {
                 on: bool,
@@ -216,9 +214,6 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
                 merge_ilp: bool,
                 batch: bool,
                 relaxed: bool,
-                ahead: bool,
-                refill: bool,
-                mbar: bool,
                 pp: bool,
                 turns: bool,
                 pp_lean: bool,
@@ -243,9 +238,6 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
                 merge_ilp: true,
                 batch: true,
                 relaxed: true,
-                ahead: true,
-                refill: true,
-                mbar: true,
                 pp: true,
                 turns: false,
                 pp_lean: true,
@@ -257,15 +249,7 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
                 all,
                 Flash { cluster: false, ..all },
                 Flash { early: false, ..all },
-                // Bulk copies with a freed stage refilled after the next tile lands.
-                Flash { refill: false, ..all },
-                // cp.async tiles, a tile's entries first, with the refill before the wait
-                // (counted in by the stage's mbarrier, and by a second block barrier) and
-                // without (the engine's default tile loads), and with the entries one tile
-                // ahead.
-                Flash { bulk: false, ahead: false, ..all },
-                Flash { bulk: false, ahead: false, mbar: false, ..all },
-                Flash { bulk: false, ahead: false, refill: false, ..all },
+                // The engine's default tile loads (cp.async, a tile's entries first).
                 Flash { bulk: false, ..all },
                 Flash { lazy: false, ..all },
                 Flash { merge_ilp: false, ..all },
@@ -290,13 +274,12 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
                 Flash { split: true, cluster: false, ..all },
             ];
             let decode = seqs.iter().all(|s| s.1 == 1);
-            // (which pair below, chunk, bits) of each pair's first case
-            let mut same_refs: Vec<(usize, usize, Vec<u32>)> = Vec::new();
+            let mut lazy_ref: Vec<(usize, Vec<u32>)> = Vec::new();
+            let mut producer_ref: Vec<(usize, Vec<u32>)> = Vec::new();
             // ((early tiles, bulk copies, the cluster merge's one round of loads, q's and the
-            // tables' loads first, the relaxed exit barrier, the tables one tile ahead, the
-            // refill before the wait, its tiles counted in by the stage's mbarrier),
-            // merged in clusters, splits, the outputs)
-            type Merged = ((bool, bool, bool, bool, bool, bool, bool, bool), bool, usize, Vec<f32>);
+            // tables' loads first, the relaxed exit barrier), merged in clusters, splits,
+            // the outputs)
+            type Merged = ((bool, bool, bool, bool, bool), bool, usize, Vec<f32>);
             let mut merged: Vec<Merged> = Vec::new();
             // The bits of the cluster merge and attention_merge are compared at the same
             // splits: split counts that assume clusters as resident as single blocks,
@@ -323,9 +306,6 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
                 be.set_flash_merge_ilp(f.merge_ilp);
                 be.set_km_batch_loads(f.batch);
                 be.set_cluster_relaxed_exit(f.relaxed);
-                be.set_km_table_ahead(f.ahead);
-                be.set_km_refill_first(f.refill);
-                be.set_km_refill_mbar(f.mbar);
                 be.set_flash_warp_spec(f.pp);
                 be.set_flash_pp_turns(f.turns);
                 be.set_flash_pp_lean(f.pp_lean);
@@ -366,39 +346,31 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
                         "{n_heads}/{n_kv} heads, {n_tokens} rows, chunk {chunk}: split, {n} rows on {k}, {s} splits"
                     );
                 }
-                // Pairs of cases whose bits must be equal, per chunk: skipping the products
-                // with 1 (`all` against the kernels rescaling on every tile); the producer's
-                // lean copy loop (`sa` against the general loop); a tile's block-table
-                // entries one tile ahead (cp.async tiles; at chunk 0 the loop runs); a freed
-                // stage refilled before the next tile's wait (bulk copies and cp.async).
+                // Skipping the products with 1 changes no bit: `all` against the same
+                // kernels rescaling on every tile (the case right after, per chunk).
                 let bits: Vec<u32> = got.iter().map(|v| v.to_bits()).collect();
-                let pairs = [
-                    (all, Flash { lazy: false, ..all }, "lazy rescale"),
-                    (sa, Flash { pp_lean: false, ..sa }, "general producer loop"),
-                    (Flash { bulk: false, ahead: false, ..all }, Flash { bulk: false, ..all }, "table ahead"),
-                    (all, Flash { refill: false, ..all }, "refill first, bulk copies,"),
-                    (
-                        Flash { bulk: false, ahead: false, ..all },
-                        Flash { bulk: false, ahead: false, refill: false, ..all },
-                        "refill first, cp.async,",
-                    ),
-                    (
-                        Flash { bulk: false, ahead: false, ..all },
-                        Flash { bulk: false, ahead: false, mbar: false, ..all },
-                        "refill first, cp.async, a second barrier,",
-                    ),
-                ];
-                for (i, (first, second, what)) in pairs.iter().enumerate() {
-                    if f == first {
-                        same_refs.push((i, chunk, bits.clone()));
-                    } else if f == second {
-                        let same = same_refs.iter().any(|(j, c, b)| (*j, *c) == (i, chunk) && *b == bits);
-                        println!(
-                            "{n_heads}/{n_kv} heads, {n_tokens} rows, chunk {chunk}: {what} bit-identical: {same}"
-                        );
-                        if !same {
-                            failed.push(format!("{n_heads}/{n_kv} heads, chunk {chunk}: {what} changed bits"));
-                        }
+                if *f == all {
+                    lazy_ref.push((chunk, bits.clone()));
+                } else if *f == (Flash { lazy: false, ..all }) {
+                    let same = lazy_ref.iter().find(|(c, _)| *c == chunk).is_some_and(|(_, b)| *b == bits);
+                    println!(
+                        "{n_heads}/{n_kv} heads, {n_tokens} rows, chunk {chunk}: lazy rescale bit-identical: {same}"
+                    );
+                    if !same {
+                        failed.push(format!("{n_heads}/{n_kv} heads, chunk {chunk}: the lazy rescale changed bits"));
+                    }
+                }
+                // The producer's lean copy loop changes no bit either: `sa` against the
+                // same kernel with the general loop.
+                if *f == sa {
+                    producer_ref.push((chunk, bits.clone()));
+                } else if *f == (Flash { pp_lean: false, ..sa }) {
+                    let same = producer_ref.iter().find(|(c, _)| *c == chunk).is_some_and(|(_, b)| *b == bits);
+                    println!(
+                        "{n_heads}/{n_kv} heads, {n_tokens} rows, chunk {chunk}: general producer loop bit-identical: {same}"
+                    );
+                    if !same {
+                        failed.push(format!("{n_heads}/{n_kv} heads, chunk {chunk}: the producer's loop changed bits"));
                     }
                 }
                 println!(
@@ -418,7 +390,7 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
                             be.step_cluster()
                         ));
                     }
-                    let key = (f.early, f.bulk, f.merge_ilp, f.batch, f.relaxed, f.ahead, f.refill, f.mbar);
+                    let key = (f.early, f.bulk, f.merge_ilp, f.batch, f.relaxed);
                     merged.push((key, be.step_cluster(), be.step_splits(), got.clone()));
                 }
                 if err.is_nan() || err >= if flash { 5e-3 } else { 1e-4 } {
@@ -432,25 +404,21 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
             // The cluster merge against attention_merge, the first tiles before the wait
             // against after it, bulk copies against cp.async, the cluster merge's one round
             // of loads against a round trip per split, q's and the tables' loads first against
-            // in turn, the relaxed exit barrier against release/acquire, a tile's entries
-            // one tile ahead against at its load, a freed stage refilled before the next
-            // tile's wait against after it (its tiles counted in by the stage's mbarrier
-            // against a second barrier): the same splits, the same bits.
-            if let [((true, true, true, true, true, true, true, true), true, s1, a), rest @ ..] = &merged[..] {
-                for ((early, bulk, ilp, batch, relaxed, ahead, refill, mbar), cluster, s2, b) in rest {
+            // in turn, the relaxed exit barrier against release/acquire: the same splits, the
+            // same bits.
+            if let [((true, true, true, true, true), true, s1, a), rest @ ..] = &merged[..] {
+                for ((early, bulk, ilp, batch, relaxed), cluster, s2, b) in rest {
                     let diff = a.iter().zip(b).filter(|(x, y)| x.to_bits() != y.to_bits()).count();
                     println!(
                         "{n_heads}/{n_kv} heads: against every switch on ({s1} splits), \
                          clusters {cluster}, early tiles {early}, bulk copies {bulk}, merge in one round {ilp}, \
-                         loads first {batch}, relaxed exit {relaxed}, table ahead {ahead}, refill first {refill} \
-                         (by mbarrier {mbar}) ({s2} splits): {diff} of {} \
-                         outputs differ",
+                         loads first {batch}, relaxed exit {relaxed} ({s2} splits): {diff} of {} outputs differ",
                         a.len()
                     );
                     if s1 != s2 || diff > 0 {
                         failed.push(format!(
                             "{n_heads}/{n_kv} heads: clusters {cluster}, early {early}, bulk {bulk}, ilp {ilp}, \
-                             batch {batch}, relaxed {relaxed}, ahead {ahead}, refill {refill}, mbar {mbar}: {diff} differ"
+                             batch {batch}, relaxed {relaxed}: {diff} differ"
                         ));
                     }
                 }
@@ -943,9 +911,8 @@ fn attention_with_rope_equals_the_separate_ops() {
             for chunk in [0usize, 64] {
                 let mut runs: Vec<(Vec<f32>, Vec<u8>)> = Vec::new();
                 // (RoPE in the attention, rope_write_k_f16's grouped form, heads per thread,
-                // grouped RoPE before the attention, the keys-on-M kernel's loads first,
-                // relaxed exit barrier, tables one tile ahead and refill before the wait); the
-                // last, a block per token, is the reference.
+                // grouped RoPE before the attention, the keys-on-M kernel's loads first and
+                // relaxed exit barrier); the last, a block per token, is the reference.
                 let forms: &[(bool, bool, Option<usize>, bool, bool)] = if prefill {
                     &[
                         (true, true, None, true, false),
@@ -972,9 +939,6 @@ fn attention_with_rope_equals_the_separate_ops() {
                     be.set_rope_pairs(pairs);
                     be.set_km_batch_loads(loads_first);
                     be.set_cluster_relaxed_exit(loads_first);
-                    be.set_km_table_ahead(loads_first);
-                    be.set_km_refill_first(loads_first);
-                    be.set_km_refill_mbar(loads_first);
                     be.set_attn_chunk(chunk);
                     let mut kv = be.kv_cache(shape).unwrap();
                     for layer in 0..n_layers {

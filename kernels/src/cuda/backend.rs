@@ -535,15 +535,6 @@ pub struct CudaBackend {
     /// The barrier after a keys-on-M cluster's merge arrives without release
     /// (`DISAGG_CUDA_CLUSTER_RELAXED_EXIT=0`: with it).
     cluster_relaxed_exit: bool,
-    /// With the loads first and cp.async tiles, the keys-on-M kernel asks for a tile's
-    /// block-table entries one tile ahead (`DISAGG_CUDA_KM_TABLE_AHEAD=1`; else at its load).
-    km_table_ahead: bool,
-    /// The keys-on-M kernel refills a freed stage before it waits for the next tile
-    /// (`DISAGG_CUDA_KM_REFILL_FIRST=1` or `2`; else after the tile lands).
-    km_refill_first: bool,
-    /// With the refill first and cp.async tiles, a tile is counted in by its stage's
-    /// mbarrier instead of a second block barrier (`DISAGG_CUDA_KM_REFILL_FIRST=2`, sm_90).
-    km_refill_mbar: bool,
     /// What the last such residual GEMV left: x · the norm weight, and the sums of x² per
     /// `NORM_SPAN` elements.
     prenorm_xg: CudaSlice<f32>,
@@ -810,7 +801,6 @@ impl CudaBackend {
         let profile = std::env::var_os(crate::env::CUDA_PROFILE).map(|_| Default::default());
         let off = |name| std::env::var(name).is_ok_and(|v| v == "0");
         let on = |name| std::env::var(name).is_ok_and(|v| v == "1");
-        let refill_mbar = std::env::var(crate::env::CUDA_KM_REFILL_FIRST).is_ok_and(|v| v == "2");
         // __match_any_sync: sm_70 or newer.
         let device_sampling = !off(crate::env::DEVICE_SAMPLING) && dev.arch.0 >= 7;
         let defer = !off(crate::env::ASYNC_SCHEDULING) && device_sampling && profile.is_none();
@@ -920,9 +910,6 @@ impl CudaBackend {
             flash_merge_ilp: !off(crate::env::CUDA_FLASH_MERGE_ILP),
             km_batch_loads: !off(crate::env::CUDA_KM_BATCH_LOADS),
             cluster_relaxed_exit: !off(crate::env::CUDA_CLUSTER_RELAXED_EXIT),
-            km_table_ahead: on(crate::env::CUDA_KM_TABLE_AHEAD),
-            km_refill_first: on(crate::env::CUDA_KM_REFILL_FIRST) || refill_mbar,
-            km_refill_mbar: refill_mbar && dev.arch.0 >= 9,
             flash_warp_spec: !off(crate::env::CUDA_FLASH_WARP_SPEC),
             flash_pp_turns: on(crate::env::CUDA_FLASH_PP_TURNS),
             flash_pp_lean: !off(crate::env::CUDA_FLASH_PP_LEAN),
@@ -1375,29 +1362,6 @@ impl CudaBackend {
     /// unless `DISAGG_CUDA_CLUSTER_RELAXED_EXIT=0`).
     pub fn set_cluster_relaxed_exit(&mut self, on: bool) {
         self.set_switch(on, |b| &mut b.cluster_relaxed_exit);
-    }
-
-    /// With the loads first and cp.async tiles, the keys-on-M kernel asks for a tile's
-    /// block-table entries one tile ahead (default: off unless `DISAGG_CUDA_KM_TABLE_AHEAD=1`;
-    /// the same bits).
-    pub fn set_km_table_ahead(&mut self, on: bool) {
-        self.set_switch(on, |b| &mut b.km_table_ahead);
-    }
-
-    /// The keys-on-M kernel refills a freed stage before it waits for the next tile, so
-    /// that all its stages are in flight at the wait (default: off unless
-    /// `DISAGG_CUDA_KM_REFILL_FIRST=1`; the same bits).
-    pub fn set_km_refill_first(&mut self, on: bool) {
-        self.set_switch(on, |b| &mut b.km_refill_first);
-    }
-
-    /// With the refill first and cp.async tiles, the keys-on-M kernel counts a tile in by
-    /// its stage's mbarrier, every thread arriving once its copies landed, instead of a
-    /// second block barrier (sm_90; default: off unless `DISAGG_CUDA_KM_REFILL_FIRST=2`;
-    /// the same bits).
-    pub fn set_km_refill_mbar(&mut self, on: bool) {
-        let on = on && self.dev.arch.0 >= 9;
-        self.set_switch(on, |b| &mut b.km_refill_mbar);
     }
 
     /// Prefill steps at head_dim 128 take the warp-specialized flash kernel where the
@@ -2221,10 +2185,7 @@ impl CudaBackend {
             | (self.flash_pp_turns as i32) << 10
             | (self.flash_merge_ilp as i32) << 12
             | (self.km_batch_loads as i32) << 13
-            | (self.cluster_relaxed_exit as i32) << 14
-            | (self.km_table_ahead as i32) << 15
-            | (self.km_refill_first as i32) << 16
-            | ((self.km_refill_mbar && self.km_refill_first && !self.km_bulk) as i32) << 17;
+            | (self.cluster_relaxed_exit as i32) << 14;
         match &mut kv.layers[layer] {
             c @ (KvBuf::F16(_) | KvBuf::Fp8(_)) if self.step_flash => {
                 let name = self.step_flash_kernel;
@@ -2264,8 +2225,8 @@ impl CudaBackend {
                 // The kernel's switch bits (FLASH_LEAN_LOADS, FLASH_WIDE_MERGE,
                 // FLASH_MASK_EDGE, FLASH_PAIR_LOADS, the keys-on-M kernel's FLASH_EARLY,
                 // FLASH_BULK, FLASH_MERGE_ILP, FLASH_BATCH_LOADS, FLASH_RELAXED_EXIT,
-                // FLASH_TABLE_AHEAD, FLASH_REFILL_FIRST, FLASH_REFILL_MBAR, FLASH_LAZY_RESCALE in
-                // ops.cu), and FLASH_OUT_BF16: the bf16 GEMM scratch in place of `out`.
+                // FLASH_LAZY_RESCALE in ops.cu), and
+                // FLASH_OUT_BF16: the bf16 GEMM scratch in place of `out`.
                 let flags = flash_flags
                     | (rope.is_some() as i32) << 5
                     | (cluster as i32) << 6

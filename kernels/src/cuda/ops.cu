@@ -1042,9 +1042,6 @@ __device__ __forceinline__ void wgmma_rs(float* d, const unsigned* a, unsigned l
 #define FLASH_MERGE_ILP 4096    // keys on M, cluster: a merge reads every split's partial at once (else M, then in turn)
 #define FLASH_BATCH_LOADS 8192  // keys on M: q's values and a tile's block-table entries all loaded before use (else each in turn)
 #define FLASH_RELAXED_EXIT 16384  // keys on M, cluster: the barrier after the merge arrives without release (else with)
-#define FLASH_TABLE_AHEAD 32768   // keys on M, loads first: a tile's block-table entries loaded one tile ahead (else at its load)
-#define FLASH_REFILL_FIRST 65536  // keys on M: a freed stage refilled before the next tile is waited for (else after)
-#define FLASH_REFILL_MBAR 131072  // keys on M, with REFILL_FIRST and cp.async only: a tile counted in by its stage's mbarrier (sm_90)
 // 2^x for the online softmax. FX: the bare MUFU instruction, inputs and results below
 // 2^-126 flushed to zero (x ≤ 0 here, and P is rounded to f16 anyway, whose smallest
 // subnormal is 2^-24); else exp2f, which scales around the MUFU for f32 subnormals.
@@ -2209,22 +2206,14 @@ __device__ void flash_decode_km_impl(const float* qkv, const KT* cache, long lon
     const int w = (n_heads + 2 * n_kv) * HD;
     const float qs = scale * 1.4426950408889634f;
     const bool rope = (flags & FLASH_ROPE) != 0, bulk = (flags & FLASH_BULK) != 0;
-    // FLASH_REFILL_FIRST (the loop below); FLASH_REFILL_MBAR (set only with it and cp.async
-    // tiles; as one bit the kernel keeps 96 registers, not 114): every thread's copies of a
-    // tile arrive on the stage's barrier, so a wait on it sees the whole tile without a
-    // block barrier. Only tiles that exist arrive, so every arrival is waited for before
-    // the block leaves.
-    const bool refill = (flags & FLASH_REFILL_FIRST) != 0,
-               cp_mbar = (flags & FLASH_REFILL_MBAR) != 0;
     constexpr int HH = HD / 2;
     __shared__ float rope_c[HH], rope_s[HH];
-    // FLASH_BULK: a stage's barrier counts its tile's bytes in; FLASH_REFILL_MBAR: every
-    // thread's arrival once its copies of the tile landed.
+    // FLASH_BULK: a stage's barrier counts its tile's bytes in.
     __shared__ __align__(8) unsigned long long km_bar[STAGES];
     const unsigned bar0 = smem_u32(km_bar);
-    if (bulk || cp_mbar) {
+    if (bulk) {
         if (threadIdx.x == 0) {
-            for (int i = 0; i < STAGES; i++) mbar_init(bar0 + 8 * i, bulk ? 1 : blockDim.x);
+            for (int i = 0; i < STAGES; i++) mbar_init(bar0 + 8 * i, 1);
             fence_proxy_async();  // the initialised barriers visible to the copies' updates
         }
         __syncthreads();
@@ -2265,15 +2254,6 @@ __device__ void flash_decode_km_impl(const float* qkv, const KT* cache, long lon
     const KT* head_src = cache + (size_t)kvh * block_size * HD;  // this KV head's rows
     const KT* my_src = head_src + my_c;
     const size_t blk_stride = (size_t)n_kv * block_size * HD;
-    // FLASH_TABLE_AHEAD: the next tile's entries, asked for as this tile's copies go out,
-    // so that its copies need not wait a round trip for them (tiles load in key order).
-    const bool ahead = (flags & FLASH_TABLE_AHEAD) != 0;
-    unsigned next_blk[PASSES];
-    int next_kb = -1;
-    auto table_entries = [&](int kb, unsigned* blk) {
-#pragma unroll
-        for (int p = 0; p < PASSES; p++) blk[p] = table[block_of(min(kb + my_key + p * KPP, k1 - 1))];
-    };
     auto load_tile = [&](int kb, int st) {
         if (kb < k1 && bulk) {
             // Thread t copies key t % 64's K (t < 64) or V row: keys past the end copy
@@ -2288,29 +2268,24 @@ __device__ void flash_decode_km_impl(const float* qkv, const KT* cache, long lon
             bulk_copy_g2s(base + st * STAGE_BYTES + (threadIdx.x / KM_KEYS) * KBYTES + r * RB, src, HD * sizeof(KT), bar);
         } else if (kb < k1 && (flags & FLASH_BATCH_LOADS)) {
             // Every pass's block-table entry asked for before the first copy needs one (keys
-            // past the end read the last key's entry), so the copies wait for one round trip
-            // (none with FLASH_TABLE_AHEAD, whose entries came with the tile before).
+            // past the end read the last key's entry), so the copies wait for one round trip.
             const unsigned at = base + st * STAGE_BYTES + my_key * RB + my_c * sizeof(KT);
+            int bi[PASSES];
             unsigned blk[PASSES];
-            if (ahead && next_kb == kb) {
 #pragma unroll
-                for (int p = 0; p < PASSES; p++) blk[p] = next_blk[p];
-            } else {
-                table_entries(kb, blk);
-            }
-            if (ahead && kb + KM_KEYS < k1) {
-                next_kb = kb + KM_KEYS;
-                table_entries(next_kb, next_blk);
+            for (int p = 0; p < PASSES; p++) {
+                const int j = min(kb + my_key + p * KPP, k1 - 1);
+                bi[p] = block_of(j);
+                blk[p] = table[bi[p]];
             }
 #pragma unroll
             for (int p = 0; p < PASSES; p++) {
                 const int j = kb + my_key + p * KPP;
                 const bool real = j < k1;
-                const KT* src = real ? my_src + blk[p] * blk_stride + (size_t)(j - block_of(j) * block_size) * HD : cache;
+                const KT* src = real ? my_src + blk[p] * blk_stride + (size_t)(j - bi[p] * block_size) * HD : cache;
                 cp_async16_at(at + p * KPP * RB, src, real ? 16 : 0);
                 cp_async16_at(at + KBYTES + p * KPP * RB, real ? src + half : cache, real ? 16 : 0);
             }
-            if (cp_mbar) cp_async_mbar_arrive(bar0 + 8 * st);
         } else if (kb < k1) {
             const unsigned at = base + st * STAGE_BYTES + my_key * RB + my_c * sizeof(KT);
 #pragma unroll
@@ -2326,7 +2301,6 @@ __device__ void flash_decode_km_impl(const float* qkv, const KT* cache, long lon
                 cp_async16_at(at + p * KPP * RB, src, bytes);
                 cp_async16_at(at + KBYTES + p * KPP * RB, bytes ? src + half : cache, bytes);
             }
-            if (cp_mbar) cp_async_mbar_arrive(bar0 + 8 * st);
         }
         if (!bulk) cp_async_commit();
     };
@@ -2418,29 +2392,13 @@ __device__ void flash_decode_km_impl(const float* qkv, const KT* cache, long lon
     }
     for (int i = pre; i < STAGES - 1; i++) load_tile(k0 + i * KM_KEYS, i);
     if (writes_kv && ntiles >= STAGES) write_kv();
-    // FLASH_REFILL_FIRST: tile i − 1's stage takes tile i + STAGES − 1 as soon as every
-    // warp is done with it, before tile i is waited for, so that all STAGES tiles are in
-    // flight at the wait (else STAGES − 1: the refill waits for tile i to land). With
-    // cp.async waited for by each thread that costs a second barrier per tile (each thread
-    // waits only for its own copies); a stage barrier (bulk copies, FLASH_REFILL_MBAR)
-    // makes the tile visible to every thread that waits on it.
     for (int i = 0; i < ntiles; i++) {
-        auto wait_tile = [&]() {
-            if (bulk || cp_mbar)
-                mbar_wait(bar0 + 8 * (i % STAGES), (i / STAGES) & 1);
-            else if (refill)
-                cp_async_wait<STAGES - 1>();
-            else
-                cp_async_wait<STAGES - 2>();
-        };
-        if (!refill) wait_tile();
-        __syncthreads();  // tile i − 1's stage free (and the row's k and v written); without
-                          // the refill first, tile i staged by all
+        if (bulk)
+            mbar_wait(bar0 + 8 * (i % STAGES), (i / STAGES) & 1);
+        else
+            cp_async_wait<STAGES - 2>();
+        __syncthreads();  // tile i staged by all; tile i − 1's stage free
         load_tile(k0 + (i + STAGES - 1) * KM_KEYS, (i + STAGES - 1) % STAGES);
-        if (refill) {
-            wait_tile();
-            if (!bulk && !cp_mbar) __syncthreads();  // tile i staged by all
-        }
         const int kw = k0 + i * KM_KEYS + 16 * warp;  // this warp's first key
         if (kw >= k1) continue;
         const unsigned ks_at = base + (i % STAGES) * STAGE_BYTES, vs_at = ks_at + KBYTES;
