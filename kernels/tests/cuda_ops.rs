@@ -274,8 +274,8 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
                 Flash { split: true, cluster: false, ..all },
             ];
             let decode = seqs.iter().all(|s| s.1 == 1);
-            let mut lazy_ref: Vec<(usize, Vec<u32>)> = Vec::new();
-            let mut producer_ref: Vec<(usize, Vec<u32>)> = Vec::new();
+            // (which pair below, chunk, bits) of each pair's first case
+            let mut same_refs: Vec<(usize, usize, Vec<u32>)> = Vec::new();
             // ((early tiles, bulk copies, the cluster merge's one round of loads, q's and the
             // tables' loads first, the relaxed exit barrier), merged in clusters, splits,
             // the outputs)
@@ -346,31 +346,25 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
                         "{n_heads}/{n_kv} heads, {n_tokens} rows, chunk {chunk}: split, {n} rows on {k}, {s} splits"
                     );
                 }
-                // Skipping the products with 1 changes no bit: `all` against the same
-                // kernels rescaling on every tile (the case right after, per chunk).
+                // Pairs of cases whose bits must be equal, per chunk: skipping the products
+                // with 1 (`all` against the kernels rescaling on every tile); the producer's
+                // lean copy loop (`sa` against the general loop).
                 let bits: Vec<u32> = got.iter().map(|v| v.to_bits()).collect();
-                if *f == all {
-                    lazy_ref.push((chunk, bits.clone()));
-                } else if *f == (Flash { lazy: false, ..all }) {
-                    let same = lazy_ref.iter().find(|(c, _)| *c == chunk).is_some_and(|(_, b)| *b == bits);
-                    println!(
-                        "{n_heads}/{n_kv} heads, {n_tokens} rows, chunk {chunk}: lazy rescale bit-identical: {same}"
-                    );
-                    if !same {
-                        failed.push(format!("{n_heads}/{n_kv} heads, chunk {chunk}: the lazy rescale changed bits"));
-                    }
-                }
-                // The producer's lean copy loop changes no bit either: `sa` against the
-                // same kernel with the general loop.
-                if *f == sa {
-                    producer_ref.push((chunk, bits.clone()));
-                } else if *f == (Flash { pp_lean: false, ..sa }) {
-                    let same = producer_ref.iter().find(|(c, _)| *c == chunk).is_some_and(|(_, b)| *b == bits);
-                    println!(
-                        "{n_heads}/{n_kv} heads, {n_tokens} rows, chunk {chunk}: general producer loop bit-identical: {same}"
-                    );
-                    if !same {
-                        failed.push(format!("{n_heads}/{n_kv} heads, chunk {chunk}: the producer's loop changed bits"));
+                let pairs = [
+                    (all, Flash { lazy: false, ..all }, "lazy rescale"),
+                    (sa, Flash { pp_lean: false, ..sa }, "general producer loop"),
+                ];
+                for (i, (first, second, what)) in pairs.iter().enumerate() {
+                    if f == first {
+                        same_refs.push((i, chunk, bits.clone()));
+                    } else if f == second {
+                        let same = same_refs.iter().any(|(j, c, b)| (*j, *c) == (i, chunk) && *b == bits);
+                        println!(
+                            "{n_heads}/{n_kv} heads, {n_tokens} rows, chunk {chunk}: {what} bit-identical: {same}"
+                        );
+                        if !same {
+                            failed.push(format!("{n_heads}/{n_kv} heads, chunk {chunk}: {what} changed bits"));
+                        }
                     }
                 }
                 println!(
