@@ -2225,8 +2225,8 @@ impl CudaBackend {
                 // The kernel's switch bits (FLASH_LEAN_LOADS, FLASH_WIDE_MERGE,
                 // FLASH_MASK_EDGE, FLASH_PAIR_LOADS, the keys-on-M kernel's FLASH_EARLY,
                 // FLASH_BULK, FLASH_MERGE_ILP, FLASH_BATCH_LOADS, FLASH_RELAXED_EXIT,
-                // FLASH_LAZY_RESCALE in ops.cu), and
-                // FLASH_OUT_BF16: the bf16 GEMM scratch in place of `out`.
+                // FLASH_LAZY_RESCALE in ops.cu), and FLASH_OUT_BF16: the bf16 GEMM scratch
+                // in place of `out`.
                 let flags = flash_flags
                     | (rope.is_some() as i32) << 5
                     | (cluster as i32) << 6
