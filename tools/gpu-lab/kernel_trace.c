@@ -8,7 +8,8 @@
 //     tools/gpu-lab/kernel_trace.c -L<cupti lib> -lcupti -o libktrace.so
 // Run:
 //   CUDA_INJECTION64_PATH=$PWD/libktrace.so KTRACE_OUT=/tmp/k.tsv <any CUDA program>
-// Output, one line per kernel: start_ns end_ns graph_id node_id stream grid block name.
+// Output, one line per kernel: start_ns end_ns graph_id node_id stream grid block name;
+// built with -DMREC=CUpti_ActivityMemcpyN, each copy too (grid and block "-").
 // tools/gpu-lab/trace_step.py reads it.
 #include <cuda.h>
 #include <cupti.h>
@@ -37,6 +38,16 @@ static void CUPTIAPI buffer_completed(CUcontext ctx, uint32_t stream, uint8_t *b
   (void)size;
   CUpti_Activity *record = NULL;
   while (cuptiActivityGetNextRecord(buffer, valid, &record) == CUPTI_SUCCESS) {
+#ifdef MREC
+    if (record->kind == CUPTI_ACTIVITY_KIND_MEMCPY) {
+      // Copies in the same columns: grid and block as "-", the name memcpy_<kind>_<bytes>
+      // (kind: CUpti_ActivityMemcpyKind, 1 HtoD, 2 DtoH, 8 DtoD, 10 PtoP).
+      const MREC *m = (const MREC *)record;
+      fprintf(out, "%llu\t%llu\t%u\t%llu\t%u\t-\t-\tmemcpy_%u_%llu\n", (unsigned long long)m->start,
+              (unsigned long long)m->end, (unsigned)m->graphId, (unsigned long long)m->graphNodeId,
+              (unsigned)m->streamId, (unsigned)m->copyKind, (unsigned long long)m->bytes);
+    }
+#endif
     if (record->kind == CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL ||
         record->kind == CUPTI_ACTIVITY_KIND_KERNEL) {
       const KREC *k = (const KREC *)record;
@@ -94,6 +105,9 @@ int InitializeInjection(void) {
       check(cuptiActivityEnable(CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL),
             "cuptiActivityEnable(CONCURRENT_KERNEL)"))
     return 0;
+#ifdef MREC
+  if (check(cuptiActivityEnable(CUPTI_ACTIVITY_KIND_MEMCPY), "cuptiActivityEnable(MEMCPY)")) return 0;
+#endif
   atexit(flush_all);
   fprintf(stderr, "kernel_trace: tracing kernels to %s\n", path ? path : "ktrace.tsv");
   return 1;

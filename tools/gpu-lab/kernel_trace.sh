@@ -11,7 +11,8 @@ inc=$(dirname "$hdr")
 lib=$(find "$(dirname "$inc")" /usr/local/cuda*/ /usr/local/lib/python3*/ /usr/lib/python3*/ -name 'libcupti.so*' 2>/dev/null | head -1 || true)
 [ -n "$lib" ] || { echo "no libcupti.so on this machine" >&2; exit 1; }
 krec=$(grep -oh 'CUpti_ActivityKernel[0-9]\+' "$inc"/cupti_activity*.h | sort -V | tail -1)
+mrec=$(grep -oh 'CUpti_ActivityMemcpy[0-9]\+' "$inc"/cupti_activity*.h | sort -V | tail -1)
 cuda_inc=$(dirname "$(find /usr/local/cuda*/ -name cuda.h -path '*include*' 2>/dev/null | head -1)")
-echo "kernel_trace: $hdr, $lib, $krec" >&2
-gcc -O2 -shared -fPIC -DKREC="$krec" -I"$inc" -I"$cuda_inc" tools/gpu-lab/kernel_trace.c \
+echo "kernel_trace: $hdr, $lib, $krec, ${mrec:-no memcpy record}" >&2
+gcc -O2 -shared -fPIC -DKREC="$krec" ${mrec:+-DMREC="$mrec"} -I"$inc" -I"$cuda_inc" tools/gpu-lab/kernel_trace.c \
   "$lib" -Wl,-rpath,"$(dirname "$lib")" -o "$dst"

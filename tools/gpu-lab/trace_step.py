@@ -11,7 +11,9 @@ the trace (one kernel per graph node each) and, per kernel name, summed over the
   replay these sum to the replay's span (first start to last end), so they say where the
   step's time goes with the kernels overlapping as they ran.
 Medians over the replays. Also the span, and the gap from one replay's last end to the
-next one's first start (the host's part of a step).
+next one's first start (the host's part of a step), with what ran in it outside any graph
+(kernels, and copies when the trace has them: `memcpy_<kind>_<bytes>`, kind 1 host to
+device, 2 device to host) and how much of it nothing ran.
 """
 import argparse
 import statistics as st
@@ -92,3 +94,25 @@ for gid, rs in sorted(by_graph.items()):
         print(f"{short(name):58} {c:4} {med(adds[name]):9.1f} {med(own[name]):9.1f} "
               f"{med(adds[name])/c:7.2f} {med(own[name])/c:7.2f} {med(lags[name])/c:16.2f}  "
               f"{grids[name][0]} {grids[name][1]}")
+    # The gaps: what ran in them outside any graph, in order, and the time nothing ran.
+    loose = sorted((r for r in rows if not r[2]), key=lambda r: r[0])
+    in_gap = defaultdict(list)
+    per_gap = []
+    idle = []
+    for i in range(len(replays) - 1):
+        lo, hi = max(r[1] for r in replays[i]), min(r[0] for r in replays[i + 1])
+        items = [r for r in loose if lo <= r[0] < hi]
+        busy, at = 0, lo
+        for r in items:
+            busy += max(0, min(r[1], hi) - max(r[0], at))
+            at = max(at, r[1])
+        idle.append(hi - lo - busy)
+        c = defaultdict(int)
+        for r in items:
+            c[r[6]] += 1
+            in_gap[r[6]].append(r[1] - r[0])
+        per_gap.append(c)
+    if idle:
+        print(f"gaps: nothing running {med(idle):.1f} us of the median gap; outside any graph:")
+        for name in sorted(in_gap, key=lambda x: -sum(in_gap[x])):
+            print(f"  {short(name):58} per gap {st.median(c[name] for c in per_gap):4.1f}  each {med(in_gap[name]):7.2f} us")
