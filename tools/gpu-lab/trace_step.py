@@ -94,7 +94,7 @@ for gid, rs in sorted(by_graph.items()):
         print(f"{short(name):58} {c:4} {med(adds[name]):9.1f} {med(own[name]):9.1f} "
               f"{med(adds[name])/c:7.2f} {med(own[name])/c:7.2f} {med(lags[name])/c:16.2f}  "
               f"{grids[name][0]} {grids[name][1]}")
-    # The gaps: what ran in them outside any graph, in order, and the time nothing ran.
+    # The gaps: what ran in them outside any graph, and the time nothing ran.
     loose = sorted((r for r in rows if not r[2]), key=lambda r: r[0])
     in_gap = defaultdict(list)
     per_gap = []
