@@ -98,6 +98,10 @@ pub const ASYNC_SCHEDULING: &str = "DISAGG_ASYNC_SCHEDULING";
 /// instead of several blocks per row while the rows alone leave SMs idle; for A/B runs.
 pub const CUDA_ARGMAX_SPLIT: &str = "DISAGG_CUDA_ARGMAX_SPLIT";
 
+/// `0`: the CUDA greedy sample reads the logits one 4-byte load at a time per thread,
+/// instead of four 16-byte loads in flight (the same token); for A/B runs.
+pub const CUDA_ARGMAX_VEC: &str = "DISAGG_CUDA_ARGMAX_VEC";
+
 /// `0`: a CUDA step's metadata goes up in one copy per buffer, instead of one copy of it
 /// all, spread to its buffers by one kernel (`unpack_step`); for A/B runs.
 pub const CUDA_PACKED_UPLOAD: &str = "DISAGG_CUDA_PACKED_UPLOAD";

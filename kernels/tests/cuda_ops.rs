@@ -18,7 +18,11 @@ fn main() {
         Ok(())
     })];
     if std::env::var_os(kernels::env::TEST_CUDA).is_some() {
-        let gpu_tests: [(&str, fn()); 12] = [
+        let gpu_tests: [(&str, fn()); 13] = [
+            (
+                "greedy_argmax_takes_the_first_maximum_in_every_form",
+                greedy_argmax_takes_the_first_maximum_in_every_form,
+            ),
             ("fp8_cache_attention_matches_cpu_and_the_f16_kernel", fp8_cache_attention_matches_cpu_and_the_f16_kernel),
             ("qkv_gemv_with_rope_equals_the_separate_ops", qkv_gemv_with_rope_equals_the_separate_ops),
             ("attention_with_rope_equals_the_separate_ops", attention_with_rope_equals_the_separate_ops),
@@ -123,6 +127,78 @@ fn embedding_gathers_rows_exactly_and_refuses_bad_ids() {
         assert_eq!(&got[r * dim..(r + 1) * dim], &table[id as usize * dim..(id as usize + 1) * dim]);
     }
     assert!(d.embed(&dt, &[1000], dim, &mut out).is_err(), "an id outside the table is refused");
+}
+
+/// The device's greedy sample (`sample_rows` with plain greedy rows: the argmax kernels)
+/// against the host's rule, exactly: the first index of the largest value, NaN never
+/// winning, 0 for a row with nothing above -inf. Each of the four forms (one block or
+/// several per row, 4- or 16-byte loads), at 1, 5 and 64 rows (on 132 SMs 64, 53 and 5
+/// blocks a row where split, fewer where a row is short), over a Llama-3 vocabulary, one not a
+/// multiple of 4 (every other row misaligned for the 16-byte loads) and one under a
+/// block's 1,024 values. Every row's maximum is planted two to four times, in the first
+/// and last values, across chunk edges and in the tail, among NaNs.
+fn greedy_argmax_takes_the_first_maximum_in_every_form() {
+    use kernels::{Backend, SampleSpec, SampledRow};
+    let mut be = kernels::cuda::CudaBackend::new(0, true).expect("cuda:0 opens");
+    let greedy = SampleSpec { temperature: 0.0, top_k: 0, top_p: 1.0, min_p: 0.0, u: 0.0, edits: &[], logprobs: None };
+    let mut x = 0x2545_f491_4f6c_dd1du64;
+    let mut next = move |n: usize| {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        (x % n as u64) as usize
+    };
+    let mut checked = 0;
+    for dim in [128_256usize, 4_099, 1_000] {
+        for rows in [1usize, 5, 64] {
+            let mut logits = data(rows * dim, (dim + rows) as u32);
+            let mut want = vec![0u32; rows];
+            for (r, row) in logits.chunks_mut(dim).enumerate() {
+                for _ in 0..dim / 50 {
+                    row[next(dim)] = f32::NAN;
+                }
+                match r % 6 {
+                    // Nothing above -inf: token 0.
+                    0 if rows > 1 => {
+                        row.iter_mut().for_each(|v| *v = if next(3) == 0 { f32::NAN } else { f32::NEG_INFINITY })
+                    }
+                    // The maximum in the last value alone (the 16-byte loads' tail).
+                    1 => row[dim - 1] = 9.0,
+                    // In the first value and in the last.
+                    2 => (row[0], row[dim - 1]) = (9.0, 9.0),
+                    // Either side of an edge of the chunks and quads (the split forms'
+                    // chunks of dim / 64, dim / 53 and dim / 5, rounded to 4).
+                    3 => {
+                        let edge = dim.div_ceil([64, 53, 5][next(3)]).next_multiple_of(4) - next(2);
+                        row[edge.min(dim - 2)] = 9.0;
+                        row[edge.min(dim - 2) + 1] = 9.0;
+                    }
+                    // Anywhere, up to four times.
+                    _ => (0..2 + next(3)).for_each(|_| row[next(dim)] = 9.0),
+                }
+                // The host's rule (engine::sampling::argmax).
+                let mut best = (f32::NEG_INFINITY, 0u32);
+                for (i, &v) in row.iter().enumerate() {
+                    if v > best.0 {
+                        best = (v, i as u32);
+                    }
+                }
+                want[r] = best.1;
+            }
+            for (split, vec) in [(false, false), (false, true), (true, false), (true, true)] {
+                be.set_argmax_split(split);
+                be.set_argmax_vec(vec);
+                let mut buf = be.device().upload(&logits).unwrap();
+                let mut out: Vec<SampledRow> = Vec::new();
+                let specs = vec![greedy.clone(); rows];
+                assert!(be.sample_rows(&mut buf, dim, &specs, &mut out), "sampled on the device");
+                let got: Vec<u32> = out.iter().map(|o| o.token.expect("a greedy row's token")).collect();
+                assert_eq!(got, want, "dim {dim}, {rows} rows, split {split}, 16-byte loads {vec}");
+                checked += rows;
+            }
+        }
+    }
+    println!("greedy argmax: {checked} rows equal to the host's rule in all four forms");
 }
 
 /// Both CUDA attention kernels, whole and split-K, against the CPU backend's attention,

@@ -421,6 +421,8 @@ pub struct CudaBackend {
     /// `argmax_rows_split` (`DISAGG_CUDA_ARGMAX_SPLIT`, on by default): its partials and
     /// per-row counters.
     argmax_split: bool,
+    /// The argmax kernels' 16-byte loads (`DISAGG_CUDA_ARGMAX_VEC`, on by default).
+    argmax_vec: bool,
     argmax_pv: CudaSlice<f32>,
     argmax_pi: CudaSlice<i32>,
     argmax_count: CudaSlice<u32>,
@@ -993,6 +995,7 @@ impl CudaBackend {
             device_sampling,
             argmax_out: stream.alloc_zeros::<u32>(1).map_err(dev_err)?,
             argmax_split: !off(crate::env::CUDA_ARGMAX_SPLIT),
+            argmax_vec: !off(crate::env::CUDA_ARGMAX_VEC),
             argmax_pv: stream.alloc_zeros::<f32>(1).map_err(dev_err)?,
             argmax_pi: stream.alloc_zeros::<i32>(1).map_err(dev_err)?,
             argmax_count: stream.alloc_zeros::<u32>(0).map_err(dev_err)?,
@@ -1286,6 +1289,17 @@ impl CudaBackend {
     /// Whether the step's kernels go out as programmatic dependent launches.
     pub fn pdl(&self) -> bool {
         self.pdl
+    }
+
+    /// The greedy argmax over several blocks per row while the rows alone leave SMs idle
+    /// (default: on unless `DISAGG_CUDA_ARGMAX_SPLIT=0`).
+    pub fn set_argmax_split(&mut self, on: bool) {
+        self.set_switch(on, |b| &mut b.argmax_split);
+    }
+
+    /// The argmax kernels' 16-byte loads (default: on unless `DISAGG_CUDA_ARGMAX_VEC=0`).
+    pub fn set_argmax_vec(&mut self, on: bool) {
+        self.set_switch(on, |b| &mut b.argmax_vec);
     }
 
     /// SiLU·gate past the GEMV writes the down projection's bf16 input itself (default:
@@ -2639,6 +2653,7 @@ impl CudaBackend {
             self.argmax_out = st.alloc_zeros::<u32>(rows.next_power_of_two()).expect("CUDA: argmax buffer");
         }
         let d = dim as i32;
+        let vec = i32::from(self.argmax_vec);
         let chunks = if self.argmax_split {
             (2 * self.n_sms).div_ceil(rows).min(ARGMAX_MAX_CHUNKS).min(dim.div_ceil(1024))
         } else {
@@ -2647,7 +2662,7 @@ impl CudaBackend {
         if chunks <= 1 {
             let cfg = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
             let mut b = Launch::new(&st, self.dev.func("argmax_rows"));
-            b.arg(x).arg(&d).arg(&mut self.argmax_out);
+            b.arg(x).arg(&d).arg(&mut self.argmax_out).arg(&vec);
             // SAFETY: x holds `rows` rows of dim (the engine's logits buffer).
             unsafe { b.launch(cfg, self.pdl) }.expect("CUDA: argmax");
             return;
@@ -2658,12 +2673,14 @@ impl CudaBackend {
             self.argmax_pi = st.alloc_zeros(n * ARGMAX_MAX_CHUNKS).expect("CUDA: argmax buffer");
             self.argmax_count = st.alloc_zeros(n).expect("CUDA: argmax buffer");
         }
-        let chunk = dim.div_ceil(chunks) as i32;
+        // (16-byte loads: chunks of whole quads, so that every chunk of an aligned row is.)
+        let chunk =
+            if self.argmax_vec { dim.div_ceil(chunks).next_multiple_of(4) } else { dim.div_ceil(chunks) } as i32;
         let cfg =
             LaunchConfig { grid_dim: (chunks as u32, rows as u32, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
         let mut b = Launch::new(&st, self.dev.func("argmax_rows_split"));
         b.arg(x).arg(&d).arg(&chunk).arg(&mut self.argmax_pv).arg(&mut self.argmax_pi);
-        b.arg(&mut self.argmax_count).arg(&mut self.argmax_out);
+        b.arg(&mut self.argmax_count).arg(&mut self.argmax_out).arg(&vec);
         // SAFETY: x holds `rows` rows of dim; the partials hold rows × chunks entries, the
         // counters `rows` (zero between launches: each row's last block resets its own).
         unsafe { b.launch(cfg, self.pdl) }.expect("CUDA: argmax");

@@ -705,13 +705,55 @@ __device__ __forceinline__ void thread_argmax(const float* row, int lo, int hi, 
     }
 }
 
+// The first maximum of (bv, bi) and the four values from index `at` on.
+__device__ __forceinline__ void take_quad(float4 v, int at, float& bv, int& bi) {
+    if (v.x > bv) bv = v.x, bi = at;
+    if (v.y > bv) bv = v.y, bi = at + 1;
+    if (v.z > bv) bv = v.z, bi = at + 2;
+    if (v.w > bv) bv = v.w, bi = at + 3;
+}
+
+// thread_argmax over 16-byte loads, four in flight per thread (the scalar loop keeps one
+// 4-byte load in flight, too few bytes to stream a large batch's logits at the memory's
+// rate): quads lo/4 + threadIdx.x, + blockDim.x, ... of [lo, hi), then the last hi - lo mod
+// 4 values one a thread; each thread's values still ascend, so the first maximum of them.
+// Where row + lo is not 16-byte aligned (a vocabulary not a multiple of 4), the scalar loop.
+__device__ __forceinline__ void thread_argmax_vec(const float* row, int lo, int hi, float& bv, int& bi) {
+    if (((size_t)(row + lo) & 15) != 0) {
+        thread_argmax(row, lo, hi, bv, bi);
+        return;
+    }
+    bv = NEG_INF;
+    bi = 0x7fffffff;
+    const float4* q = (const float4*)(row + lo);
+    const int n4 = max(hi - lo, 0) >> 2, step = blockDim.x;
+    int j = threadIdx.x;
+    for (; j + 3 * step < n4; j += 4 * step) {
+        float4 v[4];
+#pragma unroll
+        for (int u = 0; u < 4; u++) v[u] = q[j + u * step];
+#pragma unroll
+        for (int u = 0; u < 4; u++) take_quad(v[u], lo + 4 * (j + u * step), bv, bi);
+    }
+    for (; j < n4; j += step) take_quad(q[j], lo + 4 * j, bv, bi);
+    const int t = lo + 4 * n4 + threadIdx.x;
+    if (t < hi && row[t] > bv) {
+        bv = row[t];
+        bi = t;
+    }
+}
+
 // Greedy sampling on the device: out[r] = the first index of the largest value of row r
-// (NaN never wins; a row of -inf gives 0), as engine::sampling::argmax. One block per row.
-extern "C" __global__ void argmax_rows(const float* x, int dim, unsigned int* out) {
+// (NaN never wins; a row of -inf gives 0), as engine::sampling::argmax. One block per row;
+// `vec`: thread_argmax_vec's loads (DISAGG_CUDA_ARGMAX_VEC), same result.
+extern "C" __global__ void argmax_rows(const float* x, int dim, unsigned int* out, int vec) {
     pdl_wait();
     float bv;
     int bi;
-    thread_argmax(x + (size_t)blockIdx.x * dim, 0, dim, bv, bi);
+    if (vec)
+        thread_argmax_vec(x + (size_t)blockIdx.x * dim, 0, dim, bv, bi);
+    else
+        thread_argmax(x + (size_t)blockIdx.x * dim, 0, dim, bv, bi);
     block_argmax(bv, bi);
     if (threadIdx.x == 0) out[blockIdx.x] = bi == 0x7fffffff ? 0u : (unsigned int)bi;
 }
@@ -720,15 +762,18 @@ extern "C" __global__ void argmax_rows(const float* x, int dim, unsigned int* ou
 // takes tens of microseconds): block (c, r) takes values [c * chunk, (c + 1) * chunk) of
 // row r and leaves its best in pv/pi; the row's last block to finish (counted in count[r],
 // which it sets back to 0) takes the best of the row's partials, the lowest index among
-// equal values, so the result is argmax_rows's.
+// equal values, so the result is argmax_rows's (`vec` as there).
 extern "C" __global__ void argmax_rows_split(const float* x, int dim, int chunk, float* pv, int* pi,
-                                              unsigned int* count, unsigned int* out) {
+                                              unsigned int* count, unsigned int* out, int vec) {
     pdl_wait();
     const int c = blockIdx.x, r = blockIdx.y, nc = gridDim.x;
     const int lo = c * chunk, hi = min(dim, lo + chunk);
     float bv;
     int bi;
-    thread_argmax(x + (size_t)r * dim, lo, hi, bv, bi);
+    if (vec)
+        thread_argmax_vec(x + (size_t)r * dim, lo, hi, bv, bi);
+    else
+        thread_argmax(x + (size_t)r * dim, lo, hi, bv, bi);
     block_argmax(bv, bi);
     __shared__ bool last;
     if (threadIdx.x == 0) {
