@@ -130,13 +130,14 @@ fn embedding_gathers_rows_exactly_and_refuses_bad_ids() {
 }
 
 /// The device's greedy sample (`sample_rows` with plain greedy rows: the argmax kernels)
-/// against the host's rule, exactly: the first index of the largest value, NaN never
-/// winning, 0 for a row with nothing above -inf. Each of the four forms (one block or
-/// several per row, 4- or 16-byte loads), at 1, 5 and 64 rows (on 132 SMs 64, 53 and 5
-/// blocks a row where split, fewer where a row is short), over a Llama-3 vocabulary, one not a
-/// multiple of 4 (every other row misaligned for the 16-byte loads) and one under a
-/// block's 1,024 values. Every row's maximum is planted two to four times, in the first
-/// and last values, across chunk edges and in the tail, among NaNs.
+/// against the host's (`kernels::backend::argmax`), exactly: the first index of the
+/// largest value, NaN never winning, 0 for a row with nothing above -inf. Each of the four
+/// forms (one block or several per row, 4- or 16-byte loads), at 1, 5 and 64 rows (on 132
+/// SMs 64, 53 and 5 blocks a row where split, fewer where a row is short), over a Llama-3
+/// vocabulary, one not a multiple of 4 (three rows in four misaligned for the 16-byte
+/// loads) and one under a block's 1,024 values. Among NaNs, a row's maximum is in its last
+/// value alone (the 16-byte loads' tail), in its first and last, either side of a chunk
+/// edge, or anywhere two to four times; or a row holds only -inf and NaN.
 fn greedy_argmax_takes_the_first_maximum_in_every_form() {
     use kernels::{Backend, SampleSpec, SampledRow};
     let mut be = kernels::cuda::CudaBackend::new(0, true).expect("cuda:0 opens");
@@ -176,14 +177,7 @@ fn greedy_argmax_takes_the_first_maximum_in_every_form() {
                     // Anywhere, up to four times.
                     _ => (0..2 + next(3)).for_each(|_| row[next(dim)] = 9.0),
                 }
-                // The host's rule (engine::sampling::argmax).
-                let mut best = (f32::NEG_INFINITY, 0u32);
-                for (i, &v) in row.iter().enumerate() {
-                    if v > best.0 {
-                        best = (v, i as u32);
-                    }
-                }
-                want[r] = best.1;
+                want[r] = kernels::backend::argmax(row);
             }
             for (split, vec) in [(false, false), (false, true), (true, false), (true, true)] {
                 be.set_argmax_split(split);

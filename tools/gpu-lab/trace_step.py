@@ -13,7 +13,8 @@ the trace (one kernel per graph node each) and, per kernel name, summed over the
 Medians over the replays. Also the span, and the gap from one replay's last end to the
 next one's first start (the host's part of a step), with what ran in it outside any graph
 (kernels, and copies when the trace has them: `memcpy_<kind>_<bytes>`, kind 1 host to
-device, 2 device to host) and how much of it nothing ran.
+device, 2 device to host) and how much of it nothing ran; and the most common gap's items
+in order, each with its start and end after the replay's last end.
 """
 import argparse
 import statistics as st
@@ -99,9 +100,11 @@ for gid, rs in sorted(by_graph.items()):
     in_gap = defaultdict(list)
     per_gap = []
     idle = []
+    shapes = defaultdict(list)  # the gap's items by name in order -> (offsets, next start) per gap
     for i in range(len(replays) - 1):
         lo, hi = max(r[1] for r in replays[i]), min(r[0] for r in replays[i + 1])
         items = [r for r in loose if lo <= r[0] < hi]
+        shapes[tuple(r[6] for r in items)].append(([(r[0] - lo, r[1] - lo) for r in items], hi - lo))
         busy, at = 0, lo
         for r in items:
             busy += max(0, min(r[1], hi) - max(r[0], at))
@@ -116,3 +119,11 @@ for gid, rs in sorted(by_graph.items()):
         print(f"gaps: nothing running {med(idle):.1f} us of the median gap; outside any graph:")
         for name in sorted(in_gap, key=lambda x: -sum(in_gap[x])):
             print(f"  {short(name):58} per gap {st.median(c[name] for c in per_gap):4.1f}  each {med(in_gap[name]):7.2f} us")
+        # The most common gap, in order: each item's start and end after the replay's last
+        # end (medians), so the idle time shows between which two things it falls.
+        names, gs = max(shapes.items(), key=lambda kv: len(kv[1]))
+        print(f"the most common gap ({len(gs)} of {len(idle)}), from the replay's end, medians:")
+        for j, name in enumerate(names):
+            s0, e0 = med([g[0][j][0] for g in gs]), med([g[0][j][1] for g in gs])
+            print(f"  {s0:7.2f} .. {e0:7.2f} us  {short(name)}")
+        print(f"  {med([g[1] for g in gs]):7.2f} us  the next replay's first kernel starts")
