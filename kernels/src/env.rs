@@ -102,6 +102,12 @@ pub const CUDA_ARGMAX_SPLIT: &str = "DISAGG_CUDA_ARGMAX_SPLIT";
 /// instead of four 16-byte loads in flight (the same token); for A/B runs.
 pub const CUDA_ARGMAX_VEC: &str = "DISAGG_CUDA_ARGMAX_VEC";
 
+/// `0`: a CUDA step's packed metadata goes up, and a deferred sample's token ids come
+/// down, on the stream that runs the kernels, between the last step's argmax and the next
+/// step's graph, instead of on two side streams of their own (ordered by events) that
+/// take both copies off that stretch; for A/B runs.
+pub const CUDA_COPY_STREAMS: &str = "DISAGG_CUDA_COPY_STREAMS";
+
 /// `0`: a CUDA step's metadata goes up in one copy per buffer, instead of one copy of it
 /// all, spread to its buffers by one kernel (`unpack_step`); for A/B runs.
 pub const CUDA_PACKED_UPLOAD: &str = "DISAGG_CUDA_PACKED_UPLOAD";

@@ -225,6 +225,41 @@ struct Staging {
     segs: Vec<(u64, usize, usize)>,
 }
 
+/// Side streams for the small copies between two steps (`DISAGG_CUDA_COPY_STREAMS`, on
+/// by default with packed uploads): the next step's metadata goes up on `up` while the
+/// steps before it still run, and a deferred sample's ids come down on `down`, so that
+/// on the compute stream the last step's argmax is followed by the next step's
+/// `unpack_step` and graph alone. The events order the copies against the kernels that
+/// use the same buffers.
+struct CopyStreams {
+    up: std::sync::Arc<cudarc::driver::CudaStream>,
+    down: std::sync::Arc<cudarc::driver::CudaStream>,
+    /// On the compute stream after the last `unpack_step`: `packed_dev` is free from there.
+    unpacked: CudaEvent,
+    /// On `up` after the last upload: `unpack_step` waits for it.
+    uploaded: CudaEvent,
+    /// On the compute stream after the last deferred argmax: its copy down waits for it.
+    sampled: CudaEvent,
+    /// On `down` after the last copy of ids: the next argmax, which rewrites
+    /// `argmax_out`, waits for it.
+    copied: CudaEvent,
+}
+
+impl CopyStreams {
+    fn new(ctx: &std::sync::Arc<cudarc::driver::CudaContext>) -> Result<Self, cudarc::driver::DriverError> {
+        let (up, down) = (ctx.new_stream()?, ctx.new_stream()?);
+        let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING);
+        Ok(CopyStreams {
+            unpacked: up.record_event(flags)?,
+            uploaded: up.record_event(flags)?,
+            sampled: down.record_event(flags)?,
+            copied: down.record_event(flags)?,
+            up,
+            down,
+        })
+    }
+}
+
 /// `unpack_step`'s segment table (ops.cu `UploadSegs`), passed by value.
 #[repr(C)]
 #[derive(Clone, Copy, Default)]
@@ -378,6 +413,8 @@ pub struct CudaBackend {
     /// Pinned host memory the step metadata is uploaded from, and the device copy of it
     /// that `unpack_step` spreads (packed uploads).
     staging: Staging,
+    /// The copies between steps off the compute stream (`DISAGG_CUDA_COPY_STREAMS`).
+    copy_streams: Option<CopyStreams>,
     packed_dev: CudaSlice<u32>,
     dev: CudaDevice,
     blas: CudaBlas,
@@ -966,6 +1003,11 @@ impl CudaBackend {
             deferred_next: 0,
             fed_dev: stream.alloc_zeros::<i32>(2).map_err(dev_err)?,
             staging: Staging { packed: !off(crate::env::CUDA_PACKED_UPLOAD), ..Default::default() },
+            copy_streams: if off(crate::env::CUDA_COPY_STREAMS) || off(crate::env::CUDA_PACKED_UPLOAD) {
+                None
+            } else {
+                Some(CopyStreams::new(&dev.ctx).map_err(dev_err)?)
+            },
             packed_dev: stream.alloc_zeros::<u32>(1).map_err(dev_err)?,
             blas,
             bf16_weights,
@@ -1514,13 +1556,20 @@ impl CudaBackend {
 
     /// An event recorded on the stream now (timed), from the pool when it has one.
     fn mark(&mut self) -> CudaEvent {
-        let st = self.dev.stream();
+        let st = self.dev.stream().clone();
+        self.mark_on(&st)
+    }
+
+    /// [`Self::mark`] on stream `st`.
+    fn mark_on(&mut self, st: &std::sync::Arc<cudarc::driver::CudaStream>) -> CudaEvent {
         match self.event_pool.pop() {
             Some(e) => {
                 e.record(st).expect("CUDA: recording an event");
                 e
             }
-            None => self.event(),
+            None => st
+                .record_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
+                .expect("CUDA: recording an event"),
         }
     }
 
@@ -2512,13 +2561,18 @@ impl CudaBackend {
         // (A split step's keys-on-M launch reads the second: its rows' longest context.)
         moved |= sg.put(&st, &mut self.max_ctx_dev, &[self.max_ctx as i32, km_max_ctx as i32]);
         moved |= sg.put(&st, &mut self.fa_tiles, &flat);
+        let mut up = false;
         if packed {
-            self.unpack_step(if batch.fed.is_empty() { -1 } else { ids_seg as i32 });
+            up = self.unpack_step(if batch.fed.is_empty() { -1 } else { ids_seg as i32 });
         } else {
             // (Read by the feed kernel, outside any graph: it may move.)
             sg.put(&st, &mut self.fed_dev, &fed);
         }
-        self.staging.end(&st);
+        // (The half is free again once the stream that copied from it has passed here.)
+        match &self.copy_streams {
+            Some(c) if up => self.staging.end(&c.up),
+            _ => self.staging.end(&st),
+        }
         if !packed && !fed.is_empty() {
             let n = batch.fed.len() as i32;
             let mut b = st.launch_builder(self.dev.func("feed_ids"));
@@ -2610,15 +2664,18 @@ impl CudaBackend {
     }
 
     /// Copies the step's packed metadata up in one copy and spreads it to its buffers
-    /// (`unpack_step`; fed ids in segment `ids_seg`, -1: none).
-    fn unpack_step(&mut self, ids_seg: i32) {
+    /// (`unpack_step`; fed ids in segment `ids_seg`, -1: none). True where the copy went
+    /// on the upload stream ([`CopyStreams`]), not the compute stream.
+    fn unpack_step(&mut self, ids_seg: i32) -> bool {
         let st = self.dev.stream().clone();
         let sg = &mut self.staging;
         let words = sg.off / 4;
         if sg.segs.is_empty() {
-            return;
+            return false;
         }
-        fit(&st, &mut self.packed_dev, words);
+        // (A packed_dev allocated anew is the compute stream's until it has passed here.)
+        let grew = fit(&st, &mut self.packed_dev, words);
+        let side = self.copy_streams.as_ref().filter(|_| !grew);
         let mut t = UploadSegs { n: sg.segs.len() as u32, ids_seg, ..Default::default() };
         for (i, &(dst, off, bytes)) in sg.segs.iter().enumerate() {
             t.dst[i] = dst;
@@ -2629,19 +2686,36 @@ impl CudaBackend {
         let buf = sg.bufs[sg.cur].as_mut().expect("begin() allocated it");
         let base = buf.as_mut_ptr().expect("CUDA: pinned memory");
         let (dptr, g) = self.packed_dev.device_ptr_mut(&st);
+        // On the upload stream: after the last unpack_step has read packed_dev.
+        let cs = match side {
+            Some(c) => {
+                c.up.wait(&c.unpacked).expect("CUDA: ordering a metadata upload");
+                &c.up
+            }
+            None => &st,
+        };
         // SAFETY: the staging half holds `off` bytes written for this step, read by this
-        // copy before begin() reuses it (end()'s event); packed_dev holds `words` words.
+        // copy before begin() reuses it (end()'s event, recorded on the copy's stream);
+        // packed_dev holds `words` words, unread by any kernel until unpack_step below.
         unsafe {
             let src = std::slice::from_raw_parts(base as *const u8, words * 4);
-            cudarc::driver::result::memcpy_htod_async(dptr, src, st.cu_stream())
+            cudarc::driver::result::memcpy_htod_async(dptr, src, cs.cu_stream())
                 .expect("CUDA: uploading step metadata");
         }
         drop(g);
+        if let Some(c) = side {
+            c.uploaded.record(&c.up).expect("CUDA: recording an event");
+            st.wait(&c.uploaded).expect("CUDA: ordering a metadata upload");
+        }
         let mut b = st.launch_builder(self.dev.func("unpack_step"));
         b.arg(&self.packed_dev).arg(&t).arg(&self.argmax_out);
         // SAFETY: each segment's destination holds its words (the buffers put() sized), the
         // fed rows' sampled rows lie in the last deferred sample (begin_step checks).
         unsafe { b.launch(launch_cfg(words)) }.expect("CUDA: spreading step metadata");
+        if let Some(c) = &self.copy_streams {
+            c.unpacked.record(&st).expect("CUDA: recording an event");
+        }
+        side.is_some()
     }
 
     /// `argmax_out[r]` = the argmax of row r of `x` (rows of `dim`), r < `rows`: over
@@ -2649,6 +2723,10 @@ impl CudaBackend {
     /// `DISAGG_CUDA_ARGMAX_SPLIT=0`: one block per row).
     fn argmax(&mut self, x: &CudaSlice<f32>, dim: usize, rows: usize) {
         let st = self.dev.stream().clone();
+        if let Some(c) = &self.copy_streams {
+            // The last deferred sample's ids have left argmax_out (long since, by then).
+            st.wait(&c.copied).expect("CUDA: ordering the argmax after the last copy of ids");
+        }
         if self.argmax_out.len() < rows {
             self.argmax_out = st.alloc_zeros::<u32>(rows.next_power_of_two()).expect("CUDA: argmax buffer");
         }
@@ -3319,15 +3397,28 @@ impl Backend for CudaBackend {
             self.deferred_host[slot] = Some(h.expect("CUDA: pinned memory for sampled ids"));
         }
         let ptr = self.deferred_host[slot].as_mut().expect("allocated").as_mut_ptr().expect("CUDA: pinned memory");
+        // On the download stream: after the argmax.
+        let cs = match &self.copy_streams {
+            Some(c) => {
+                c.sampled.record(&st).expect("CUDA: recording an event");
+                c.down.wait(&c.sampled).expect("CUDA: ordering the copy of ids");
+                c.down.clone()
+            }
+            None => st.clone(),
+        };
         let (src, g) = self.argmax_out.device_ptr(&st);
         // SAFETY: the slot holds at least `rows` ids and is not read until the event after
-        // this copy is done; argmax_out holds `rows` ids.
+        // this copy is done; argmax_out holds `rows` ids, rewritten by no argmax before
+        // this copy is done (`copied`).
         unsafe {
             let dst = std::slice::from_raw_parts_mut(ptr, rows);
-            cudarc::driver::result::memcpy_dtoh_async(dst, src, st.cu_stream()).expect("CUDA: sampled ids to the host");
+            cudarc::driver::result::memcpy_dtoh_async(dst, src, cs.cu_stream()).expect("CUDA: sampled ids to the host");
         }
         drop(g);
-        let done = self.mark();
+        if let Some(c) = &self.copy_streams {
+            c.copied.record(&cs).expect("CUDA: recording an event");
+        }
+        let done = self.mark_on(&cs);
         self.deferred.push_back((slot, rows, done));
         self.toc("argmax_deferred", t);
     }
