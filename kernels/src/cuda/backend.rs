@@ -246,11 +246,15 @@ struct CopyStreams {
 }
 
 impl CopyStreams {
-    fn new(ctx: &std::sync::Arc<cudarc::driver::CudaContext>) -> Result<Self, cudarc::driver::DriverError> {
+    /// The streams, and `unpacked` recorded on `compute` now (past what it allocated).
+    fn new(
+        ctx: &std::sync::Arc<cudarc::driver::CudaContext>,
+        compute: &std::sync::Arc<cudarc::driver::CudaStream>,
+    ) -> Result<Self, cudarc::driver::DriverError> {
         let (up, down) = (ctx.new_stream()?, ctx.new_stream()?);
         let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING);
         Ok(CopyStreams {
-            unpacked: up.record_event(flags)?,
+            unpacked: compute.record_event(flags)?,
             uploaded: up.record_event(flags)?,
             sampled: down.record_event(flags)?,
             copied: down.record_event(flags)?,
@@ -1003,12 +1007,13 @@ impl CudaBackend {
             deferred_next: 0,
             fed_dev: stream.alloc_zeros::<i32>(2).map_err(dev_err)?,
             staging: Staging { packed: !off(crate::env::CUDA_PACKED_UPLOAD), ..Default::default() },
+            packed_dev: stream.alloc_zeros::<u32>(1).map_err(dev_err)?,
+            // (After packed_dev: the first upload waits for its allocation.)
             copy_streams: if off(crate::env::CUDA_COPY_STREAMS) || off(crate::env::CUDA_PACKED_UPLOAD) {
                 None
             } else {
-                Some(CopyStreams::new(&dev.ctx).map_err(dev_err)?)
+                Some(CopyStreams::new(&dev.ctx, &stream).map_err(dev_err)?)
             },
-            packed_dev: stream.alloc_zeros::<u32>(1).map_err(dev_err)?,
             blas,
             bf16_weights,
             x_bf16: stream.alloc_zeros::<u16>(1).map_err(dev_err)?,
