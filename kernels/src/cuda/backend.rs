@@ -204,6 +204,12 @@ fn fit<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
     grow
 }
 
+/// A new timed event (the profile's and the step gaps' clocks) recorded on `st` now.
+fn timed_event(st: &std::sync::Arc<cudarc::driver::CudaStream>) -> CudaEvent {
+    let timed = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+    st.record_event(timed).expect("CUDA: recording an event")
+}
+
 /// Most blocks `argmax_rows_split` gives one row.
 const ARGMAX_MAX_CHUNKS: usize = 64;
 
@@ -1532,8 +1538,7 @@ impl CudaBackend {
     }
 
     fn event(&self) -> CudaEvent {
-        let timed = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
-        self.dev.stream().record_event(timed).expect("CUDA: recording a profiling event")
+        timed_event(self.dev.stream())
     }
 
     /// Ends timing an op: its time is read once the stream has reached it ([`Self::settle`]).
@@ -1572,9 +1577,7 @@ impl CudaBackend {
                 e.record(st).expect("CUDA: recording an event");
                 e
             }
-            None => st
-                .record_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
-                .expect("CUDA: recording an event"),
+            None => timed_event(st),
         }
     }
 
