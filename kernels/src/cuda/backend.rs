@@ -236,7 +236,8 @@ struct Staging {
 /// steps before it still run, and a deferred sample's ids come down on `down`, so that
 /// on the compute stream the last step's argmax is followed by the next step's
 /// `unpack_step` and graph alone. The events order the copies against the kernels that
-/// use the same buffers.
+/// use the same buffers; the next argmax, which rewrites `argmax_out`, waits for the
+/// newest copy of ids still uncollected (its event in `CudaBackend::deferred`).
 struct CopyStreams {
     up: std::sync::Arc<cudarc::driver::CudaStream>,
     down: std::sync::Arc<cudarc::driver::CudaStream>,
@@ -246,9 +247,6 @@ struct CopyStreams {
     uploaded: CudaEvent,
     /// On the compute stream after the last deferred argmax: its copy down waits for it.
     sampled: CudaEvent,
-    /// On `down` after the last copy of ids: the next argmax, which rewrites
-    /// `argmax_out`, waits for it.
-    copied: CudaEvent,
 }
 
 impl CopyStreams {
@@ -263,7 +261,6 @@ impl CopyStreams {
             unpacked: compute.record_event(flags)?,
             uploaded: up.record_event(flags)?,
             sampled: down.record_event(flags)?,
-            copied: down.record_event(flags)?,
             up,
             down,
         })
@@ -2731,9 +2728,10 @@ impl CudaBackend {
     /// `DISAGG_CUDA_ARGMAX_SPLIT=0`: one block per row).
     fn argmax(&mut self, x: &CudaSlice<f32>, dim: usize, rows: usize) {
         let st = self.dev.stream().clone();
-        if let Some(c) = &self.copy_streams {
-            // The last deferred sample's ids have left argmax_out (long since, by then).
-            st.wait(&c.copied).expect("CUDA: ordering the argmax after the last copy of ids");
+        if let (Some(_), Some((_, _, done))) = (&self.copy_streams, self.deferred.back()) {
+            // The newest uncollected sample's ids have left argmax_out (long since, by then;
+            // a collected one's copy is done, as is every copy before it on `down`).
+            st.wait(done).expect("CUDA: ordering the argmax after the last copy of ids");
         }
         if self.argmax_out.len() < rows {
             self.argmax_out = st.alloc_zeros::<u32>(rows.next_power_of_two()).expect("CUDA: argmax buffer");
@@ -3417,15 +3415,12 @@ impl Backend for CudaBackend {
         let (src, g) = self.argmax_out.device_ptr(&st);
         // SAFETY: the slot holds at least `rows` ids and is not read until the event after
         // this copy is done; argmax_out holds `rows` ids, rewritten by no argmax before
-        // this copy is done (`copied`).
+        // this copy is done (`argmax` waits for `done`).
         unsafe {
             let dst = std::slice::from_raw_parts_mut(ptr, rows);
             cudarc::driver::result::memcpy_dtoh_async(dst, src, cs.cu_stream()).expect("CUDA: sampled ids to the host");
         }
         drop(g);
-        if let Some(c) = &self.copy_streams {
-            c.copied.record(&cs).expect("CUDA: recording an event");
-        }
         let done = self.mark_on(&cs);
         self.deferred.push_back((slot, rows, done));
         self.toc("argmax_deferred", t);
