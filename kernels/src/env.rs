@@ -254,6 +254,12 @@ pub const CUDA_SKINNY: &str = "DISAGG_CUDA_SKINNY";
 /// input; for A/B runs.
 pub const CUDA_NORM_CAST: &str = "DISAGG_CUDA_NORM_CAST";
 
+/// `0`: that bf16-writing RMSNorm loads its norm weights after the row's sum of squares,
+/// instead of before it waits for the kernel before (programmatic launch; the same
+/// values, one round trip fewer after the wait: Llama-3-8B batch 64 −0.8 to −0.9%, batch
+/// 16 −0.7 to −1.5% on an H100, docs/PERF.md); for A/B runs.
+pub const CUDA_NORM_WEIGHTS_FIRST: &str = "DISAGG_CUDA_NORM_WEIGHTS_FIRST";
+
 /// `0`: past the GEMV, the CUDA SiLU·gate writes f32 and a separate kernel casts it to
 /// the down projection's bf16 GEMM input, instead of SiLU·gate writing bf16 itself; for
 /// A/B runs.

@@ -1435,11 +1435,15 @@ fn fused_gemv_matches_cpu_norm_matmul_silu() {
     // 8192 limit: the f32 norm and a cast; still a multiple of 8, so the GEMV takes it).
     for hidden in [576usize, 2048, 4096, 5000, 8200] {
         // One token with and without the GEMV's software-pipelined loads; past the GEMV,
-        // RMSNorm straight to the bf16 GEMM input or f32 and a cast.
-        for (pipe, norm_cast) in [(true, true), (false, true), (true, false)] {
+        // RMSNorm straight to the bf16 GEMM input (its weights loaded after the row's sum or
+        // first) or f32 and a cast.
+        for (pipe, norm_cast, w_first) in
+            [(true, true, false), (true, true, true), (false, true, false), (true, false, false)]
+        {
             be.set_gemv_pipe(pipe);
             be.set_norm_cast(norm_cast);
-            println!("GEMV pipelined {pipe}, RMSNorm to bf16 {norm_cast}:");
+            be.set_norm_weights_first(w_first);
+            println!("GEMV pipelined {pipe}, RMSNorm to bf16 {norm_cast} (weights first {w_first}):");
             fused_gemv_case(&mut be, hidden);
         }
     }

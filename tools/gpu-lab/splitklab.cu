@@ -100,7 +100,7 @@ int main(int argc, char** argv) {
                             CUBLAS_GEMM_DEFAULT));
         };
         auto norm = [&]() {
-            if (sh.res) rms_norm_bf16_rows<<<tokens, 256, 0, st>>>(y, nw, 1e-5f, sh.rows, xn);
+            if (sh.res) rms_norm_bf16_rows<<<tokens, 256, 0, st>>>(y, nw, 1e-5f, sh.rows, xn, 0);
         };
         auto batched = [&](int i, int s) {
             const int kc = sh.cols / s;

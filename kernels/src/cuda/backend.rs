@@ -598,6 +598,9 @@ pub struct CudaBackend {
     /// RMSNorm before a bf16 GEMM of more tokens than the GEMV takes writes bf16 straight
     /// into the GEMM input (`DISAGG_CUDA_NORM_CAST=0`: f32 RMSNorm, then a cast).
     norm_cast: bool,
+    /// That norm loads its weights before its wait (`DISAGG_CUDA_NORM_WEIGHTS_FIRST=0`:
+    /// after the row's sum).
+    norm_weights_first: bool,
     /// SiLU·gate 4 columns per thread on a (columns, rows) grid
     /// (`DISAGG_CUDA_SILU_ROWS4=0`: one element per thread, a 64-bit division each).
     silu_rows4: bool,
@@ -943,6 +946,7 @@ impl CudaBackend {
             deep_taken: 0,
             skinny: !off(crate::env::CUDA_SKINNY) && dev.arch.0 >= 9,
             norm_cast: !off(crate::env::CUDA_NORM_CAST),
+            norm_weights_first: !off(crate::env::CUDA_NORM_WEIGHTS_FIRST),
             silu_rows4: !off(crate::env::CUDA_SILU_ROWS4),
             silu_bf16: !off(crate::env::CUDA_SILU_BF16),
             attn_bf16: !off(crate::env::CUDA_ATTN_BF16),
@@ -1502,6 +1506,12 @@ impl CudaBackend {
     /// `DISAGG_CUDA_NORM_CAST=0`).
     pub fn set_norm_cast(&mut self, on: bool) {
         self.set_switch(on, |b| &mut b.norm_cast);
+    }
+
+    /// That norm loads its weights before it waits for the kernel before (default: on
+    /// unless `DISAGG_CUDA_NORM_WEIGHTS_FIRST=0`; the same values).
+    pub fn set_norm_weights_first(&mut self, on: bool) {
+        self.set_switch(on, |b| &mut b.norm_weights_first);
     }
 
     /// Async scheduling's deferred sampling on or off (A/B checks; see
@@ -2153,9 +2163,9 @@ impl CudaBackend {
         self.grow_x_bf16(n_tokens * dim);
         let st = self.dev.stream().clone();
         let cfg = LaunchConfig { grid_dim: (n_tokens as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
-        let d = dim as i32;
+        let (d, w_first) = (dim as i32, i32::from(self.norm_weights_first));
         let mut b = Launch::new(&st, self.dev.func("rms_norm_bf16_rows"));
-        b.arg(x).arg(norm).arg(&eps).arg(&d).arg(&mut self.x_bf16);
+        b.arg(x).arg(norm).arg(&eps).arg(&d).arg(&mut self.x_bf16).arg(&w_first);
         // SAFETY: x holds n_tokens rows of `dim`, the scratch as many (grown above).
         unsafe { b.launch(cfg, self.pdl) }.expect("CUDA: RMSNorm to bf16");
         self.toc("rms_norm_bf16", t);
