@@ -11,10 +11,10 @@ the trace (one kernel per graph node each) and, per kernel name, summed over the
   replay these sum to the replay's span (first start to last end), so they say where the
   step's time goes with the kernels overlapping as they ran.
 Medians over the replays. Also the span, and the gap from one replay's last end to the
-next one's first start (what runs between two forward passes), with what ran in it outside any graph
-(kernels, and copies when the trace has them: `memcpy_<kind>_<bytes>`, kind 1 host to
-device, 2 device to host) and how much of it nothing ran; and the most common gap's items
-in order, each with its start and end after the replay's last end.
+next one's first start (what runs between two forward passes), with what ran in it
+outside any graph (kernels, and copies when the trace has them: `memcpy_<kind>_<bytes>`,
+kind 1 host to device, 2 device to host) and how much of it nothing ran; and the most
+common gap's items in order, each with its start and end after the replay's last end.
 """
 import argparse
 import statistics as st

@@ -210,6 +210,17 @@ fn timed_event(st: &std::sync::Arc<cudarc::driver::CudaStream>) -> CudaEvent {
     st.record_event(timed).expect("CUDA: recording an event")
 }
 
+/// A timed event recorded on `st` now, from `pool` when it has one.
+fn pooled_event(pool: &mut Vec<CudaEvent>, st: &std::sync::Arc<cudarc::driver::CudaStream>) -> CudaEvent {
+    match pool.pop() {
+        Some(e) => {
+            e.record(st).expect("CUDA: recording an event");
+            e
+        }
+        None => timed_event(st),
+    }
+}
+
 /// Most blocks `argmax_rows_split` gives one row.
 const ARGMAX_MAX_CHUNKS: usize = 64;
 
@@ -1573,19 +1584,7 @@ impl CudaBackend {
 
     /// An event recorded on the stream now (timed), from the pool when it has one.
     fn mark(&mut self) -> CudaEvent {
-        let st = self.dev.stream().clone();
-        self.mark_on(&st)
-    }
-
-    /// [`Self::mark`] on stream `st`.
-    fn mark_on(&mut self, st: &std::sync::Arc<cudarc::driver::CudaStream>) -> CudaEvent {
-        match self.event_pool.pop() {
-            Some(e) => {
-                e.record(st).expect("CUDA: recording an event");
-                e
-            }
-            None => timed_event(st),
-        }
+        pooled_event(&mut self.event_pool, self.dev.stream())
     }
 
     /// Adds the gaps between steps whose events are done ([`super::STEP_GAP_OP`]).
@@ -3418,9 +3417,9 @@ impl Backend for CudaBackend {
             Some(c) => {
                 c.sampled.record(&st).expect("CUDA: recording an event");
                 c.down.wait(&c.sampled).expect("CUDA: ordering the copy of ids");
-                c.down.clone()
+                &c.down
             }
-            None => st.clone(),
+            None => &st,
         };
         let (src, g) = self.argmax_out.device_ptr(&st);
         // SAFETY: the slot holds at least `rows` ids and is not read until the event after
@@ -3431,7 +3430,7 @@ impl Backend for CudaBackend {
             cudarc::driver::result::memcpy_dtoh_async(dst, src, cs.cu_stream()).expect("CUDA: sampled ids to the host");
         }
         drop(g);
-        let done = self.mark_on(&cs);
+        let done = pooled_event(&mut self.event_pool, cs);
         self.deferred.push_back((slot, rows, done));
         self.toc("argmax_deferred", t);
     }
