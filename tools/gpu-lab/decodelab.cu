@@ -226,7 +226,7 @@ int main(int argc, char** argv) {
     AttnFn eng = flash_decode_sa_f16_d128;
     CK(cudaFuncSetAttribute(eng, cudaFuncAttributeMaxDynamicSharedMemorySize, FA_SMEM_BYTES(128)));
     for (int sp : SPLITS) {
-        if (one || eng_only) break;
+        if (one || eng_only || getenv("DL_NO_SA")) break;
         auto f = [&]() {
             eng<<<dim3(B, NKV, sp), 128, FA_SMEM_BYTES(128), st>>>(qkv, cache, half, dtiles, dtables, NH, NKV, BS, scale, dmax, out, part, flags);
             if (sp > 1) attention_merge<<<dim3(B, NH), 128, 0, st>>>(part, sp, NH, HD, out, 0);
@@ -245,17 +245,28 @@ int main(int argc, char** argv) {
                4.0 * half * 2 / us / 1e3, 4.0 * half / us / 1e3);
         CK(cudaFree(dst));
     }
-    // Keys on M, 2–4 stages, tiles by cp.async and by bulk copies (FLASH_BULK).
-    AttnFn km[3] = {decode_km_f16_d128<2>, decode_km_f16_d128<3>, decode_km_f16_d128<4>};
-    for (int si = 0; si < 3; si++)
-    for (int kf : {0, FLASH_BULK}) {
-        if (eng_only && (si != 1 || kf)) continue;
+    // Keys on M, 2–6 stages, tiles by cp.async and by bulk copies (FLASH_BULK); DL_STAGES="3 6"
+    // picks the stage counts, DL_KM_FLAGS the kernel's flag bits (default 0), DL_NO_BULK=1
+    // leaves out the bulk form.
+    AttnFn km[5] = {decode_km_f16_d128<2>, decode_km_f16_d128<3>, decode_km_f16_d128<4>, decode_km_f16_d128<5>,
+                    decode_km_f16_d128<6>};
+    std::vector<int> STAGES = {2, 3, 4};
+    if (const char* e = getenv("DL_STAGES")) {
+        STAGES.clear();
+        for (const char* p = e; *p;) { char* q; long v = strtol(p, &q, 10); if (q == p) break; if (v >= 2 && v <= 6) STAGES.push_back((int)v); p = q; }
+    }
+    const int kmf = getenv("DL_KM_FLAGS") ? atoi(getenv("DL_KM_FLAGS")) : 0;
+    for (int si = 0; si < 5; si++)
+    for (int kf : {kmf, kmf | FLASH_BULK}) {
+        if (std::find(STAGES.begin(), STAGES.end(), si + 2) == STAGES.end()) continue;
+        if ((kf & FLASH_BULK) && (getenv("DL_NO_BULK") || (kmf & FLASH_BULK))) continue;
+        if (eng_only && (si != 1 || kf != kmf)) continue;
         const int smem = KM_SMEM_BYTES(128, si + 2);
         CK(cudaFuncSetAttribute(km[si], cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
         int occ = 0; CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, km[si], 128, smem));
-        char name[64]; snprintf(name, sizeof name, "keys-on-M %d st%s (%d/SM)", si + 2, kf ? " bulk" : "", occ);
+        char name[64]; snprintf(name, sizeof name, "keys-on-M %d st%s (%d/SM)", si + 2, (kf & FLASH_BULK) ? " bulk" : "", occ);
         for (int sp : SPLITS) {
-            if (one && (only[0] != si + 2 || only[1] != (kf != 0) || only[2] != sp)) continue;
+            if (one && (only[0] != si + 2 || only[1] != ((kf & FLASH_BULK) != 0) || only[2] != sp)) continue;
             auto f = [&]() {
                 km[si]<<<dim3(B, NKV, sp), 128, smem, st>>>(qkv, cache, half, dtiles, dtables, NH, NKV, BS, scale, dmax, out, part, kf);
                 if (sp > 1) attention_merge<<<dim3(B, NH), 128, 0, st>>>(part, sp, NH, HD, out, 0);

@@ -524,6 +524,12 @@ pub struct CudaBackend {
     /// kernels' resident blocks per SM, by kernel name.
     attn_waves: bool,
     flash_blocks_per_sm: std::collections::HashMap<&'static str, usize>,
+    /// The card's memory bandwidth by its clock and bus width, bytes/s (0: not known), and
+    /// whether a decode attention whose unsplit blocks would sit one per SM and together
+    /// ask for that much stays unsplit (`DISAGG_CUDA_ATTN_LONE=0`: split by waves as
+    /// before; see [`lone_blocks_saturate`]).
+    hbm_bytes_per_s: f64,
+    attn_lone: bool,
     /// Per keys-on-M kernel, indexed by cluster size s (2 ≤ s ≤ `km_cluster_max`): the
     /// blocks resident at once when launched as clusters of s, as the driver counts them
     /// and as single blocks are (the blocks per SM times the SMs), which the split count
@@ -816,6 +822,29 @@ fn attn_splits_by_waves(
         .map_or((1, false), |(_, s, merged)| (s, merged))
 }
 
+/// The bytes/s one block of a decode attention kernel reads alone on its SM, where
+/// measured (0 elsewhere): `flash_decode_km_f16_d128`, 64 unsplit blocks of 32,768 keys
+/// (one per SM) at 1.905 TB/s on an H100, 29.8 GB/s a block (`decodelab`, docs/PERF.md,
+/// fifty-ninth session).
+fn lone_block_rate(kernel: &str) -> f64 {
+    if kernel == "flash_decode_km_f16_d128" {
+        29.8e9
+    } else {
+        0.0
+    }
+}
+
+/// Whether `units` unsplit blocks of a decode attention, at most one per SM, already ask
+/// for the card's memory bandwidth (`hbm`, bytes/s) between them at `block_rate` each.
+/// Then splitting cannot read the keys faster, only add blocks that fill and drain and
+/// a merge: on an H100 (3.35 TB/s) batch 16 of Llama-3-8B (128 units) unsplit took its
+/// step 1.6–2.0% under two splits in clusters (fifty-ninth session). On an H200 (4.9 TB/s)
+/// the same 128 blocks ask for less than the card gives, and the waves rule splits as
+/// before.
+pub fn lone_blocks_saturate(units: usize, n_sms: usize, block_rate: f64, hbm: f64) -> bool {
+    hbm > 0.0 && block_rate > 0.0 && units <= n_sms && units as f64 * block_rate >= hbm
+}
+
 /// Whether a one-token GEMV of `blocks` blocks over `k` columns takes the deep kernel with
 /// `u` loads per row in flight (four: `__launch_bounds__(256, 2)`; three: `(256, 3)`): its
 /// grid fits that many blocks per SM (which is all the deep kernel may have; the classic
@@ -881,6 +910,18 @@ impl CudaBackend {
             .context()
             .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(dev_err)? as usize;
+        // Two transfers a clock (kHz) over the bus (bits); 0 where the driver does not say.
+        let hbm_bytes_per_s = {
+            use cudarc::driver::sys::CUdevice_attribute as A;
+            let ctx = dev.context();
+            match (
+                ctx.attribute(A::CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE),
+                ctx.attribute(A::CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH),
+            ) {
+                (Ok(khz), Ok(bits)) if khz > 0 && bits > 0 => khz as f64 * 1e3 * 2.0 * bits as f64 / 8.0,
+                _ => 0.0,
+            }
+        };
         let km_clustered: std::collections::HashMap<&'static str, [Vec<usize>; 2]> = super::FLASH_KERNELS
             .iter()
             .filter(|(name, _)| super::is_km_kernel(name) && dev.km_cluster_max > 1)
@@ -922,6 +963,8 @@ impl CudaBackend {
         }
         Ok(CudaBackend {
             attn_waves: !off(crate::env::CUDA_ATTN_WAVES),
+            hbm_bytes_per_s,
+            attn_lone: !off(crate::env::CUDA_ATTN_LONE),
             flash_ldmatrix: !off(crate::env::CUDA_FLASH_LDMATRIX),
             flash_lean_loads: !off(crate::env::CUDA_FLASH_LEAN_LOADS),
             flash_wide_merge: !off(crate::env::CUDA_FLASH_WIDE_MERGE),
@@ -1702,15 +1745,16 @@ impl CudaBackend {
     /// two blocks. `clustered`: the blocks resident at once when s splits launch as a
     /// cluster that merges them (empty: the kernel never does). `pp`: the launch is the
     /// warp-specialized kernel's; `max_ctx`: its longest context; without `apart`, splits
-    /// only in clusters (see [`attn_splits_by_waves`]). Returns the split count and
-    /// whether the splits merge in clusters.
+    /// only in clusters (see [`attn_splits_by_waves`]); `block_rate`: the bytes/s one block
+    /// of the kernel reads alone on its SM, where measured (see [`lone_blocks_saturate`]).
+    /// Returns the split count and whether the splits merge in clusters.
     fn attn_splits(
         &self,
         units: usize,
         blocks_per_sm: usize,
         rows: usize,
         clustered: &[usize],
-        (pp, max_ctx, apart): (bool, usize, bool),
+        (pp, max_ctx, apart, block_rate): (bool, usize, bool, f64),
     ) -> (usize, bool) {
         if self.attn_chunk == 0 {
             return (1, false);
@@ -1718,6 +1762,9 @@ impl CudaBackend {
         // (The warp-specialized kernel splits at multiples of its 128-key tiles.)
         let chunk = if pp { self.attn_chunk.next_multiple_of(128) } else { self.attn_chunk };
         let chunks = max_ctx.div_ceil(chunk).max(1);
+        if self.attn_lone && lone_blocks_saturate(units, self.n_sms, block_rate, self.hbm_bytes_per_s) {
+            return (1, false);
+        }
         if self.attn_waves {
             let max_splits = (ATTN_PART_ROWS_PER_SM * self.n_sms / rows.max(1)).min(64);
             return attn_splits_by_waves(units, chunks, self.n_sms * blocks_per_sm, max_splits, clustered, apart);
@@ -2627,7 +2674,7 @@ impl CudaBackend {
             per_sm,
             batch.n_tokens * attn.n_heads,
             clustered,
-            (self.step_pp, self.max_ctx, true),
+            (self.step_pp, self.max_ctx, true, lone_block_rate(self.step_flash_kernel)),
         );
         self.step_km_part = None;
         if self.step_flash && !km_tiles.is_empty() {
@@ -2638,8 +2685,13 @@ impl CudaBackend {
                 None => &[],
             };
             let n = km_tiles.len();
-            let (splits, cluster) =
-                self.attn_splits(n * attn.n_kv_heads, per_sm, n * attn.n_heads, clustered, (false, km_max_ctx, false));
+            let (splits, cluster) = self.attn_splits(
+                n * attn.n_kv_heads,
+                per_sm,
+                n * attn.n_heads,
+                clustered,
+                (false, km_max_ctx, false, lone_block_rate(kernel)),
+            );
             self.step_km_part = Some(KmPart { at: tiles.len(), n, kernel, splits, cluster });
         }
         // (The same token and logit counts can be one token of each sequence or several
@@ -2872,6 +2924,9 @@ impl Backend for CudaBackend {
 
     fn describe(&self) -> String {
         let mut d = format!("{}, weights {}", self.dev.describe(), if self.bf16_weights { "bf16" } else { "f32" });
+        if self.hbm_bytes_per_s > 0.0 {
+            d += &format!(", memory {:.2} TB/s by its clock and bus", self.hbm_bytes_per_s / 1e12);
+        }
         if let Some([c, _]) = self.km_clustered.get(km_kernel(128, false)) {
             let sizes = c.iter().enumerate().skip(2).map(|(s, n)| format!("{s}: {n}")).collect::<Vec<_>>();
             d += &format!(
@@ -3515,7 +3570,10 @@ impl Backend for CudaBackend {
 
 #[cfg(test)]
 mod tests {
-    use super::{attn_splits_by_waves, fp8_copy_wanted, ShapeCache, StepTables, FP8_COPY_MAX_BYTES};
+    use super::{
+        attn_splits_by_waves, fp8_copy_wanted, lone_block_rate, lone_blocks_saturate, ShapeCache, StepTables,
+        FP8_COPY_MAX_BYTES,
+    };
     use crate::backend::SeqSpan;
 
     /// Clusters of up to `max` splits, each as resident as single blocks.
@@ -3551,6 +3609,25 @@ mod tests {
         // Batch 16: two splits, merged in the kernel as before by attention_merge.
         assert_eq!(attn_splits_by_waves(128, 17, 264, 64, &full(264, 16), true), (2, true));
         assert_eq!(attn_splits_by_waves(128, 17, 264, 64, &[], true), (2, false));
+    }
+
+    #[test]
+    fn lone_blocks_stay_unsplit_only_where_they_ask_for_the_whole_bandwidth() {
+        let km = lone_block_rate("flash_decode_km_f16_d128");
+        let (h100, h200) = (2619e6 * 2.0 * 5120.0 / 8.0, 3201e6 * 2.0 * 6144.0 / 8.0);
+        // Batch 16 and 15 of 8 KV heads on an H100's 132 SMs: unsplit.
+        assert!(lone_blocks_saturate(128, 132, km, h100));
+        assert!(lone_blocks_saturate(120, 132, km, h100));
+        // Batch 12: 96 blocks ask for less than the card gives; the waves rule decides.
+        assert!(!lone_blocks_saturate(96, 132, km, h100));
+        // More units than SMs: blocks share SMs, the waves rule decides.
+        assert!(!lone_blocks_saturate(136, 132, km, h100));
+        // The H200's bandwidth is more than 132 blocks ask for.
+        assert!(!lone_blocks_saturate(128, 132, km, h200));
+        assert!(!lone_blocks_saturate(132, 132, km, h200));
+        // Unknown bandwidth, or a kernel not measured: never.
+        assert!(!lone_blocks_saturate(128, 132, km, 0.0));
+        assert!(!lone_blocks_saturate(128, 132, lone_block_rate("flash_decode_km_fp8_d128"), h100));
     }
 
     #[test]
