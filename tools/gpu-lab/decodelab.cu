@@ -13,7 +13,10 @@
 // Not part of the build; on a CUDA machine:
 //   nvcc -O3 -std=c++17 -arch=sm_90a tools/gpu-lab/decodelab.cu -o decodelab && ./decodelab [batch ctx]
 //   (DL_SPLITS="1 4 16 33" picks the split counts, up to 64; DL_ENGINE_ONLY=1 times the
-//   engine's keys-on-M form alone, e.g. `DL_ENGINE_ONLY=1 ./decodelab 8 32768`.)
+//   engine's keys-on-M form alone, e.g. `DL_ENGINE_ONLY=1 ./decodelab 8 32768`; DL_STAGES="3 6"
+//   the keys-on-M stage counts, 2–6; DL_KM_FLAGS its flag bits, e.g. 8704 for the engine's
+//   FLASH_BATCH_LOADS | FLASH_LAZY_RESCALE; DL_NO_SA=1 and DL_NO_BULK=1 leave out the flash
+//   decode form and the bulk copies.)
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
@@ -133,6 +136,15 @@ static unsigned short f32_to_f16_host(float f) {
     return (unsigned short)h;
 }
 
+// A list of numbers from the environment ("1 4 16"), each clamped to [lo, hi]; `dflt` unset.
+static std::vector<int> env_list(const char* name, std::vector<int> dflt, long lo, long hi) {
+    const char* e = getenv(name);
+    if (!e) return dflt;
+    std::vector<int> v;
+    for (const char* p = e; *p;) { char* q; long x = strtol(p, &q, 10); if (q == p) break; v.push_back((int)std::min(std::max(x, lo), hi)); p = q; }
+    return v;
+}
+
 typedef void (*AttnFn)(const float*, const unsigned short*, long long, const int*, const unsigned int*, int, int, int,
                        float, const int*, float*, float*, int);
 
@@ -173,11 +185,7 @@ int main(int argc, char** argv) {
     CK(cudaMemcpy(dmax, &CTX, 4, cudaMemcpyHostToDevice));
     const size_t on = (size_t)B * NH * HD;
     // DL_SPLITS="1 4 33": the split counts to time (at most 64; default 1 2 3 4 8 16).
-    std::vector<int> SPLITS = {1, 2, 3, 4, 8, 16};
-    if (const char* e = getenv("DL_SPLITS")) {
-        SPLITS.clear();
-        for (const char* p = e; *p;) { char* q; long v = strtol(p, &q, 10); if (q == p) break; SPLITS.push_back(std::min<long>(v, 64)); p = q; }
-    }
+    const std::vector<int> SPLITS = env_list("DL_SPLITS", {1, 2, 3, 4, 8, 16}, 1, 64);
     float *out, *ref, *part; CK(cudaMalloc(&out, on * 4)); CK(cudaMalloc(&ref, on * 4)); CK(cudaMalloc(&part, on / HD * 64 * (HD + 2) * 4));
     const float scale = 1.f / sqrtf((float)HD);
     CK(cudaFuncSetAttribute(decode_ref, cudaFuncAttributeMaxDynamicSharedMemorySize, CTX * 4));
@@ -245,16 +253,10 @@ int main(int argc, char** argv) {
                4.0 * half * 2 / us / 1e3, 4.0 * half / us / 1e3);
         CK(cudaFree(dst));
     }
-    // Keys on M, 2–6 stages, tiles by cp.async and by bulk copies (FLASH_BULK); DL_STAGES="3 6"
-    // picks the stage counts, DL_KM_FLAGS the kernel's flag bits (default 0), DL_NO_BULK=1
-    // leaves out the bulk form.
+    // Keys on M, 2–6 stages (default 2–4), tiles by cp.async and by bulk copies (FLASH_BULK).
     AttnFn km[5] = {decode_km_f16_d128<2>, decode_km_f16_d128<3>, decode_km_f16_d128<4>, decode_km_f16_d128<5>,
                     decode_km_f16_d128<6>};
-    std::vector<int> STAGES = {2, 3, 4};
-    if (const char* e = getenv("DL_STAGES")) {
-        STAGES.clear();
-        for (const char* p = e; *p;) { char* q; long v = strtol(p, &q, 10); if (q == p) break; if (v >= 2 && v <= 6) STAGES.push_back((int)v); p = q; }
-    }
+    const std::vector<int> STAGES = env_list("DL_STAGES", {2, 3, 4}, 2, 6);
     const int kmf = getenv("DL_KM_FLAGS") ? atoi(getenv("DL_KM_FLAGS")) : 0;
     for (int si = 0; si < 5; si++)
     for (int kf : {kmf, kmf | FLASH_BULK}) {

@@ -838,10 +838,10 @@ fn lone_block_rate(kernel: &str) -> f64 {
 /// for the card's memory bandwidth (`hbm`, bytes/s) between them at `block_rate` each.
 /// Then splitting cannot read the keys faster, only add blocks that fill and drain and
 /// a merge: on an H100 (3.35 TB/s) batch 16 of Llama-3-8B (128 units) unsplit took its
-/// step 0.9–1.1% under two splits in clusters, alternated against the switch off on one
-/// start (fifty-ninth session). On an H200 (4.9 TB/s) the same 128 blocks ask for less than
+/// step 0.9–1.2% under two splits in clusters, alternated against the switch off on one
+/// start (fifty-ninth session). On an H200 (4.8 TB/s) the same 128 blocks ask for less than
 /// the card gives, and the waves rule splits as before.
-pub fn lone_blocks_saturate(units: usize, n_sms: usize, block_rate: f64, hbm: f64) -> bool {
+fn lone_blocks_saturate(units: usize, n_sms: usize, block_rate: f64, hbm: f64) -> bool {
     hbm > 0.0 && block_rate > 0.0 && units <= n_sms && units as f64 * block_rate >= hbm
 }
 
@@ -3622,7 +3622,7 @@ mod tests {
         assert!(!lone_blocks_saturate(96, 132, km, h100));
         // More units than SMs: blocks share SMs, the waves rule decides.
         assert!(!lone_blocks_saturate(136, 132, km, h100));
-        // The H200's bandwidth is more than 132 blocks ask for.
+        // The H200's bandwidth (~4.8 TB/s published) is more than 132 blocks ask for.
         assert!(!lone_blocks_saturate(128, 132, km, h200));
         assert!(!lone_blocks_saturate(132, 132, km, h200));
         // Unknown bandwidth, or a kernel not measured: never.
