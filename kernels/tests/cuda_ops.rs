@@ -261,7 +261,8 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
             // thread block clusters (sm_90) and by attention_merge, its first tiles asked
             // for before waiting for the kernel before and after, the cluster merge's loads
             // in one round and in turn, q's and the block tables' loads all first and each
-            // as used, the barrier after the merge relaxed and not: the same bits. Split, the
+            // as used, its wait before q's and the first tables' loads and after, the
+            // barrier after the merge relaxed and not: the same bits. Split, the
             // mixed step's decode row takes the keys-on-M kernel in a launch of its own
             // (with clusters; without, the step is not split).
             #[derive(Clone, Copy, PartialEq)]
@@ -283,6 +284,7 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
                 lazy: bool,
                 merge_ilp: bool,
                 batch: bool,
+                wait: bool,
                 relaxed: bool,
                 pp: bool,
                 turns: bool,
@@ -307,6 +309,7 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
                 lazy: true,
                 merge_ilp: true,
                 batch: true,
+                wait: true,
                 relaxed: true,
                 pp: true,
                 turns: false,
@@ -326,6 +329,9 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
                 Flash { batch: false, ..all },
                 // DISAGG_CUDA_KM_BATCH_LOADS=0's tile loads (cp.async, each entry as used).
                 Flash { bulk: false, batch: false, ..all },
+                // Waiting before q's and the first tiles' table loads, and after.
+                Flash { wait: false, ..all },
+                Flash { bulk: false, wait: false, ..all },
                 Flash { relaxed: false, ..all },
                 sa,
                 Flash { ldsm: false, ..sa },
@@ -347,9 +353,9 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
             // (which pair below, chunk, bits) of each pair's first case
             let mut same_refs: Vec<(usize, usize, Vec<u32>)> = Vec::new();
             // ((early tiles, bulk copies, the cluster merge's one round of loads, q's and the
-            // tables' loads first, the relaxed exit barrier), merged in clusters, splits,
-            // the outputs)
-            type Merged = ((bool, bool, bool, bool, bool), bool, usize, Vec<f32>);
+            // tables' loads first, the wait before them, the relaxed exit barrier), merged in
+            // clusters, splits, the outputs)
+            type Merged = ((bool, bool, bool, bool, bool, bool), bool, usize, Vec<f32>);
             let mut merged: Vec<Merged> = Vec::new();
             // The bits of the cluster merge and attention_merge are compared at the same
             // splits: split counts that assume clusters as resident as single blocks,
@@ -375,6 +381,7 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
                 be.set_flash_lazy_rescale(f.lazy);
                 be.set_flash_merge_ilp(f.merge_ilp);
                 be.set_km_batch_loads(f.batch);
+                be.set_km_wait_first(f.wait);
                 be.set_cluster_relaxed_exit(f.relaxed);
                 be.set_flash_warp_spec(f.pp);
                 be.set_flash_pp_turns(f.turns);
@@ -454,7 +461,7 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
                             be.step_cluster()
                         ));
                     }
-                    let key = (f.early, f.bulk, f.merge_ilp, f.batch, f.relaxed);
+                    let key = (f.early, f.bulk, f.merge_ilp, f.batch, f.wait, f.relaxed);
                     merged.push((key, be.step_cluster(), be.step_splits(), got.clone()));
                 }
                 if err.is_nan() || err >= if flash { 5e-3 } else { 1e-4 } {
@@ -468,21 +475,21 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
             // The cluster merge against attention_merge, the first tiles before the wait
             // against after it, bulk copies against cp.async, the cluster merge's one round
             // of loads against a round trip per split, q's and the tables' loads first against
-            // in turn, the relaxed exit barrier against release/acquire: the same splits, the
-            // same bits.
-            if let [((true, true, true, true, true), true, s1, a), rest @ ..] = &merged[..] {
-                for ((early, bulk, ilp, batch, relaxed), cluster, s2, b) in rest {
+            // in turn, the wait before q's and the tables' loads against after them, the relaxed
+            // exit barrier against release/acquire: the same splits, the same bits.
+            if let [((true, true, true, true, true, true), true, s1, a), rest @ ..] = &merged[..] {
+                for ((early, bulk, ilp, batch, wait, relaxed), cluster, s2, b) in rest {
                     let diff = a.iter().zip(b).filter(|(x, y)| x.to_bits() != y.to_bits()).count();
                     println!(
                         "{n_heads}/{n_kv} heads: against every switch on ({s1} splits), \
                          clusters {cluster}, early tiles {early}, bulk copies {bulk}, merge in one round {ilp}, \
-                         loads first {batch}, relaxed exit {relaxed} ({s2} splits): {diff} of {} outputs differ",
+                         loads first {batch}, wait first {wait}, relaxed exit {relaxed} ({s2} splits): {diff} of {} outputs differ",
                         a.len()
                     );
                     if s1 != s2 || diff > 0 {
                         failed.push(format!(
                             "{n_heads}/{n_kv} heads: clusters {cluster}, early {early}, bulk {bulk}, ilp {ilp}, \
-                             batch {batch}, relaxed {relaxed}: {diff} differ"
+                             batch {batch}, wait {wait}, relaxed {relaxed}: {diff} differ"
                         ));
                     }
                 }
@@ -975,8 +982,9 @@ fn attention_with_rope_equals_the_separate_ops() {
             for chunk in [0usize, 64] {
                 let mut runs: Vec<(Vec<f32>, Vec<u8>)> = Vec::new();
                 // (RoPE in the attention, rope_write_k_f16's grouped form, heads per thread,
-                // grouped RoPE before the attention, the keys-on-M kernel's loads first and
-                // relaxed exit barrier); the last, a block per token, is the reference.
+                // grouped RoPE before the attention, the keys-on-M kernel's loads first (after
+                // its wait) and relaxed exit barrier); the last, a block per token, is the
+                // reference.
                 let forms: &[(bool, bool, Option<usize>, bool, bool)] = if prefill {
                     &[
                         (true, true, None, true, false),
@@ -1002,6 +1010,7 @@ fn attention_with_rope_equals_the_separate_ops() {
                     be.set_rope_group(group);
                     be.set_rope_pairs(pairs);
                     be.set_km_batch_loads(loads_first);
+                    be.set_km_wait_first(loads_first);
                     be.set_cluster_relaxed_exit(loads_first);
                     be.set_attn_chunk(chunk);
                     let mut kv = be.kv_cache(shape).unwrap();

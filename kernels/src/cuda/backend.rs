@@ -595,6 +595,10 @@ pub struct CudaBackend {
     /// The keys-on-M kernel loads q's values and a tile's block-table entries all before
     /// the first use (`DISAGG_CUDA_KM_BATCH_LOADS=0`: each in turn; the same bits).
     km_batch_loads: bool,
+    /// With those loads first and no early trigger from the QKV GEMV, the keys-on-M kernel
+    /// waits for the kernel before first and asks for q beside its first tiles' block-table
+    /// entries (`DISAGG_CUDA_KM_WAIT_FIRST=1`; the same bits).
+    km_wait_first: bool,
     /// The barrier after a keys-on-M cluster's merge arrives without release
     /// (`DISAGG_CUDA_CLUSTER_RELAXED_EXIT=0`: with it).
     cluster_relaxed_exit: bool,
@@ -1013,6 +1017,7 @@ impl CudaBackend {
             flash_lazy_rescale: !off(crate::env::CUDA_FLASH_LAZY_RESCALE),
             flash_merge_ilp: !off(crate::env::CUDA_FLASH_MERGE_ILP),
             km_batch_loads: !off(crate::env::CUDA_KM_BATCH_LOADS),
+            km_wait_first: on(crate::env::CUDA_KM_WAIT_FIRST),
             cluster_relaxed_exit: !off(crate::env::CUDA_CLUSTER_RELAXED_EXIT),
             flash_warp_spec: !off(crate::env::CUDA_FLASH_WARP_SPEC),
             flash_pp_turns: on(crate::env::CUDA_FLASH_PP_TURNS),
@@ -1478,6 +1483,13 @@ impl CudaBackend {
     /// the first use (default: on unless `DISAGG_CUDA_KM_BATCH_LOADS=0`; the same bits).
     pub fn set_km_batch_loads(&mut self, on: bool) {
         self.set_switch(on, |b| &mut b.km_batch_loads);
+    }
+
+    /// The keys-on-M kernel waits for the kernel before, then asks for q beside its first
+    /// tiles' block-table entries, where its loads come first and the QKV GEMV does not
+    /// let it in early (default: off unless `DISAGG_CUDA_KM_WAIT_FIRST=1`; the same bits).
+    pub fn set_km_wait_first(&mut self, on: bool) {
+        self.set_switch(on, |b| &mut b.km_wait_first);
     }
 
     /// The barrier after a keys-on-M cluster's merge arrives without release (default: on
@@ -2309,6 +2321,7 @@ impl CudaBackend {
             | (self.flash_pp_turns as i32) << 10
             | (self.flash_merge_ilp as i32) << 12
             | (self.km_batch_loads as i32) << 13
+            | ((self.km_wait_first && !(self.pdl && self.qkv_trigger & 3 != 0)) as i32) << 15
             | (self.cluster_relaxed_exit as i32) << 14;
         match &mut kv.layers[layer] {
             c @ (KvBuf::F16(_) | KvBuf::Fp8(_)) if self.step_flash => {
@@ -2348,7 +2361,7 @@ impl CudaBackend {
                 // Split: each block writes its partials to the scratch, merged below.
                 // The kernel's switch bits (FLASH_LEAN_LOADS, FLASH_WIDE_MERGE,
                 // FLASH_MASK_EDGE, FLASH_PAIR_LOADS, the keys-on-M kernel's FLASH_EARLY,
-                // FLASH_BULK, FLASH_MERGE_ILP, FLASH_BATCH_LOADS, FLASH_RELAXED_EXIT,
+                // FLASH_BULK, FLASH_MERGE_ILP, FLASH_BATCH_LOADS, FLASH_WAIT_FIRST, FLASH_RELAXED_EXIT,
                 // FLASH_LAZY_RESCALE in ops.cu), and FLASH_OUT_BF16: the bf16 GEMM scratch
                 // in place of `out`.
                 let flags = flash_flags

@@ -1097,6 +1097,7 @@ __device__ __forceinline__ void wgmma_rs(float* d, const unsigned* a, unsigned l
 #define FLASH_MERGE_ILP 4096    // keys on M, cluster: a merge reads every split's partial at once (else M, then in turn)
 #define FLASH_BATCH_LOADS 8192  // keys on M: q's values and a tile's block-table entries all loaded before use (else each in turn)
 #define FLASH_RELAXED_EXIT 16384  // keys on M, cluster: the barrier after the merge arrives without release (else with)
+#define FLASH_WAIT_FIRST 32768    // keys on M, with FLASH_BATCH_LOADS: wait, then ask for q beside the first tiles' table entries (else q after them)
 // 2^x for the online softmax. FX: the bare MUFU instruction, inputs and results below
 // 2^-126 flushed to zero (x ≤ 0 here, and P is rounded to f16 anyway, whose smallest
 // subnormal is 2^-24); else exp2f, which scales around the MUFU for f32 subnormals.
@@ -2273,6 +2274,28 @@ __device__ void flash_decode_km_impl(const float* qkv, const KT* cache, long lon
         }
         __syncthreads();
     }
+    // q's values as this lane's B fragments take them (FLASH_BATCH_LOADS): lane (g, t4),
+    // head g of the group (columns past it load head 0 and are zeroed when packed).
+    // FP8: the k-columns 2t4, 2t4 + 1 | 2t4 + 8, 2t4 + 9 are dims 4t4, +1 | +2, +3.
+    constexpr int B1 = F8 ? 2 : 8;
+    const bool q_real = g < grp;
+    const float* q_row = qkv + (size_t)row0 * w + (kvh * grp + (q_real ? g : 0)) * HD;
+    auto q_col = [&](int ks, int e) { return 16 * ks + (F8 ? 4 : 2) * t4 + (e >> 1) * B1 + (e & 1); };
+    float qx[KS][4];
+    auto load_q = [&]() {
+#pragma unroll
+        for (int ks = 0; ks < KS; ks++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) qx[ks][e] = q_row[q_col(ks, e)];
+    };
+    // FLASH_WAIT_FIRST: the kernel before has finished (no early trigger), so waiting costs
+    // nothing here, and q's loads, asked for now, share their round trip with the first
+    // tiles' block-table entries below instead of following their copies.
+    const bool wait_first = (flags & FLASH_WAIT_FIRST) != 0 && (flags & FLASH_BATCH_LOADS) != 0;
+    if (wait_first) {
+        pdl_wait();
+        load_q();
+    }
     if (rope) {
         for (int j = threadIdx.x; j < HH; j += blockDim.x) rope_cs((float)pos0, inv_freq[j], rope_c[j], rope_s[j]);
         __syncthreads();
@@ -2385,27 +2408,22 @@ __device__ void flash_decode_km_impl(const float* qkv, const KT* cache, long lon
     if (flags & FLASH_EARLY)
         for (; pre < STAGES - 1 && k0 + (pre + 1) * KM_KEYS <= pos0; pre++) load_tile(k0 + pre * KM_KEYS, pre);
     KM_STAMP(1);
-    pdl_wait();
+    if (!wait_first) pdl_wait();
     KM_STAMP(2);
     // Q^T as B fragments (k = dims, n = heads): b0 = dims 16ks + 2t4, +1 of head g; b1 = +8.
     // Columns past the group are zero (never written).
     unsigned qf[KS][2];
     {
-        const bool real = g < grp;
-        const float* q = qkv + (size_t)row0 * w + (kvh * grp + (real ? g : 0)) * HD;
-        // FP8: the k-columns 2t4, 2t4 + 1 | 2t4 + 8, 2t4 + 9 are dims 4t4, +1 | +2, +3.
-        constexpr int B1 = F8 ? 2 : 8;
+        const bool real = q_real;
+        const float* q = q_row;
         if (flags & FLASH_BATCH_LOADS) {
             // Every value loaded before any is used, so the loads take one round trip, not
             // one per pack. With RoPE each value's pair partner is one of the lane's own:
             // interleaved, column c ^ 1 (entry e ^ 1); else c ± HD/2 (the same entry KS/2
             // chunks on). The rotation is q_at's, on the same values: the same bits.
-            auto col = [&](int ks, int e) { return 16 * ks + (F8 ? 4 : 2) * t4 + (e >> 1) * B1 + (e & 1); };
-            float x[KS][4];
-#pragma unroll
-            for (int ks = 0; ks < KS; ks++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) x[ks][e] = q[col(ks, e)];
+            auto col = q_col;
+            if (!wait_first) load_q();
+            auto& x = qx;
             if (rope) {
                 float r[KS][4];
 #pragma unroll
