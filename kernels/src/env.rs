@@ -326,10 +326,11 @@ pub const CUDA_FLASH_MERGE_ILP: &str = "DISAGG_CUDA_FLASH_MERGE_ILP";
 /// batch 1 −1.6 to −2.1% and batch 64 −2.8 to −3.3% on an H100, docs/PERF.md); for A/B runs.
 pub const CUDA_KM_BATCH_LOADS: &str = "DISAGG_CUDA_KM_BATCH_LOADS";
 
-/// `1`: the keys-on-M decode kernel, with its loads first and no early trigger from the
-/// QKV GEMV (the kernel before has then finished when it starts), waits for that kernel
-/// first and asks for q's values beside its first tiles' block-table entries, one round
-/// trip for both, instead of q after the tiles' copies (the same values, the same bits).
+/// `0`: the keys-on-M decode kernel asks for q's values after its first tiles' copies,
+/// instead of (with its loads first and no early trigger from the QKV GEMV, so that the
+/// kernel before has finished when it starts) waiting for that kernel first and asking for
+/// q beside the tiles' block-table entries, one round trip for both (the same values, the
+/// same bits; Llama-3-8B batch 1 −0.05 to −0.28% on an H100, docs/PERF.md); for A/B runs.
 pub const CUDA_KM_WAIT_FIRST: &str = "DISAGG_CUDA_KM_WAIT_FIRST";
 
 /// `0`: the cluster barrier after a keys-on-M cluster's merge arrives with release (every

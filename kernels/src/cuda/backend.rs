@@ -597,7 +597,7 @@ pub struct CudaBackend {
     km_batch_loads: bool,
     /// With those loads first and no early trigger from the QKV GEMV, the keys-on-M kernel
     /// waits for the kernel before first and asks for q beside its first tiles' block-table
-    /// entries (`DISAGG_CUDA_KM_WAIT_FIRST=1`; the same bits).
+    /// entries (`DISAGG_CUDA_KM_WAIT_FIRST=0`: q after the tiles' copies; the same bits).
     km_wait_first: bool,
     /// The barrier after a keys-on-M cluster's merge arrives without release
     /// (`DISAGG_CUDA_CLUSTER_RELAXED_EXIT=0`: with it).
@@ -1017,7 +1017,7 @@ impl CudaBackend {
             flash_lazy_rescale: !off(crate::env::CUDA_FLASH_LAZY_RESCALE),
             flash_merge_ilp: !off(crate::env::CUDA_FLASH_MERGE_ILP),
             km_batch_loads: !off(crate::env::CUDA_KM_BATCH_LOADS),
-            km_wait_first: on(crate::env::CUDA_KM_WAIT_FIRST),
+            km_wait_first: !off(crate::env::CUDA_KM_WAIT_FIRST),
             cluster_relaxed_exit: !off(crate::env::CUDA_CLUSTER_RELAXED_EXIT),
             flash_warp_spec: !off(crate::env::CUDA_FLASH_WARP_SPEC),
             flash_pp_turns: on(crate::env::CUDA_FLASH_PP_TURNS),
@@ -1487,7 +1487,7 @@ impl CudaBackend {
 
     /// The keys-on-M kernel waits for the kernel before, then asks for q beside its first
     /// tiles' block-table entries, where its loads come first and the QKV GEMV does not
-    /// let it in early (default: off unless `DISAGG_CUDA_KM_WAIT_FIRST=1`; the same bits).
+    /// let it in early (default: on unless `DISAGG_CUDA_KM_WAIT_FIRST=0`; the same bits).
     pub fn set_km_wait_first(&mut self, on: bool) {
         self.set_switch(on, |b| &mut b.km_wait_first);
     }
