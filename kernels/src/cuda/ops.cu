@@ -2403,7 +2403,8 @@ __device__ void flash_decode_km_impl(const float* qkv, const KT* cache, long lon
     };
     // With FLASH_EARLY the first tiles of keys before the row's own (written by earlier
     // steps) are asked for before waiting for the kernel before, which wrote q (and,
-    // without FLASH_ROPE, the row's k and v).
+    // without FLASH_ROPE, the row's k and v); with FLASH_WAIT_FIRST, after that wait,
+    // beside q's loads.
     int pre = 0;
     if (flags & FLASH_EARLY)
         for (; pre < STAGES - 1 && k0 + (pre + 1) * KM_KEYS <= pos0; pre++) load_tile(k0 + pre * KM_KEYS, pre);
