@@ -1492,6 +1492,12 @@ impl CudaBackend {
         self.set_switch(on, |b| &mut b.km_wait_first);
     }
 
+    /// Whether the one-token QKV GEMV lets the attention after it be scheduled before it
+    /// ends (`DISAGG_CUDA_QKV_TRIGGER` bits 1, 2; programmatic launches only).
+    fn qkv_lets_attention_in_early(&self) -> bool {
+        self.pdl && self.qkv_trigger & 3 != 0
+    }
+
     /// The barrier after a keys-on-M cluster's merge arrives without release (default: on
     /// unless `DISAGG_CUDA_CLUSTER_RELAXED_EXIT=0`).
     pub fn set_cluster_relaxed_exit(&mut self, on: bool) {
@@ -1982,7 +1988,7 @@ impl CudaBackend {
                 b.arg(&r.n_heads).arg(&r.n_kv).arg(&r.head_dim).arg(&r.interleaved).arg(&r.block_size);
                 b.arg(&mut *r.cache).arg(&r.half);
                 // The attention after it may be scheduled early only if launched programmatically.
-                let trigger = if self.pdl { (self.qkv_trigger & 3) as i32 } else { 0 };
+                let trigger = if self.qkv_lets_attention_in_early() { (self.qkv_trigger & 3) as i32 } else { 0 };
                 b.arg(&trigger);
             }
             Gemv::PlainStats(g) => {
@@ -2321,8 +2327,8 @@ impl CudaBackend {
             | (self.flash_pp_turns as i32) << 10
             | (self.flash_merge_ilp as i32) << 12
             | (self.km_batch_loads as i32) << 13
-            | ((self.km_wait_first && !(self.pdl && self.qkv_trigger & 3 != 0)) as i32) << 15
-            | (self.cluster_relaxed_exit as i32) << 14;
+            | (self.cluster_relaxed_exit as i32) << 14
+            | ((self.km_wait_first && !self.qkv_lets_attention_in_early()) as i32) << 15;
         match &mut kv.layers[layer] {
             c @ (KvBuf::F16(_) | KvBuf::Fp8(_)) if self.step_flash => {
                 let name = self.step_flash_kernel;

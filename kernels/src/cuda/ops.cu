@@ -2415,24 +2415,20 @@ __device__ void flash_decode_km_impl(const float* qkv, const KT* cache, long lon
     // Columns past the group are zero (never written).
     unsigned qf[KS][2];
     {
-        const bool real = q_real;
-        const float* q = q_row;
         if (flags & FLASH_BATCH_LOADS) {
             // Every value loaded before any is used, so the loads take one round trip, not
             // one per pack. With RoPE each value's pair partner is one of the lane's own:
             // interleaved, column c ^ 1 (entry e ^ 1); else c ± HD/2 (the same entry KS/2
             // chunks on). The rotation is q_at's, on the same values: the same bits.
-            auto col = q_col;
             if (!wait_first) load_q();
-            auto& x = qx;
             if (rope) {
                 float r[KS][4];
 #pragma unroll
                 for (int ks = 0; ks < KS; ks++)
 #pragma unroll
                     for (int e = 0; e < 4; e++) {
-                        const int c = col(ks, e), j = pair_of(c);
-                        const float own = x[ks][e], other = interleaved ? x[ks][e ^ 1] : x[(ks + KS / 2) % KS][e];
+                        const int c = q_col(ks, e), j = pair_of(c);
+                        const float own = qx[ks][e], other = interleaved ? qx[ks][e ^ 1] : qx[(ks + KS / 2) % KS][e];
                         const bool is_a = c == pair_a(j);
                         float x0 = is_a ? own : other, x1 = is_a ? other : own;
                         rope_apply(rope_c[j], rope_s[j], x0, x1);
@@ -2441,19 +2437,19 @@ __device__ void flash_decode_km_impl(const float* qkv, const KT* cache, long lon
 #pragma unroll
                 for (int ks = 0; ks < KS; ks++)
 #pragma unroll
-                    for (int e = 0; e < 4; e++) x[ks][e] = r[ks][e];
+                    for (int e = 0; e < 4; e++) qx[ks][e] = r[ks][e];
             }
 #pragma unroll
             for (int ks = 0; ks < KS; ks++) {
-                qf[ks][0] = real ? pack_f16x2(x[ks][0] * qs, x[ks][1] * qs) : 0u;
-                qf[ks][1] = real ? pack_f16x2(x[ks][2] * qs, x[ks][3] * qs) : 0u;
+                qf[ks][0] = q_real ? pack_f16x2(qx[ks][0] * qs, qx[ks][1] * qs) : 0u;
+                qf[ks][1] = q_real ? pack_f16x2(qx[ks][2] * qs, qx[ks][3] * qs) : 0u;
             }
         } else {
 #pragma unroll
             for (int ks = 0; ks < KS; ks++) {
                 const int c0 = 16 * ks + (F8 ? 4 : 2) * t4;
-                qf[ks][0] = real ? pack_f16x2(q_at(q, c0) * qs, q_at(q, c0 + 1) * qs) : 0u;
-                qf[ks][1] = real ? pack_f16x2(q_at(q, c0 + B1) * qs, q_at(q, c0 + B1 + 1) * qs) : 0u;
+                qf[ks][0] = q_real ? pack_f16x2(q_at(q_row, c0) * qs, q_at(q_row, c0 + 1) * qs) : 0u;
+                qf[ks][1] = q_real ? pack_f16x2(q_at(q_row, c0 + B1) * qs, q_at(q_row, c0 + B1 + 1) * qs) : 0u;
             }
         }
     }
