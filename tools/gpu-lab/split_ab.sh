@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The decode attention's split rule against every launch unsplit, alternated in one start:
+# for each context, `disagg bench engine` at the default split choice, then with
+# DISAGG_CUDA_ATTN_CHUNK above the context (so every attention launch stays unsplit), ROUNDS
+# times, printing ms per step for each batch (and how many timed steps were replayed).
+# Where the two differ, the default's splits or the lone rule (`attn_splits`,
+# kernels/src/cuda/backend.rs) chose wrong for that batch; docs/PERF.md, sixtieth session.
+#
+#   bash tools/gpu-lab/split_ab.sh [DISAGG] [BATCHES] [CONTEXTS] [ROUNDS]
+#   e.g. DISAGG_CACHE=/tmp/dc bash tools/gpu-lab/split_ab.sh .gpu/bin/disagg 9,10,11,12,13,14,15,16 1024,4096 2
+set -euo pipefail
+disagg=${1:-.gpu/bin/disagg}
+batches=${2:-9,10,11,12,13,14,15,16}
+contexts=${3:-1024}
+rounds=${4:-2}
+max=$(tr ',' '\n' <<<"$batches" | sort -n | tail -1)
+line() {
+  python3 -c '
+import json, sys
+tag, txt = sys.argv[1], sys.stdin.read()
+try:
+    j = json.loads(txt[txt.index("{"):])
+except ValueError:
+    print(tag, "no JSON:", txt[-400:]); sys.exit(0)
+print(tag, " ".join("b%d %.4f (%d/%d)" % (d["batch"], d["ms_per_step"], d["graph_steps"]["timed_replayed"],
+                                         d["graph_steps"]["timed"]) for d in j["decode"]))' "$1"
+}
+nvidia-smi --query-gpu=name --format=csv,noheader || true
+for ctx in ${contexts//,/ }; do
+  # The KV pool: every sequence's context and prompt, with room to spare.
+  mib=$(((max * (ctx + 600) * 128 / 1024) + 4096))
+  bench=("$disagg" bench engine --device cuda:0 --model random:llama3-8b --json --kv-cache-mib "$mib"
+    --context "$ctx" --prompt-tokens 512 --repeat 1 --max-num-seqs "$max" --batch "$batches" --gen-tokens 32)
+  for _ in $(seq "$rounds"); do
+    "${bench[@]}" 2>/dev/null | line "ctx $ctx default "
+    DISAGG_CUDA_ATTN_CHUNK=$((2 * ctx + 1024)) "${bench[@]}" 2>/dev/null | line "ctx $ctx unsplit "
+  done
+done
