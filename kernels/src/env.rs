@@ -374,8 +374,8 @@ pub const CUDA_ROPE_K_ROUND: &str = "DISAGG_CUDA_ROPE_K_ROUND";
 /// three of `DISAGG_CUDA_GEMV_DEEP`; bit `8` the QKV GEMVs ask for the largest shared-memory
 /// carveout (100%), room for an attention block beside them (58% left none). `0` (the
 /// default): none. Bits 1, 2 and 4 were measured level at the driver's carveout; `13`
-/// (entry, two loads, 100%) 0.2–0.5% faster at Llama-3-8B batch 1 on two H100 starts
-/// (docs/PERF.md). For A/B runs.
+/// (entry, two loads, 100%) 0.2–0.6% faster at Llama-3-8B batch 1 on five H100 starts and
+/// 0.1–1.2% on one H200 start (docs/PERF.md). For A/B runs.
 pub const CUDA_QKV_TRIGGER: &str = "DISAGG_CUDA_QKV_TRIGGER";
 
 /// `0`: one-token GEMVs keep two 16-byte loads per row in flight everywhere, instead of

@@ -829,7 +829,7 @@ fn attn_splits_by_waves(
 /// The bytes/s one block of a decode attention kernel reads alone on its SM, where
 /// measured (0 elsewhere): `flash_decode_km_f16_d128`, 64 unsplit blocks of 32,768 keys
 /// (one per SM) at 1.905 TB/s on an H100, 29.8 GB/s a block (`decodelab`, docs/PERF.md,
-/// fifty-ninth session).
+/// fifty-ninth session); 1.927 TB/s, 30.1 GB/s a block, on an H200 (sixtieth).
 fn lone_block_rate(kernel: &str) -> f64 {
     if kernel == "flash_decode_km_f16_d128" {
         29.8e9
@@ -843,8 +843,11 @@ fn lone_block_rate(kernel: &str) -> f64 {
 /// Then splitting cannot read the keys faster, only add blocks that fill and drain and
 /// a merge: on an H100 (3.35 TB/s) batch 16 of Llama-3-8B (128 units) unsplit took its
 /// step 0.9–1.2% under two splits in clusters, alternated against the switch off on one
-/// start (fifty-ninth session). On an H200 (4.8 TB/s) the same 128 blocks ask for less than
-/// the card gives, and the waves rule splits as before.
+/// start (fifty-ninth session). On an H200 (4.81 TB/s) the same 128 blocks ask for less than
+/// the card gives, and the waves rule splits as before, though there too batches 13, 14 and
+/// 16 ran faster unsplit at 1k keys (0.6–2.2%) while 12 and 15 ran faster split (sixtieth
+/// session): at short contexts a split's fixed cost (its merge, its blocks' fill and drain)
+/// counts beside the bandwidth, which this test does not weigh.
 fn lone_blocks_saturate(units: usize, n_sms: usize, block_rate: f64, hbm: f64) -> bool {
     hbm > 0.0 && block_rate > 0.0 && units <= n_sms && units as f64 * block_rate >= hbm
 }
