@@ -1495,6 +1495,18 @@ impl CudaBackend {
         self.set_switch(on, |b| &mut b.km_wait_first);
     }
 
+    /// `DISAGG_CUDA_QKV_TRIGGER`'s bits 1, 2 and 4 (default: as that variable says, else
+    /// none): where the one-token QKV GEMV lets the attention after it be scheduled, and
+    /// that GEMV at two loads per row. Bit 8, the carveout, stays as set at start.
+    pub fn set_qkv_trigger(&mut self, bits: u32) {
+        assert!(bits & !7 == 0 && bits & 3 != 3, "QKV trigger bits {bits}: 1 or 2, plus 4");
+        let bits = bits | (self.qkv_trigger & 8);
+        if self.qkv_trigger != bits {
+            self.buffers_moving();
+            self.qkv_trigger = bits;
+        }
+    }
+
     /// Whether the one-token QKV GEMV lets the attention after it be scheduled before it
     /// ends (`DISAGG_CUDA_QKV_TRIGGER` bits 1, 2; programmatic launches only).
     fn qkv_lets_attention_in_early(&self) -> bool {
