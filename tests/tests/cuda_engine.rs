@@ -477,7 +477,7 @@ fn programmatic_launch_changes_no_bits() {
     // first tiles asked for before it waits for the QKV GEMV, where the one-token QKV GEMV
     // lets the attention be scheduled: 0 at its end, 1 at its blocks' start, 2 after their
     // loops): none may change a bit.
-    // The attention's tiles by bulk copies in runs 2, 3 and 6 (PDL off and on), else cp.async.
+    // The attention's tiles by bulk copies in runs 2, 3, 6 and 7 (PDL off and on), else cp.async.
     let runs = [(false, true, true, 0), (true, true, true, 0), (false, true, true, 0), (true, true, true, 0)];
     let more = [
         (true, false, true, 0),

@@ -21,7 +21,7 @@ tag, txt = sys.argv[1], sys.stdin.read()
 try:
     j = json.loads(txt[txt.index("{"):])
 except ValueError:
-    print(tag, "no JSON:", txt[-400:]); sys.exit(0)
+    print(tag, "no JSON (the bench failed; run it without 2>/dev/null to see why):", txt[-400:]); sys.exit(0)
 print(tag, " ".join("b%d %.4f (%d/%d)" % (d["batch"], d["ms_per_step"], d["graph_steps"]["timed_replayed"],
                                          d["graph_steps"]["timed"]) for d in j["decode"]))' "$1"
 }
@@ -32,7 +32,8 @@ for ctx in ${contexts//,/ }; do
   bench=("$disagg" bench engine --device cuda:0 --model random:llama3-8b --json --kv-cache-mib "$mib"
     --context "$ctx" --prompt-tokens 512 --repeat 1 --max-num-seqs "$max" --batch "$batches" --gen-tokens 32)
   for _ in $(seq "$rounds"); do
-    "${bench[@]}" 2>/dev/null | line "ctx $ctx default "
-    DISAGG_CUDA_ATTN_CHUNK=$((2 * ctx + 1024)) "${bench[@]}" 2>/dev/null | line "ctx $ctx unsplit "
+    # (A failed run prints its line and the A/B goes on.)
+    { "${bench[@]}" 2>/dev/null || true; } | line "ctx $ctx default "
+    { DISAGG_CUDA_ATTN_CHUNK=$((2 * ctx + 1024)) "${bench[@]}" 2>/dev/null || true; } | line "ctx $ctx unsplit "
   done
 done
