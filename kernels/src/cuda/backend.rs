@@ -852,6 +852,12 @@ fn lone_blocks_saturate(units: usize, n_sms: usize, block_rate: f64, hbm: f64) -
     hbm > 0.0 && block_rate > 0.0 && units <= n_sms && units as f64 * block_rate >= hbm
 }
 
+/// `DISAGG_CUDA_QKV_TRIGGER`'s bits as [`CudaBackend::set_qkv_trigger`] and the variable take
+/// them: 1 or 2 (not both), 4 and 8.
+fn qkv_trigger_bits_valid(bits: u32) -> bool {
+    bits & !15 == 0 && bits & 3 != 3
+}
+
 /// Whether a one-token GEMV of `blocks` blocks over `k` columns takes the deep kernel with
 /// `u` loads per row in flight (four: `__launch_bounds__(256, 2)`; three: `(256, 3)`): its
 /// grid fits that many blocks per SM (which is all the deep kernel may have; the classic
@@ -947,7 +953,7 @@ impl CudaBackend {
             })
             .collect();
         let qkv_trigger = match std::env::var(crate::env::CUDA_QKV_TRIGGER) {
-            Ok(v) => v.parse().ok().filter(|b: &u32| b & !15 == 0 && b & 3 != 3).ok_or_else(|| {
+            Ok(v) => v.parse().ok().filter(|&b| qkv_trigger_bits_valid(b)).ok_or_else(|| {
                 KernelError::Device(format!(
                     "{}={v}: give 0, or 1 (at the start) or 2 (after the loop), plus 4 for two loads per row \
                      and 8 for the shared-memory carveout",
@@ -1499,7 +1505,7 @@ impl CudaBackend {
     /// none): where the one-token QKV GEMV lets the attention after it be scheduled, and
     /// that GEMV at two loads per row. Bit 8, the carveout, stays as set at start.
     pub fn set_qkv_trigger(&mut self, bits: u32) {
-        assert!(bits & !7 == 0 && bits & 3 != 3, "QKV trigger bits {bits}: 1 or 2, plus 4");
+        assert!(bits & 8 == 0 && qkv_trigger_bits_valid(bits), "QKV trigger bits {bits}: 1 or 2, plus 4");
         let bits = bits | (self.qkv_trigger & 8);
         if self.qkv_trigger != bits {
             self.buffers_moving();
@@ -1792,12 +1798,12 @@ impl CudaBackend {
         if self.attn_chunk == 0 {
             return (1, false);
         }
-        // (The warp-specialized kernel splits at multiples of its 128-key tiles.)
-        let chunk = if pp { self.attn_chunk.next_multiple_of(128) } else { self.attn_chunk };
-        let chunks = max_ctx.div_ceil(chunk).max(1);
         if self.attn_lone && lone_blocks_saturate(units, self.n_sms, block_rate, self.hbm_bytes_per_s) {
             return (1, false);
         }
+        // (The warp-specialized kernel splits at multiples of its 128-key tiles.)
+        let chunk = if pp { self.attn_chunk.next_multiple_of(128) } else { self.attn_chunk };
+        let chunks = max_ctx.div_ceil(chunk).max(1);
         if self.attn_waves {
             let max_splits = (ATTN_PART_ROWS_PER_SM * self.n_sms / rows.max(1)).min(64);
             return attn_splits_by_waves(units, chunks, self.n_sms * blocks_per_sm, max_splits, clustered, apart);
