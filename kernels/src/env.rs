@@ -286,10 +286,12 @@ pub const CUDA_ATTN_ROPE: &str = "DISAGG_CUDA_ATTN_ROPE";
 /// instead of in the kernel, its splits one thread block cluster (sm_90); for A/B runs.
 pub const CUDA_ATTN_CLUSTER: &str = "DISAGG_CUDA_ATTN_CLUSTER";
 
-/// `0`: a decode attention whose unsplit blocks would run one per SM and ask, together, for
-/// at least the card's memory bandwidth (its clock and bus width) is split by whole waves
-/// like any other, instead of staying unsplit (keys-on-M f16 kernel at head_dim 128 only,
-/// the one whose lone block rate is measured); for A/B runs.
+/// `0`: a decode attention whose unsplit blocks would run one per SM and read their keys
+/// within a split's fixed cost of the split form's time (by the split form's read rate and
+/// fixed cost measured on the H100 and H200; elsewhere, where they ask together for the
+/// card's whole memory bandwidth by its clock and bus) is split by whole waves like any
+/// other, instead of staying unsplit (keys-on-M f16 kernel at head_dim 128 only, the one
+/// whose lone block rate is measured); for A/B runs.
 pub const CUDA_ATTN_LONE: &str = "DISAGG_CUDA_ATTN_LONE";
 
 /// `0`: the decode attention's split count assumes that clusters of its splits are as

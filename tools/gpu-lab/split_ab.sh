@@ -7,6 +7,8 @@
 # kernels/src/cuda/backend.rs) chose wrong for that batch; docs/PERF.md, sixtieth session.
 #
 #   bash tools/gpu-lab/split_ab.sh [DISAGG] [BATCHES] [CONTEXTS] [ROUNDS]
+#   SPLIT_AB_B=VAR=VALUE: the B side sets that variable instead (e.g. DISAGG_CUDA_ATTN_LONE=0,
+#   the split rule without its lone-block test, against the default)
 #   e.g. DISAGG_CACHE=/tmp/dc bash tools/gpu-lab/split_ab.sh .gpu/bin/disagg 9,10,11,12,13,14,15,16 1024,4096 2
 set -euo pipefail
 disagg=${1:-.gpu/bin/disagg}
@@ -34,6 +36,7 @@ for ctx in ${contexts//,/ }; do
   for _ in $(seq "$rounds"); do
     # (A failed run prints its line and the A/B goes on.)
     { "${bench[@]}" 2>/dev/null || true; } | line "ctx $ctx default "
-    { DISAGG_CUDA_ATTN_CHUNK=$((2 * ctx + 1024)) "${bench[@]}" 2>/dev/null || true; } | line "ctx $ctx unsplit "
+    b=${SPLIT_AB_B:-DISAGG_CUDA_ATTN_CHUNK=$((2 * ctx + 1024))}
+    { env "$b" "${bench[@]}" 2>/dev/null || true; } | line "ctx $ctx ${SPLIT_AB_B:-unsplit} "
   done
 done

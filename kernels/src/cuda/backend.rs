@@ -525,11 +525,13 @@ pub struct CudaBackend {
     attn_waves: bool,
     flash_blocks_per_sm: std::collections::HashMap<&'static str, usize>,
     /// The card's memory bandwidth by its clock and bus width, bytes/s (0: not known), and
-    /// whether a decode attention whose unsplit blocks would sit one per SM and together
-    /// ask for that much stays unsplit (`DISAGG_CUDA_ATTN_LONE=0`: split by waves as
-    /// before; see [`lone_blocks_saturate`]).
+    /// whether a decode attention whose unsplit blocks would sit one per SM stays unsplit
+    /// where splitting would not save its own cost (`DISAGG_CUDA_ATTN_LONE=0`: split by
+    /// waves as before), by the split form's read rate and fixed cost on this card
+    /// ([`split_costs`]; see [`unsplit_pays`]).
     hbm_bytes_per_s: f64,
     attn_lone: bool,
+    split_costs: (f64, f64),
     /// Per keys-on-M kernel, indexed by cluster size s (2 ≤ s ≤ `km_cluster_max`): the
     /// blocks resident at once when launched as clusters of s, as the driver counts them
     /// and as single blocks are (the blocks per SM times the SMs), which the split count
@@ -838,18 +840,48 @@ fn lone_block_rate(kernel: &str) -> f64 {
     }
 }
 
-/// Whether `units` unsplit blocks of a decode attention, at most one per SM, already ask
-/// for the card's memory bandwidth (`hbm`, bytes/s) between them at `block_rate` each.
-/// Then splitting cannot read the keys faster, only add blocks that fill and drain and
-/// a merge: on an H100 (3.35 TB/s) batch 16 of Llama-3-8B (128 units) unsplit took its
-/// step 0.9–1.2% under two splits in clusters, alternated against the switch off on one
-/// start (fifty-ninth session). On an H200 (4.81 TB/s) the same 128 blocks ask for less than
-/// the card gives, and the waves rule splits as before, though there too batches 13, 14 and
-/// 16 ran faster unsplit at 1k keys (0.6–2.2%) while 12 and 15 ran faster split (sixtieth
-/// session): at short contexts a split's fixed cost (its merge, its blocks' fill and drain)
-/// counts beside the bandwidth, which this test does not weigh.
-fn lone_blocks_saturate(units: usize, n_sms: usize, block_rate: f64, hbm: f64) -> bool {
-    hbm > 0.0 && block_rate > 0.0 && units <= n_sms && units as f64 * block_rate >= hbm
+/// A split keys-on-M f16 decode attention's read rate at its best (bytes/s) and a split's
+/// fixed cost (seconds a launch: the merge, the extra blocks' fill and drain) on the cards
+/// where both were measured: the rate at 32k keys in `decodelab` (2.8 TB/s on the H100,
+/// 3.5–3.6 on the H200; docs/PERF.md), the cost fitted to where the steps ran faster
+/// unsplit than split and where not (`tools/gpu-lab/split_ab.sh`, 1k and 4k keys on the
+/// H100, sixty-first session; 1k on the H200, sixtieth): both cards' figures fit 2.06–2.61
+/// µs, all but the H200's batch 15. Elsewhere, the card's bus bandwidth and no fixed cost:
+/// unsplit only where the lone blocks ask for all the card gives (the fifty-ninth
+/// session's rule).
+fn split_costs(card: &str, hbm: f64) -> (f64, f64) {
+    if card.contains("H100 80GB HBM3") {
+        (2.8e12, 2.4e-6)
+    } else if card.contains("H200") {
+        (3.55e12, 2.4e-6)
+    } else {
+        (hbm, 0.0)
+    }
+}
+
+/// Whether `units` unsplit blocks of a decode attention, at most one per SM, each reading
+/// `unit_bytes` at `block_rate` (its rate alone on an SM), finish within a split form's
+/// fixed cost of it: that form reads the same bytes at `split_rate` at best and then pays
+/// `fixed_s` (see [`split_costs`]). Unsplit, the blocks read at `units` × `block_rate`
+/// up to that same ceiling. At 1k keys a block's 512 KiB take ~17.5 µs alone, so on an
+/// H100 batch 12 of Llama-3-8B (96 units) unsplit is within 2.4 µs of two splits and ran
+/// its step 0.7–0.8% faster, batch 10 (80 units, 2.6 µs) 0.6% slower (sixty-first session).
+/// At 4k keys the difference grows with the bytes and batch 11 splits, while from 96 units
+/// the lone blocks alone ask for the split form's rate. With `split_rate` the card's
+/// bandwidth and no fixed cost this is the fifty-ninth session's rule: unsplit only where
+/// the blocks ask for the whole bandwidth.
+fn unsplit_pays(
+    units: usize,
+    n_sms: usize,
+    unit_bytes: f64,
+    block_rate: f64,
+    (split_rate, fixed_s): (f64, f64),
+) -> bool {
+    if block_rate <= 0.0 || split_rate <= 0.0 || units == 0 || units > n_sms {
+        return false;
+    }
+    let bytes = units as f64 * unit_bytes;
+    bytes / (units as f64 * block_rate).min(split_rate) - bytes / split_rate <= fixed_s
 }
 
 /// `DISAGG_CUDA_QKV_TRIGGER`'s bits as [`CudaBackend::set_qkv_trigger`] and the variable take
@@ -952,6 +984,7 @@ impl CudaBackend {
                 (name, [(0..=dev.km_cluster_max).map(resident).collect(), vec![full; dev.km_cluster_max + 1]])
             })
             .collect();
+        let lone_costs = split_costs(&dev.name, hbm_bytes_per_s);
         let qkv_trigger = match std::env::var(crate::env::CUDA_QKV_TRIGGER) {
             Ok(v) => v.parse().ok().filter(|&b| qkv_trigger_bits_valid(b)).ok_or_else(|| {
                 KernelError::Device(format!(
@@ -978,6 +1011,7 @@ impl CudaBackend {
             attn_waves: !off(crate::env::CUDA_ATTN_WAVES),
             hbm_bytes_per_s,
             attn_lone: !off(crate::env::CUDA_ATTN_LONE),
+            split_costs: lone_costs,
             flash_ldmatrix: !off(crate::env::CUDA_FLASH_LDMATRIX),
             flash_lean_loads: !off(crate::env::CUDA_FLASH_LEAN_LOADS),
             flash_wide_merge: !off(crate::env::CUDA_FLASH_WIDE_MERGE),
@@ -1785,20 +1819,22 @@ impl CudaBackend {
     /// cluster that merges them (empty: the kernel never does). `pp`: the launch is the
     /// warp-specialized kernel's; `max_ctx`: its longest context; without `apart`, splits
     /// only in clusters (see [`attn_splits_by_waves`]); `block_rate`: the bytes/s one block
-    /// of the kernel reads alone on its SM, where measured (see [`lone_blocks_saturate`]).
-    /// Returns the split count and whether the splits merge in clusters.
+    /// of the kernel reads alone on its SM, where measured, and `key_bytes` what it reads
+    /// a key (see [`unsplit_pays`]). Returns the split count and whether the splits merge
+    /// in clusters.
     fn attn_splits(
         &self,
         units: usize,
         blocks_per_sm: usize,
         rows: usize,
         clustered: &[usize],
-        (pp, max_ctx, apart, block_rate): (bool, usize, bool, f64),
+        (pp, max_ctx, apart, (block_rate, key_bytes)): (bool, usize, bool, (f64, usize)),
     ) -> (usize, bool) {
         if self.attn_chunk == 0 {
             return (1, false);
         }
-        if self.attn_lone && lone_blocks_saturate(units, self.n_sms, block_rate, self.hbm_bytes_per_s) {
+        let unit_bytes = (max_ctx * key_bytes) as f64;
+        if self.attn_lone && unsplit_pays(units, self.n_sms, unit_bytes, block_rate, self.split_costs) {
             return (1, false);
         }
         // (The warp-specialized kernel splits at multiples of its 128-key tiles.)
@@ -2704,6 +2740,8 @@ impl CudaBackend {
             (batch.n_tokens * attn.n_heads, 2048 / 256)
         };
         let km = self.step_flash && super::is_km_kernel(self.step_flash_kernel);
+        // What a block reads a key of its KV head: K and V, f16 or FP8 values.
+        let key_bytes = 2 * attn.head_dim * if self.kv_fp8.get() { 1 } else { 2 };
         debug_assert!(!self.kv_fp8.get() || !self.step_flash || km != self.step_fp8_copy);
         let clustered = match self.km_clustered.get(self.step_flash_kernel) {
             Some([driver, full]) if km && self.attn_cluster => &(if self.cluster_waves { driver } else { full })[..],
@@ -2714,7 +2752,7 @@ impl CudaBackend {
             per_sm,
             batch.n_tokens * attn.n_heads,
             clustered,
-            (self.step_pp, self.max_ctx, true, lone_block_rate(self.step_flash_kernel)),
+            (self.step_pp, self.max_ctx, true, (lone_block_rate(self.step_flash_kernel), key_bytes)),
         );
         self.step_km_part = None;
         if self.step_flash && !km_tiles.is_empty() {
@@ -2730,7 +2768,7 @@ impl CudaBackend {
                 per_sm,
                 n * attn.n_heads,
                 clustered,
-                (false, km_max_ctx, false, lone_block_rate(kernel)),
+                (false, km_max_ctx, false, (lone_block_rate(kernel), key_bytes)),
             );
             self.step_km_part = Some(KmPart { at: tiles.len(), n, kernel, splits, cluster });
         }
@@ -3611,7 +3649,7 @@ impl Backend for CudaBackend {
 #[cfg(test)]
 mod tests {
     use super::{
-        attn_splits_by_waves, fp8_copy_wanted, lone_block_rate, lone_blocks_saturate, ShapeCache, StepTables,
+        attn_splits_by_waves, fp8_copy_wanted, lone_block_rate, split_costs, unsplit_pays, ShapeCache, StepTables,
         FP8_COPY_MAX_BYTES,
     };
     use crate::backend::SeqSpan;
@@ -3652,22 +3690,45 @@ mod tests {
     }
 
     #[test]
-    fn lone_blocks_stay_unsplit_only_where_they_ask_for_the_whole_bandwidth() {
+    fn lone_blocks_stay_unsplit_where_splitting_saves_less_than_it_costs() {
         let km = lone_block_rate("flash_decode_km_f16_d128");
         let (h100, h200) = (2619e6 * 2.0 * 5120.0 / 8.0, 3201e6 * 2.0 * 6144.0 / 8.0);
-        // Batch 16 and 15 of 8 KV heads on an H100's 132 SMs: unsplit.
-        assert!(lone_blocks_saturate(128, 132, km, h100));
-        assert!(lone_blocks_saturate(120, 132, km, h100));
-        // Batch 12: 96 blocks ask for less than the card gives; the waves rule decides.
-        assert!(!lone_blocks_saturate(96, 132, km, h100));
+        let (h100_costs, h200_costs) = (split_costs("NVIDIA H100 80GB HBM3", h100), split_costs("NVIDIA H200", h200));
+        // A block of Llama-3-8B's KV head over 1k and 4k keys (f16 K and V, head_dim 128).
+        let (k1, k4) = (1024.0 * 512.0, 4096.0 * 512.0);
+        // The batches (8 KV heads a sequence) where the H100's steps ran faster unsplit
+        // at 1k keys, 12 to 14 (11 level; 15 and 16 unsplit by the earlier rule too), and
+        // where split, 8 to 10:
+        for b in 11..=16 {
+            assert!(unsplit_pays(8 * b, 132, k1, km, h100_costs), "H100 batch {b}, 1k");
+        }
+        for b in 8..=10 {
+            assert!(!unsplit_pays(8 * b, 132, k1, km, h100_costs), "H100 batch {b}, 1k");
+        }
+        // 4k keys: 12 to 14 faster unsplit, 8 to 11 faster split.
+        assert!(unsplit_pays(96, 132, k4, km, h100_costs));
+        assert!(!unsplit_pays(88, 132, k4, km, h100_costs));
+        // The H200 at 1k: 13, 14 and 16 faster unsplit, 12 faster split (15 too, which
+        // this rule does not see).
+        for b in [13, 14, 16] {
+            assert!(unsplit_pays(8 * b, 132, k1, km, h200_costs), "H200 batch {b}, 1k");
+        }
+        assert!(!unsplit_pays(96, 132, k1, km, h200_costs));
         // More units than SMs: blocks share SMs, the waves rule decides.
-        assert!(!lone_blocks_saturate(136, 132, km, h100));
-        // The H200's bandwidth (~4.8 TB/s published) is more than 132 blocks ask for.
-        assert!(!lone_blocks_saturate(128, 132, km, h200));
-        assert!(!lone_blocks_saturate(132, 132, km, h200));
+        assert!(!unsplit_pays(136, 132, k1, km, h100_costs));
+        // Long contexts with few units split: batch 1 and 8 at 32k.
+        assert!(!unsplit_pays(8, 132, 32.0 * k1, km, h200_costs));
+        assert!(!unsplit_pays(64, 132, 32.0 * k1, km, h100_costs));
+        // Elsewhere, the fifty-ninth session's rule: unsplit only where the blocks ask for
+        // the card's whole bandwidth, on an H100 from batch 15 (120 blocks).
+        let other = split_costs("NVIDIA A100-SXM4-80GB", h100);
+        assert_eq!(other, (h100, 0.0));
+        assert!(unsplit_pays(120, 132, k1, km, other));
+        assert!(!unsplit_pays(112, 132, k1, km, other));
+        assert!(!unsplit_pays(128, 132, k1, km, split_costs("other", h200)));
         // Unknown bandwidth, or a kernel not measured: never.
-        assert!(!lone_blocks_saturate(128, 132, km, 0.0));
-        assert!(!lone_blocks_saturate(128, 132, lone_block_rate("flash_decode_km_fp8_d128"), h100));
+        assert!(!unsplit_pays(128, 132, k1, km, split_costs("other", 0.0)));
+        assert!(!unsplit_pays(128, 132, k1, lone_block_rate("flash_decode_km_fp8_d128"), h100_costs));
     }
 
     #[test]
