@@ -374,18 +374,18 @@ pub const CUDA_ROPE_K_ROUND: &str = "DISAGG_CUDA_ROPE_K_ROUND";
 /// `1` as each GEMV block starts, or `2` as each block's first warp leaves its loop (not
 /// both); bit `4` the QKV GEMV at two loads per row (four blocks per SM) instead of the
 /// three of `DISAGG_CUDA_GEMV_DEEP`; bit `8` the QKV GEMVs ask for the largest shared-memory
-/// carveout (100%), room for an attention block beside them (58% left none). `0` (the
-/// default): none. Bits 1, 2 and 4 were measured level at the driver's carveout; `13`
-/// (entry, two loads, 100%) 0.2–0.6% faster at Llama-3-8B batch 1 on five H100 starts and
-/// 0.1–1.2% on one H200 start (docs/PERF.md). For A/B runs.
+/// carveout (100%), room for an attention block beside them (58% left none). Default `13`
+/// (entry, two loads, 100%): 0.2–0.6% faster than `0` (none) at Llama-3-8B batch 1 on five
+/// H100 starts and 0.1–1.2% on one H200 start (docs/PERF.md); bits 1, 2 and 4 alone were
+/// measured level at the driver's carveout. For A/B runs.
 pub const CUDA_QKV_TRIGGER: &str = "DISAGG_CUDA_QKV_TRIGGER";
 
 /// `0`: one-token GEMVs keep two 16-byte loads per row in flight everywhere, instead of
 /// more where their grid leaves the SMs room and each lane has two whole groups of them:
 /// four in the residual GEMVs that leave the next norm's inputs, at most two blocks per
 /// SM (o and down at Llama-3-8B's 4,096 outputs), three in the prenormed QKV GEMV with
-/// RoPE at up to three, unless `DISAGG_CUDA_QKV_TRIGGER`'s bit 4 keeps it at two (the same
-/// bits; Llama-3-8B batch 1 −2% on the H200, PERF.md).
+/// RoPE at up to three, unless `DISAGG_CUDA_QKV_TRIGGER`'s bit 4 (on by default) keeps it
+/// at two (the same bits; Llama-3-8B batch 1 −2% on the H200, PERF.md).
 /// Only the prenormed path has them (nothing changes with `DISAGG_CUDA_GEMV_PRENORM=0` or
 /// `DISAGG_CUDA_GEMV_PIPE=0`). For A/B runs.
 pub const CUDA_GEMV_DEEP: &str = "DISAGG_CUDA_GEMV_DEEP";

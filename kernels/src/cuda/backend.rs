@@ -588,7 +588,7 @@ pub struct CudaBackend {
     /// `DISAGG_CUDA_QKV_TRIGGER`'s bits: where the one-token QKV GEMV lets the attention
     /// after it be scheduled (1: at its blocks' start, 2: as each block's first warp leaves
     /// its loop), 4: that GEMV at two loads per row, 8: the QKV GEMVs' shared-memory
-    /// carveout set at start (the largest).
+    /// carveout set at start (the largest). Default 13: 1, 4 and 8.
     qkv_trigger: u32,
     /// A split keys-on-M attention merged in its cluster reads every split's partial in
     /// one round of loads (`DISAGG_CUDA_FLASH_MERGE_ILP=0`: M first, then each split's in
@@ -993,7 +993,7 @@ impl CudaBackend {
                     crate::env::CUDA_QKV_TRIGGER
                 ))
             })?,
-            Err(_) => 0,
+            Err(_) => 13,
         };
         if qkv_trigger & 8 != 0 {
             // The SM's 228 KiB: room for one keys-on-M attention block (102 KiB of stages)
@@ -1536,7 +1536,7 @@ impl CudaBackend {
     }
 
     /// `DISAGG_CUDA_QKV_TRIGGER`'s bits 1, 2 and 4 (default: as that variable says, else
-    /// none): where the one-token QKV GEMV lets the attention after it be scheduled, and
+    /// 1 and 4): where the one-token QKV GEMV lets the attention after it be scheduled, and
     /// that GEMV at two loads per row. Bit 8, the carveout, stays as set at start.
     pub fn set_qkv_trigger(&mut self, bits: u32) {
         assert!(bits & 8 == 0 && qkv_trigger_bits_valid(bits), "QKV trigger bits {bits}: 1 or 2, plus 4");
