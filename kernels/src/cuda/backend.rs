@@ -849,7 +849,7 @@ fn lone_block_rate(kernel: &str) -> f64 {
 /// 1.1 µs (batch 11's 88 blocks at 1k keys, 1.1 µs short of the split form, ran 0.5–1.0%
 /// slower unsplit on one start, level on the other), so none: there the blocks stay
 /// unsplit from where they alone ask for the split form's rate (96). On the H200 between
-/// 2.1 µs (batch 13 faster unsplit) and 3.2 (batch 12 faster split): 2.4, which misses
+/// 2.2 µs (batch 13 faster unsplit) and 3.4 (batch 12 faster split): 2.4, which misses
 /// only batch 15 (faster split, by a margin not understood). Elsewhere, the card's bus
 /// bandwidth and no fixed cost: unsplit only where the lone blocks ask for all the card
 /// gives (the fifty-ninth session's rule).
@@ -868,8 +868,8 @@ fn split_costs(card: &str, hbm: f64) -> (f64, f64) {
 /// fixed cost of it: that form reads the same bytes at `split_rate` at best and then pays
 /// `fixed_s` (see [`split_costs`]). Unsplit, the blocks read at `units` × `block_rate`
 /// up to that same ceiling. At 1k keys a block's 512 KiB take ~17.5 µs alone: on an H200
-/// batch 13 of Llama-3-8B (104 units) unsplit comes within 2.1 µs of the split form and
-/// ran its step 0.6–0.9% faster, batch 12 (96 units, 3.2 µs) 1.4–1.5% slower (sixtieth
+/// batch 13 of Llama-3-8B (104 units) unsplit comes within 2.2 µs of the split form and
+/// ran its step 0.6–0.9% faster, batch 12 (96 units, 3.4 µs) 1.4–1.5% slower (sixtieth
 /// session). With more keys the difference grows with the bytes, while from where the
 /// lone blocks alone ask for the split form's rate there is none. With `split_rate` the
 /// card's bandwidth and no fixed cost this is the fifty-ninth session's rule: unsplit only
