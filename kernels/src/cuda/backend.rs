@@ -988,7 +988,7 @@ impl CudaBackend {
                 (name, [(0..=dev.km_cluster_max).map(resident).collect(), vec![full; dev.km_cluster_max + 1]])
             })
             .collect();
-        let lone_costs = split_costs(&dev.name, hbm_bytes_per_s);
+        let card_split_costs = split_costs(&dev.name, hbm_bytes_per_s);
         let qkv_trigger = match std::env::var(crate::env::CUDA_QKV_TRIGGER) {
             Ok(v) => v.parse().ok().filter(|&b| qkv_trigger_bits_valid(b)).ok_or_else(|| {
                 KernelError::Device(format!(
@@ -1015,7 +1015,7 @@ impl CudaBackend {
             attn_waves: !off(crate::env::CUDA_ATTN_WAVES),
             hbm_bytes_per_s,
             attn_lone: !off(crate::env::CUDA_ATTN_LONE),
-            split_costs: lone_costs,
+            split_costs: card_split_costs,
             flash_ldmatrix: !off(crate::env::CUDA_FLASH_LDMATRIX),
             flash_lean_loads: !off(crate::env::CUDA_FLASH_LEAN_LOADS),
             flash_wide_merge: !off(crate::env::CUDA_FLASH_WIDE_MERGE),
