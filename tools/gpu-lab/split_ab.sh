@@ -16,17 +16,8 @@ batches=${2:-9,10,11,12,13,14,15,16}
 contexts=${3:-1024}
 rounds=${4:-2}
 max=$(tr ',' '\n' <<<"$batches" | sort -n | tail -1)
-line() {
-  python3 -c '
-import json, sys
-tag, txt = sys.argv[1], sys.stdin.read()
-try:
-    j = json.loads(txt[txt.index("{"):])
-except ValueError:
-    print(tag, "no JSON (the bench failed; run it without 2>/dev/null to see why):", txt[-400:]); sys.exit(0)
-print(tag, " ".join("b%d %.4f (%d/%d)" % (d["batch"], d["ms_per_step"], d["graph_steps"]["timed_replayed"],
-                                         d["graph_steps"]["timed"]) for d in j["decode"]))' "$1"
-}
+here=$(dirname "$0")
+line() { python3 "$here/bench_line.py" "$1" --decode-only; }
 nvidia-smi --query-gpu=name --format=csv,noheader || true
 for ctx in ${contexts//,/ }; do
   # The KV pool: every sequence's context and prompt, with room to spare.
