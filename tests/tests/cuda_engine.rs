@@ -476,7 +476,7 @@ fn programmatic_launch_changes_no_bits() {
     // Alternated (programmatic launch, split attention merged in clusters, the attention's
     // first tiles asked for before it waits for the QKV GEMV, where the one-token QKV GEMV
     // lets the attention be scheduled: 0 at its end, 1 at its blocks' start, 2 after their
-    // loops): none may change a bit.
+    // loops; 5 is the default's 1 with the GEMV at two loads per row): none may change a bit.
     // The attention's tiles by bulk copies in runs 2, 3, 6 and 7 (PDL off and on), else cp.async.
     let runs = [(false, true, true, 0), (true, true, true, 0), (false, true, true, 0), (true, true, true, 0)];
     let more = [
@@ -485,6 +485,7 @@ fn programmatic_launch_changes_no_bits() {
         (false, false, false, 0),
         (true, true, true, 1),
         (true, true, true, 2),
+        (true, true, true, 5),
     ];
     for (i, (on, cluster, early, trigger)) in runs.into_iter().chain(more).enumerate() {
         let bulk = (i / 2) % 2 == 1;
