@@ -840,24 +840,32 @@ fn lone_block_rate(kernel: &str) -> f64 {
     }
 }
 
-/// A split keys-on-M f16 decode attention's read rate at its best (bytes/s) and a split's
-/// fixed cost (seconds a launch: the merge, the extra blocks' fill and drain) on the cards
-/// where both were measured: the rate at 32k keys in `decodelab` (2.8 TB/s on the H100,
-/// 3.5–3.6 on the H200; docs/PERF.md), the cost fitted to where Llama-3-8B's steps ran
-/// faster unsplit than split and where not (`tools/gpu-lab/split_ab.sh`; 1k and 4k keys on
-/// two H100 starts, sixty-first session; 1k on one H200 start, sixtieth). On the H100 below
+/// A split keys-on-M f16 decode attention's read rate (bytes/s) and a split's fixed cost
+/// (seconds a launch: the merge, the extra blocks' fill and drain) on the cards where both
+/// were measured.
+///
+/// The H100: the rate at 32k keys in `decodelab` (2.8 TB/s; docs/PERF.md), the cost fitted
+/// to where Llama-3-8B's steps ran faster unsplit than split and where not
+/// (`tools/gpu-lab/split_ab.sh`; 1k and 4k keys on two starts, sixty-first session): below
 /// 1.1 µs (batch 11's 88 blocks at 1k keys, 1.1 µs short of the split form, ran 0.5–1.0%
-/// slower unsplit on one start, level on the other), so none: there the blocks stay
-/// unsplit from where they alone ask for the split form's rate (96). On the H200 between
-/// 2.2 µs (batch 13 faster unsplit) and 3.4 (batch 12 faster split): 2.4, which misses
-/// only batch 15 (faster split, by a margin not understood). Elsewhere, the card's bus
-/// bandwidth and no fixed cost: unsplit only where the lone blocks ask for all the card
-/// gives (the fifty-ninth session's rule).
+/// slower unsplit on one start, level on the other), so none. There the blocks stay
+/// unsplit from where they alone ask for the split form's rate (96).
+///
+/// The H200: both from the engine's own launches, traced kernel by kernel at batches 14–16
+/// and 1k and 4k keys (sixty-fourth session): two splits took 14.8 µs + bytes at 4.04 TB/s,
+/// unsplit blocks 12.4 µs + their bytes at 29.0 GB/s each, so a split costs 2.4 µs more
+/// and then reads at 4.04 TB/s (the sixtieth session's 3.55, `decodelab`'s rate at 32k
+/// keys, left batches 15 and 16 unsplit at every length; from 2k keys they ran 1.7–6.3%
+/// slower so). The steps at 1k keys, batches 13 and 14, ran 1.4–2.2% faster unsplit, which
+/// this rule does not see: at batch 14 the attention itself ran faster split and the
+/// gate/up GEMM after it slower (batch 13 was not traced; PERF.md). Elsewhere, the card's bus bandwidth and no fixed cost:
+/// unsplit only where the lone blocks ask for all the card gives (the fifty-ninth
+/// session's rule).
 fn split_costs(card: &str, hbm: f64) -> (f64, f64) {
     if card.contains("H100 80GB HBM3") {
         (2.8e12, 0.0)
     } else if card.contains("H200") {
-        (3.55e12, 2.4e-6)
+        (4.04e12, 2.4e-6)
     } else {
         (hbm, 0.0)
     }
@@ -867,11 +875,11 @@ fn split_costs(card: &str, hbm: f64) -> (f64, f64) {
 /// `unit_bytes` at `block_rate` (its rate alone on an SM), finish within a split form's
 /// fixed cost of it: that form reads the same bytes at `split_rate` at best and then pays
 /// `fixed_s` (see [`split_costs`]). Unsplit, the blocks read at `units` × `block_rate`
-/// up to that same ceiling. At 1k keys a block's 512 KiB take ~17.5 µs alone: on an H200
-/// batch 13 of Llama-3-8B (104 units) unsplit comes within 2.2 µs of the split form and
-/// ran its step 0.6–0.9% faster, batch 12 (96 units, 3.4 µs) 1.4–1.5% slower (sixtieth
-/// session). With more keys the difference grows with the bytes, while from where the
-/// lone blocks alone ask for the split form's rate there is none. With `split_rate` the
+/// up to that same ceiling. At 1k keys a block's 512 KiB take ~17.6 µs alone: on an H200
+/// batch 16 of Llama-3-8B (128 units) unsplit comes within 1.0 µs of the split form and
+/// batch 12 (96 units) 5.1 µs short of it, past its 2.4 µs of fixed cost. With more keys the
+/// difference grows with the bytes (batch 16 at 4k keys: 3.9 µs, split), while from where
+/// the lone blocks alone ask for the split form's rate there is none. With `split_rate` the
 /// card's bandwidth and no fixed cost this is the fifty-ninth session's rule: unsplit only
 /// where the blocks ask for the whole bandwidth.
 fn unsplit_pays(
@@ -3712,12 +3720,23 @@ mod tests {
         // 4k keys: 12 to 14 faster unsplit, 8 to 11 faster split.
         assert!(unsplit_pays(96, 132, k4, km, h100_costs));
         assert!(!unsplit_pays(88, 132, k4, km, h100_costs));
-        // The H200 at 1k: 13, 14 and 16 faster unsplit, 12 faster split (15 too, which
-        // this rule does not see).
-        for b in [13, 14, 16] {
+        // The H200: at 1k keys 15 and 16 unsplit (16 faster so, 15 level), 12 to 14 split
+        // (12 faster so; the attention of 14 too, its step not: see split_costs); from 2k
+        // keys 15 split (faster so by 2.6–6% at 2k, 4k and 8k), 16 from 4k (1.6–4%; level at 2k).
+        let k2 = 2048.0 * 512.0;
+        for b in [15, 16] {
             assert!(unsplit_pays(8 * b, 132, k1, km, h200_costs), "H200 batch {b}, 1k");
         }
-        assert!(!unsplit_pays(96, 132, k1, km, h200_costs));
+        for b in 12..=14 {
+            assert!(!unsplit_pays(8 * b, 132, k1, km, h200_costs), "H200 batch {b}, 1k");
+        }
+        assert!(!unsplit_pays(112, 132, k2, km, h200_costs));
+        assert!(!unsplit_pays(120, 132, k2, km, h200_costs));
+        assert!(unsplit_pays(128, 132, k2, km, h200_costs));
+        for k in [k4, 2.0 * k4] {
+            assert!(!unsplit_pays(120, 132, k, km, h200_costs));
+            assert!(!unsplit_pays(128, 132, k, km, h200_costs));
+        }
         // More units than SMs: blocks share SMs, the waves rule decides.
         assert!(!unsplit_pays(136, 132, k1, km, h100_costs));
         // Long contexts with few units split: batch 1 and 8 at 32k.
