@@ -858,9 +858,10 @@ fn lone_block_rate(kernel: &str) -> f64 {
 /// keys, left batches 15 and 16 unsplit at every length; from 2k keys they ran 1.7–6.3%
 /// slower so). The steps at 1k keys, batches 13 and 14, ran 1.4–2.2% faster unsplit, which
 /// this rule does not see: at batch 14 the attention itself ran faster split and the
-/// gate/up GEMM after it slower (batch 13 was not traced; PERF.md). Elsewhere, the card's bus bandwidth and no fixed cost:
-/// unsplit only where the lone blocks ask for all the card gives (the fifty-ninth
-/// session's rule).
+/// gate/up GEMM after it slower (batch 13 was not traced; PERF.md).
+///
+/// Elsewhere, the card's bus bandwidth and no fixed cost: unsplit only where the lone
+/// blocks ask for all the card gives (the fifty-ninth session's rule).
 fn split_costs(card: &str, hbm: f64) -> (f64, f64) {
     if card.contains("H100 80GB HBM3") {
         (2.8e12, 0.0)
@@ -3721,8 +3722,9 @@ mod tests {
         assert!(unsplit_pays(96, 132, k4, km, h100_costs));
         assert!(!unsplit_pays(88, 132, k4, km, h100_costs));
         // The H200: at 1k keys 15 and 16 unsplit (16 faster so, 15 level), 12 to 14 split
-        // (12 faster so; the attention of 14 too, its step not: see split_costs); from 2k
-        // keys 15 split (faster so by 2.6–6% at 2k, 4k and 8k), 16 from 4k (1.6–4%; level at 2k).
+        // (12 faster so on the sixtieth session's start; the attention of 14 too, its step
+        // not: see split_costs); from 2k keys 15 split (faster so by 2.6–6.3% at 2k, 4k and
+        // 8k), 16 from 4k (1.7–4.2%; level at 2k).
         let k2 = 2048.0 * 512.0;
         for b in [15, 16] {
             assert!(unsplit_pays(8 * b, 132, k1, km, h200_costs), "H200 batch {b}, 1k");
