@@ -645,6 +645,9 @@ pub struct CudaBackend {
     /// split count's model finds that cheaper than `attention_merge` after it
     /// (`DISAGG_CUDA_ATTN_CLUSTER=0`: never); whether this step does.
     attn_cluster: bool,
+    /// Fewer key splits than this run apart, merged by `attention_merge`, where they may
+    /// (`DISAGG_CUDA_ATTN_CLUSTER_FROM`; 2: any split count may merge in clusters).
+    attn_cluster_from: usize,
     step_cluster: bool,
     /// The keys-on-M kernel asks for its first tiles of older keys before waiting for the
     /// kernel before it (`DISAGG_CUDA_KM_EARLY=0`: after).
@@ -806,20 +809,22 @@ impl StepTables {
 /// `slots` for one unit more (the merge's own launch). Returns the split count and
 /// whether the splits merge in clusters; on a tie the fewer splits win, then the cluster.
 /// Without `apart`, splits merge in clusters or there is one (a launch that has no
-/// partials' scratch for its rows).
+/// partials' scratch for its rows). With `apart`, fewer than `cluster_from` splits run
+/// apart only (`DISAGG_CUDA_ATTN_CLUSTER_FROM`).
 fn attn_splits_by_waves(
     units: usize,
     chunks: usize,
     slots: usize,
     max_splits: usize,
     clustered: &[usize],
-    apart: bool,
+    (apart, cluster_from): (bool, usize),
 ) -> (usize, bool) {
     let units = units.max(1);
     let cost = |s: usize, slots: usize| (units * s).div_ceil(slots.max(1)) * (chunks.div_ceil(s) + 1);
     (1..=chunks.min(max_splits).max(1))
         .flat_map(|s| {
-            let merged = (s > 1 && s < clustered.len()).then(|| (cost(s, clustered[s]), s, true));
+            let merged = (s > 1 && (s >= cluster_from || !apart) && s < clustered.len())
+                .then(|| (cost(s, clustered[s]), s, true));
             let apart =
                 (apart || s == 1).then(|| (cost(s, slots) + usize::from(s > 1 && !clustered.is_empty()), s, false));
             merged.into_iter().chain(apart)
@@ -1067,6 +1072,15 @@ impl CudaBackend {
             gu_bf16: !off(crate::env::CUDA_GU_BF16),
             attn_rope: !off(crate::env::CUDA_ATTN_ROPE),
             attn_cluster: !off(crate::env::CUDA_ATTN_CLUSTER),
+            attn_cluster_from: match std::env::var(crate::env::CUDA_ATTN_CLUSTER_FROM) {
+                Ok(v) => v.parse().map_err(|_| {
+                    KernelError::Device(format!(
+                        "{}={v}: give the fewest key splits that may merge in a cluster (2: any)",
+                        crate::env::CUDA_ATTN_CLUSTER_FROM
+                    ))
+                })?,
+                Err(_) => 2,
+            },
             step_cluster: false,
             km_early: !off(crate::env::CUDA_KM_EARLY),
             km_bulk: on(crate::env::CUDA_KM_BULK) && dev.arch.0 >= 9,
@@ -1502,6 +1516,15 @@ impl CudaBackend {
         self.set_switch(on, |b| &mut b.attn_cluster);
     }
 
+    /// The fewest key splits of a decode attention that may merge in a cluster; fewer run
+    /// apart where they may (default: `DISAGG_CUDA_ATTN_CLUSTER_FROM`, else 2: any).
+    pub fn set_attn_cluster_from(&mut self, splits: usize) {
+        if self.attn_cluster_from != splits {
+            self.buffers_moving();
+            self.attn_cluster_from = splits;
+        }
+    }
+
     /// Blocks of the keys-on-M kernel for `head_dim` resident at once: alone (indices 0
     /// and 1) and, at index s, launched as clusters of s, as the driver counts them, or as
     /// alone where it cannot (`None` where the GPU has no clusters).
@@ -1855,7 +1878,8 @@ impl CudaBackend {
         let chunks = max_ctx.div_ceil(chunk).max(1);
         if self.attn_waves {
             let max_splits = (ATTN_PART_ROWS_PER_SM * self.n_sms / rows.max(1)).min(64);
-            return attn_splits_by_waves(units, chunks, self.n_sms * blocks_per_sm, max_splits, clustered, apart);
+            let slots = self.n_sms * blocks_per_sm;
+            return attn_splits_by_waves(units, chunks, slots, max_splits, clustered, (apart, self.attn_cluster_from));
         }
         let want = (2 * self.n_sms).div_ceil(units.max(1));
         let s = if want > 1 { want.min(chunks) } else { 1 };
@@ -3676,14 +3700,14 @@ mod tests {
     fn attention_splits_fill_whole_waves() {
         // Batch 64 of 1k tokens, 8 KV heads, 396 resident blocks: 2 waves at 65% fill
         // unsplit; 3 splits run 4 waves of a third of the keys.
-        assert_eq!(attn_splits_by_waves(512, 17, 396, 64, &[], true), (3, false));
+        assert_eq!(attn_splits_by_waves(512, 17, 396, 64, &[], (true, 2)), (3, false));
         // Batch 1: every chunk its own block (one wave).
-        assert_eq!(attn_splits_by_waves(8, 17, 396, 64, &[], true), (17, false));
+        assert_eq!(attn_splits_by_waves(8, 17, 396, 64, &[], (true, 2)), (17, false));
         // Batch 256: already many waves, no split.
-        assert_eq!(attn_splits_by_waves(2048, 17, 396, 64, &[], true), (1, false));
+        assert_eq!(attn_splits_by_waves(2048, 17, 396, 64, &[], (true, 2)), (1, false));
         // Bounded by the partials reserved, and by the chunks there are.
-        assert_eq!(attn_splits_by_waves(8, 513, 396, 20, &[], true), (20, false));
-        assert_eq!(attn_splits_by_waves(8, 1, 396, 64, &[], true), (1, false));
+        assert_eq!(attn_splits_by_waves(8, 513, 396, 20, &[], (true, 2)), (20, false));
+        assert_eq!(attn_splits_by_waves(8, 1, 396, 64, &[], (true, 2)), (1, false));
     }
 
     #[test]
@@ -3691,15 +3715,15 @@ mod tests {
         // Batch 1 of 1k keys on 264 slots (the H200's 132 SMs, two blocks each): 9 splits
         // of two chunks merged in the kernel tie with 17 of one and attention_merge, and
         // the fewer win.
-        assert_eq!(attn_splits_by_waves(8, 17, 264, 64, &full(264, 16), true), (9, true));
+        assert_eq!(attn_splits_by_waves(8, 17, 264, 64, &full(264, 16), (true, 2)), (9, true));
         // 8 splits at most in a cluster: those would take three chunks; 17 and the merge
         // cost less.
-        assert_eq!(attn_splits_by_waves(8, 17, 264, 64, &full(264, 8), true), (17, false));
+        assert_eq!(attn_splits_by_waves(8, 17, 264, 64, &full(264, 8), (true, 2)), (17, false));
         // 32k keys: many splits pay for the merge.
-        assert_eq!(attn_splits_by_waves(8, 513, 264, 64, &full(264, 16), true), (33, false));
+        assert_eq!(attn_splits_by_waves(8, 513, 264, 64, &full(264, 16), (true, 2)), (33, false));
         // Batch 16: two splits, merged in the kernel as before by attention_merge.
-        assert_eq!(attn_splits_by_waves(128, 17, 264, 64, &full(264, 16), true), (2, true));
-        assert_eq!(attn_splits_by_waves(128, 17, 264, 64, &[], true), (2, false));
+        assert_eq!(attn_splits_by_waves(128, 17, 264, 64, &full(264, 16), (true, 2)), (2, true));
+        assert_eq!(attn_splits_by_waves(128, 17, 264, 64, &[], (true, 2)), (2, false));
     }
 
     #[test]
@@ -3774,10 +3798,10 @@ mod tests {
         // 264 slots: 4 splits in clusters would take two waves, so they run apart in one
         // and attention_merge merges them.
         let half = vec![132; 17];
-        assert_eq!(attn_splits_by_waves(64, 514, 264, 64, &half, true), (4, false));
-        assert_eq!(attn_splits_by_waves(64, 514, 264, 64, &full(264, 16), true), (4, true));
+        assert_eq!(attn_splits_by_waves(64, 514, 264, 64, &half, (true, 2)), (4, false));
+        assert_eq!(attn_splits_by_waves(64, 514, 264, 64, &full(264, 16), (true, 2)), (4, true));
         // Batch 1 of 1k keys: 72 blocks fit either way, and the cluster stays.
-        assert_eq!(attn_splits_by_waves(8, 17, 264, 64, &half, true), (9, true));
+        assert_eq!(attn_splits_by_waves(8, 17, 264, 64, &half, (true, 2)), (9, true));
     }
 
     #[test]
@@ -3786,9 +3810,20 @@ mod tests {
         // 32k keys takes 2 splits in clusters where 4 apart would win, batch 1 at 32k 16
         // (the largest cluster) where 33 apart would, and without clusters one split.
         let half = vec![132; 17];
-        assert_eq!(attn_splits_by_waves(64, 514, 264, 64, &half, false), (2, true));
-        assert_eq!(attn_splits_by_waves(8, 513, 264, 64, &full(264, 16), false), (16, true));
-        assert_eq!(attn_splits_by_waves(64, 514, 264, 64, &[], false), (1, false));
+        assert_eq!(attn_splits_by_waves(64, 514, 264, 64, &half, (false, 2)), (2, true));
+        assert_eq!(attn_splits_by_waves(8, 513, 264, 64, &full(264, 16), (false, 2)), (16, true));
+        assert_eq!(attn_splits_by_waves(64, 514, 264, 64, &[], (false, 2)), (1, false));
+    }
+
+    #[test]
+    fn attention_splits_below_the_cluster_floor_run_apart() {
+        // Batch 14 of 1k keys (112 units of 16 chunks) on the H200's 264 slots: two splits
+        // in clusters by default, apart from a floor of 3 or more; batch 1's 9 splits keep
+        // their cluster under a floor of 5. A launch without partials' scratch ignores it.
+        assert_eq!(attn_splits_by_waves(112, 16, 264, 64, &full(264, 16), (true, 2)), (2, true));
+        assert_eq!(attn_splits_by_waves(112, 16, 264, 64, &full(264, 16), (true, 3)), (2, false));
+        assert_eq!(attn_splits_by_waves(8, 17, 264, 64, &full(264, 16), (true, 5)), (9, true));
+        assert_eq!(attn_splits_by_waves(64, 514, 264, 64, &vec![132; 17], (false, 5)), (2, true));
     }
 
     fn span(rows: std::ops::Range<usize>, pos0: usize, block_table: &[u32]) -> SeqSpan<'_> {
