@@ -286,9 +286,10 @@ pub const CUDA_ATTN_ROPE: &str = "DISAGG_CUDA_ATTN_ROPE";
 /// instead of in the kernel, its splits one thread block cluster (sm_90); for A/B runs.
 pub const CUDA_ATTN_CLUSTER: &str = "DISAGG_CUDA_ATTN_CLUSTER";
 
-/// The fewest key splits of a keys-on-M decode attention that may merge in the kernel as a
-/// cluster (default 2: any); fewer are merged by `attention_merge` after it, where the
-/// launch has the partials' scratch; for A/B runs.
+/// The fewest key splits of a keys-on-M decode attention that merge in the kernel as a
+/// cluster (default 2: any): a split count the rule chose in clusters but below this runs
+/// the same splits apart, merged by `attention_merge` after it, where the launch has the
+/// partials' scratch; for A/B runs.
 pub const CUDA_ATTN_CLUSTER_FROM: &str = "DISAGG_CUDA_ATTN_CLUSTER_FROM";
 
 /// `0`: a decode attention whose unsplit blocks would run one per SM and read their keys

@@ -645,8 +645,8 @@ pub struct CudaBackend {
     /// split count's model finds that cheaper than `attention_merge` after it
     /// (`DISAGG_CUDA_ATTN_CLUSTER=0`: never); whether this step does.
     attn_cluster: bool,
-    /// Fewer key splits than this run apart, merged by `attention_merge`, where they may
-    /// (`DISAGG_CUDA_ATTN_CLUSTER_FROM`; 2: any split count may merge in clusters).
+    /// A split count chosen in clusters but below this runs apart, merged by
+    /// `attention_merge`, where it may (`DISAGG_CUDA_ATTN_CLUSTER_FROM`; 2: any may merge in clusters).
     attn_cluster_from: usize,
     step_cluster: bool,
     /// The keys-on-M kernel asks for its first tiles of older keys before waiting for the
@@ -809,8 +809,8 @@ impl StepTables {
 /// `slots` for one unit more (the merge's own launch). Returns the split count and
 /// whether the splits merge in clusters; on a tie the fewer splits win, then the cluster.
 /// Without `apart`, splits merge in clusters or there is one (a launch that has no
-/// partials' scratch for its rows). With `apart`, fewer than `cluster_from` splits run
-/// apart only (`DISAGG_CUDA_ATTN_CLUSTER_FROM`).
+/// partials' scratch for its rows). With `apart`, a split count chosen in clusters but
+/// below `cluster_from` runs apart instead, the same splits (`DISAGG_CUDA_ATTN_CLUSTER_FROM`).
 fn attn_splits_by_waves(
     units: usize,
     chunks: usize,
@@ -823,14 +823,13 @@ fn attn_splits_by_waves(
     let cost = |s: usize, slots: usize| (units * s).div_ceil(slots.max(1)) * (chunks.div_ceil(s) + 1);
     (1..=chunks.min(max_splits).max(1))
         .flat_map(|s| {
-            let merged = (s > 1 && (s >= cluster_from || !apart) && s < clustered.len())
-                .then(|| (cost(s, clustered[s]), s, true));
+            let merged = (s > 1 && s < clustered.len()).then(|| (cost(s, clustered[s]), s, true));
             let apart =
                 (apart || s == 1).then(|| (cost(s, slots) + usize::from(s > 1 && !clustered.is_empty()), s, false));
             merged.into_iter().chain(apart)
         })
         .min_by_key(|&(c, s, merged)| (c, s, !merged))
-        .map_or((1, false), |(_, s, merged)| (s, merged))
+        .map_or((1, false), |(_, s, merged)| (s, merged && (s >= cluster_from || !apart)))
 }
 
 /// The bytes/s one block of a decode attention kernel reads alone on its SM, where
@@ -1516,8 +1515,9 @@ impl CudaBackend {
         self.set_switch(on, |b| &mut b.attn_cluster);
     }
 
-    /// The fewest key splits of a decode attention that may merge in a cluster; fewer run
-    /// apart where they may (default: `DISAGG_CUDA_ATTN_CLUSTER_FROM`, else 2: any).
+    /// The fewest key splits of a decode attention that merge in a cluster; a count chosen
+    /// in clusters but below it runs apart where it may (default:
+    /// `DISAGG_CUDA_ATTN_CLUSTER_FROM`, else 2: any).
     pub fn set_attn_cluster_from(&mut self, splits: usize) {
         if self.attn_cluster_from != splits {
             self.buffers_moving();
@@ -3818,12 +3818,13 @@ mod tests {
     #[test]
     fn attention_splits_below_the_cluster_floor_run_apart() {
         // Batch 14 of 1k keys (112 units of 16 chunks) on the H200's 264 slots: two splits
-        // in clusters by default, apart from a floor of 3 or more; batch 1's 9 splits keep
-        // their cluster under a floor of 5. A launch without partials' scratch ignores it.
+        // in clusters by default, the same two apart under a floor of 3 or more; batch 1's
+        // 9 splits keep their cluster under a floor of 5. A launch without partials'
+        // scratch ignores the floor.
         assert_eq!(attn_splits_by_waves(112, 16, 264, 64, &full(264, 16), (true, 2)), (2, true));
         assert_eq!(attn_splits_by_waves(112, 16, 264, 64, &full(264, 16), (true, 3)), (2, false));
         assert_eq!(attn_splits_by_waves(8, 17, 264, 64, &full(264, 16), (true, 5)), (9, true));
-        assert_eq!(attn_splits_by_waves(64, 514, 264, 64, &vec![132; 17], (false, 5)), (2, true));
+        assert_eq!(attn_splits_by_waves(64, 514, 264, 64, &[132; 17], (false, 5)), (2, true));
     }
 
     fn span(rows: std::ops::Range<usize>, pos0: usize, block_table: &[u32]) -> SeqSpan<'_> {
