@@ -1884,7 +1884,7 @@ impl CudaBackend {
         let want = (2 * self.n_sms).div_ceil(units.max(1));
         let s = if want > 1 { want.min(chunks) } else { 1 };
         let s = if apart { s } else { s.min(clustered.len().saturating_sub(1)).max(1) };
-        (s, s > 1 && s < clustered.len())
+        (s, s > 1 && s < clustered.len() && (s >= self.attn_cluster_from || !apart))
     }
 
     /// `sample_rows` for rows that need more than the argmax (ops.cu `sample_rows`).
