@@ -360,8 +360,11 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
             // The bits of the cluster merge and attention_merge are compared at the same
             // splits: split counts that assume clusters as resident as single blocks,
             // which the two then share (counting the clusters that fit, the cluster
-            // merge may take fewer splits).
+            // merge may take fewer splits), any count of them in clusters whatever the
+            // default's floor (`DISAGG_CUDA_ATTN_CLUSTER_FROM`).
             be.set_cluster_waves(false);
+            let floor = be.attn_cluster_from();
+            be.set_attn_cluster_from(2);
             for (f, chunk) in cases.iter().flat_map(|f| [(f, 0), (f, 64)]) {
                 let flash = f.on;
                 be.set_flash(flash);
@@ -497,6 +500,7 @@ fn attention_kernels_match_cpu_on_a_paged_cache() {
                 failed.push(format!("{n_heads}/{n_kv} heads: the cluster merge did not run ({} runs)", merged.len()));
             }
             be.set_cluster_waves(true);
+            be.set_attn_cluster_from(floor);
             be.set_attn_cluster(true);
             be.set_km_early(true);
             be.set_km_bulk(true);

@@ -1518,6 +1518,11 @@ impl CudaBackend {
     /// The fewest key splits of a decode attention that merge in a cluster; a count chosen
     /// in clusters but below it runs apart where it may (default:
     /// `DISAGG_CUDA_ATTN_CLUSTER_FROM`, else 2: any).
+    pub fn attn_cluster_from(&self) -> usize {
+        self.attn_cluster_from
+    }
+
+    /// Sets [`Self::attn_cluster_from`].
     pub fn set_attn_cluster_from(&mut self, splits: usize) {
         if self.attn_cluster_from != splits {
             self.buffers_moving();
