@@ -809,15 +809,14 @@ impl StepTables {
 /// `slots` for one unit more (the merge's own launch). Returns the split count and
 /// whether the splits merge in clusters; on a tie the fewer splits win, then the cluster.
 /// Without `apart`, splits merge in clusters or there is one (a launch that has no
-/// partials' scratch for its rows). With `apart`, a split count chosen in clusters but
-/// below `cluster_from` runs apart instead, the same splits (`DISAGG_CUDA_ATTN_CLUSTER_FROM`).
+/// partials' scratch for its rows).
 fn attn_splits_by_waves(
     units: usize,
     chunks: usize,
     slots: usize,
     max_splits: usize,
     clustered: &[usize],
-    (apart, cluster_from): (bool, usize),
+    apart: bool,
 ) -> (usize, bool) {
     let units = units.max(1);
     let cost = |s: usize, slots: usize| (units * s).div_ceil(slots.max(1)) * (chunks.div_ceil(s) + 1);
@@ -829,7 +828,15 @@ fn attn_splits_by_waves(
             merged.into_iter().chain(apart)
         })
         .min_by_key(|&(c, s, merged)| (c, s, !merged))
-        .map_or((1, false), |(_, s, merged)| (s, merged && (s >= cluster_from || !apart)))
+        .map_or((1, false), |(_, s, merged)| (s, merged))
+}
+
+/// A split rule's choice (`splits`, merged in clusters) with the cluster floor applied: a
+/// count chosen in clusters but below `floor` runs the same splits apart, merged by
+/// `attention_merge`, where the launch has the partials' scratch (`apart`; without it the
+/// clusters stay). `DISAGG_CUDA_ATTN_CLUSTER_FROM`.
+fn below_cluster_floor((splits, merged): (usize, bool), apart: bool, floor: usize) -> (usize, bool) {
+    (splits, merged && (splits >= floor || !apart))
 }
 
 /// The bytes/s one block of a decode attention kernel reads alone on its SM, where
@@ -860,9 +867,10 @@ fn lone_block_rate(kernel: &str) -> f64 {
 /// unsplit blocks 12.4 µs + their bytes at 29.0 GB/s each, so a split costs 2.4 µs more
 /// and then reads at 4.04 TB/s (the sixtieth session's 3.55, `decodelab`'s rate at 32k
 /// keys, left batches 15 and 16 unsplit at every length; from 2k keys they ran 1.7–6.3%
-/// slower so). The steps at 1k keys, batches 13 and 14, ran 1.4–2.2% faster unsplit, which
-/// this rule does not see: at batch 14 the attention itself ran faster split and the
-/// gate/up GEMM after it slower (batch 13 was not traced; PERF.md).
+/// slower so). The steps at 1k keys, batches 13 and 14, ran 1.2–2.2% faster unsplit, which
+/// this rule does not see: the attention itself ran faster split, and the gate/up GEMM
+/// after it slower, but only with the two splits merged in clusters, not apart
+/// (sixty-fifth session; `below_cluster_floor`, PERF.md).
 ///
 /// Elsewhere, the card's bus bandwidth and no fixed cost: unsplit only where the lone
 /// blocks ask for all the card gives (the fifty-ninth session's rule).
@@ -1883,13 +1891,13 @@ impl CudaBackend {
         let chunks = max_ctx.div_ceil(chunk).max(1);
         if self.attn_waves {
             let max_splits = (ATTN_PART_ROWS_PER_SM * self.n_sms / rows.max(1)).min(64);
-            let slots = self.n_sms * blocks_per_sm;
-            return attn_splits_by_waves(units, chunks, slots, max_splits, clustered, (apart, self.attn_cluster_from));
+            let chosen = attn_splits_by_waves(units, chunks, self.n_sms * blocks_per_sm, max_splits, clustered, apart);
+            return below_cluster_floor(chosen, apart, self.attn_cluster_from);
         }
         let want = (2 * self.n_sms).div_ceil(units.max(1));
         let s = if want > 1 { want.min(chunks) } else { 1 };
         let s = if apart { s } else { s.min(clustered.len().saturating_sub(1)).max(1) };
-        (s, s > 1 && s < clustered.len() && (s >= self.attn_cluster_from || !apart))
+        below_cluster_floor((s, s > 1 && s < clustered.len()), apart, self.attn_cluster_from)
     }
 
     /// `sample_rows` for rows that need more than the argmax (ops.cu `sample_rows`).
@@ -3691,8 +3699,8 @@ impl Backend for CudaBackend {
 #[cfg(test)]
 mod tests {
     use super::{
-        attn_splits_by_waves, fp8_copy_wanted, lone_block_rate, split_costs, unsplit_pays, ShapeCache, StepTables,
-        FP8_COPY_MAX_BYTES,
+        attn_splits_by_waves, below_cluster_floor, fp8_copy_wanted, lone_block_rate, split_costs, unsplit_pays,
+        ShapeCache, StepTables, FP8_COPY_MAX_BYTES,
     };
     use crate::backend::SeqSpan;
 
@@ -3705,14 +3713,14 @@ mod tests {
     fn attention_splits_fill_whole_waves() {
         // Batch 64 of 1k tokens, 8 KV heads, 396 resident blocks: 2 waves at 65% fill
         // unsplit; 3 splits run 4 waves of a third of the keys.
-        assert_eq!(attn_splits_by_waves(512, 17, 396, 64, &[], (true, 2)), (3, false));
+        assert_eq!(attn_splits_by_waves(512, 17, 396, 64, &[], true), (3, false));
         // Batch 1: every chunk its own block (one wave).
-        assert_eq!(attn_splits_by_waves(8, 17, 396, 64, &[], (true, 2)), (17, false));
+        assert_eq!(attn_splits_by_waves(8, 17, 396, 64, &[], true), (17, false));
         // Batch 256: already many waves, no split.
-        assert_eq!(attn_splits_by_waves(2048, 17, 396, 64, &[], (true, 2)), (1, false));
+        assert_eq!(attn_splits_by_waves(2048, 17, 396, 64, &[], true), (1, false));
         // Bounded by the partials reserved, and by the chunks there are.
-        assert_eq!(attn_splits_by_waves(8, 513, 396, 20, &[], (true, 2)), (20, false));
-        assert_eq!(attn_splits_by_waves(8, 1, 396, 64, &[], (true, 2)), (1, false));
+        assert_eq!(attn_splits_by_waves(8, 513, 396, 20, &[], true), (20, false));
+        assert_eq!(attn_splits_by_waves(8, 1, 396, 64, &[], true), (1, false));
     }
 
     #[test]
@@ -3720,15 +3728,15 @@ mod tests {
         // Batch 1 of 1k keys on 264 slots (the H200's 132 SMs, two blocks each): 9 splits
         // of two chunks merged in the kernel tie with 17 of one and attention_merge, and
         // the fewer win.
-        assert_eq!(attn_splits_by_waves(8, 17, 264, 64, &full(264, 16), (true, 2)), (9, true));
+        assert_eq!(attn_splits_by_waves(8, 17, 264, 64, &full(264, 16), true), (9, true));
         // 8 splits at most in a cluster: those would take three chunks; 17 and the merge
         // cost less.
-        assert_eq!(attn_splits_by_waves(8, 17, 264, 64, &full(264, 8), (true, 2)), (17, false));
+        assert_eq!(attn_splits_by_waves(8, 17, 264, 64, &full(264, 8), true), (17, false));
         // 32k keys: many splits pay for the merge.
-        assert_eq!(attn_splits_by_waves(8, 513, 264, 64, &full(264, 16), (true, 2)), (33, false));
+        assert_eq!(attn_splits_by_waves(8, 513, 264, 64, &full(264, 16), true), (33, false));
         // Batch 16: two splits, merged in the kernel as before by attention_merge.
-        assert_eq!(attn_splits_by_waves(128, 17, 264, 64, &full(264, 16), (true, 2)), (2, true));
-        assert_eq!(attn_splits_by_waves(128, 17, 264, 64, &[], (true, 2)), (2, false));
+        assert_eq!(attn_splits_by_waves(128, 17, 264, 64, &full(264, 16), true), (2, true));
+        assert_eq!(attn_splits_by_waves(128, 17, 264, 64, &[], true), (2, false));
     }
 
     #[test]
@@ -3803,10 +3811,10 @@ mod tests {
         // 264 slots: 4 splits in clusters would take two waves, so they run apart in one
         // and attention_merge merges them.
         let half = vec![132; 17];
-        assert_eq!(attn_splits_by_waves(64, 514, 264, 64, &half, (true, 2)), (4, false));
-        assert_eq!(attn_splits_by_waves(64, 514, 264, 64, &full(264, 16), (true, 2)), (4, true));
+        assert_eq!(attn_splits_by_waves(64, 514, 264, 64, &half, true), (4, false));
+        assert_eq!(attn_splits_by_waves(64, 514, 264, 64, &full(264, 16), true), (4, true));
         // Batch 1 of 1k keys: 72 blocks fit either way, and the cluster stays.
-        assert_eq!(attn_splits_by_waves(8, 17, 264, 64, &half, (true, 2)), (9, true));
+        assert_eq!(attn_splits_by_waves(8, 17, 264, 64, &half, true), (9, true));
     }
 
     #[test]
@@ -3815,9 +3823,9 @@ mod tests {
         // 32k keys takes 2 splits in clusters where 4 apart would win, batch 1 at 32k 16
         // (the largest cluster) where 33 apart would, and without clusters one split.
         let half = vec![132; 17];
-        assert_eq!(attn_splits_by_waves(64, 514, 264, 64, &half, (false, 2)), (2, true));
-        assert_eq!(attn_splits_by_waves(8, 513, 264, 64, &full(264, 16), (false, 2)), (16, true));
-        assert_eq!(attn_splits_by_waves(64, 514, 264, 64, &[], (false, 2)), (1, false));
+        assert_eq!(attn_splits_by_waves(64, 514, 264, 64, &half, false), (2, true));
+        assert_eq!(attn_splits_by_waves(8, 513, 264, 64, &full(264, 16), false), (16, true));
+        assert_eq!(attn_splits_by_waves(64, 514, 264, 64, &[], false), (1, false));
     }
 
     #[test]
@@ -3826,10 +3834,13 @@ mod tests {
         // in clusters by default, the same two apart under a floor of 3 or more; batch 1's
         // 9 splits keep their cluster under a floor of 5. A launch without partials'
         // scratch ignores the floor.
-        assert_eq!(attn_splits_by_waves(112, 16, 264, 64, &full(264, 16), (true, 2)), (2, true));
-        assert_eq!(attn_splits_by_waves(112, 16, 264, 64, &full(264, 16), (true, 3)), (2, false));
-        assert_eq!(attn_splits_by_waves(8, 17, 264, 64, &full(264, 16), (true, 5)), (9, true));
-        assert_eq!(attn_splits_by_waves(64, 514, 264, 64, &[132; 17], (false, 5)), (2, true));
+        let b14 = attn_splits_by_waves(112, 16, 264, 64, &full(264, 16), true);
+        assert_eq!(below_cluster_floor(b14, true, 2), (2, true));
+        assert_eq!(below_cluster_floor(b14, true, 3), (2, false));
+        let b1 = attn_splits_by_waves(8, 17, 264, 64, &full(264, 16), true);
+        assert_eq!(below_cluster_floor(b1, true, 5), (9, true));
+        let mixed = attn_splits_by_waves(64, 514, 264, 64, &[132; 17], false);
+        assert_eq!(below_cluster_floor(mixed, false, 5), (2, true));
     }
 
     fn span(rows: std::ops::Range<usize>, pos0: usize, block_table: &[u32]) -> SeqSpan<'_> {
