@@ -16,7 +16,9 @@
 //   engine's keys-on-M form alone, e.g. `DL_ENGINE_ONLY=1 ./decodelab 8 32768`; DL_STAGES="3 6"
 //   the keys-on-M stage counts, 2–6; DL_KM_FLAGS its flag bits, e.g. 8704 for the engine's
 //   FLASH_BATCH_LOADS | FLASH_LAZY_RESCALE; DL_NO_SA=1 and DL_NO_BULK=1 leave out the flash
-//   decode form and the bulk copies.)
+//   decode form and the bulk copies; DL_KM_LAB="0 1 2 3" times the keys-on-M kernel's lab
+//   forms alone, KM_LAB_* in ops.cu, e.g. `DL_KM_LAB="0 1" DL_SPLITS=1 DL_KM_FLAGS=41600
+//   ./decodelab 64 1040`.)
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
@@ -29,11 +31,11 @@
 #include "graph_time.h"
 
 // The keys-on-M kernel of ops.cu (`flash_decode_km_impl`, the engine's at 3 stages) with
-// 2–4 stages of K/V tiles.
-template <int STAGES>
+// 2–4 stages of K/V tiles; LAB: its lab forms (KM_LAB_* in ops.cu; the engine's is 0).
+template <int STAGES, int LAB = 0>
 __global__ void __launch_bounds__(128) decode_km_f16_d128(FLASH_ARGS) {
-    flash_decode_km_impl<128, STAGES>(qkv, cache, half, tiles, tables, n_heads, n_kv, block_size, scale, max_ctx,
-                                      out, part, flags, nullptr, nullptr, 0);
+    flash_decode_km_impl<128, STAGES, unsigned short, LAB>(qkv, cache, half, tiles, tables, n_heads, n_kv, block_size,
+                                                           scale, max_ctx, out, part, flags, nullptr, nullptr, 0);
 }
 
 // The keys-on-M kernel's tile loads alone (twenty-eighth session): its grid, its three
@@ -224,6 +226,29 @@ int main(int argc, char** argv) {
                 f(); CK(cudaStreamSynchronize(st)); CK(cudaGetLastError());
                 char name[64]; snprintf(name, sizeof name, "loads alone, spin %d", spin);
                 report(name, 1, time(f), 0.0);
+            }
+        }
+        return 0;
+    }
+    // DL_KM_LAB="0 1 2 3": the keys-on-M kernel at 3 stages in those lab forms (bits of
+    // KM_LAB_* in ops.cu; 0 the engine's), with DL_KM_FLAGS, at each of DL_SPLITS; then exit.
+    if (getenv("DL_KM_LAB")) {
+        AttnFn labk[4] = {decode_km_f16_d128<3, 0>, decode_km_f16_d128<3, 1>, decode_km_f16_d128<3, 2>,
+                          decode_km_f16_d128<3, 3>};
+        const int kf = getenv("DL_KM_FLAGS") ? atoi(getenv("DL_KM_FLAGS")) : 0;
+        const int smem = KM_SMEM_BYTES(128, 3);
+        for (int lab : env_list("DL_KM_LAB", {0}, 0, 3)) {
+            CK(cudaFuncSetAttribute(labk[lab], cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+            for (int sp : SPLITS) {
+                auto f = [&]() {
+                    labk[lab]<<<dim3(B, NKV, sp), 128, smem, st>>>(qkv, cache, half, dtiles, dtables, NH, NKV, BS, scale, dmax, out, part, kf);
+                    if (sp > 1) attention_merge<<<dim3(B, NH), 128, 0, st>>>(part, sp, NH, HD, out, 0);
+                };
+                CK(cudaMemset(out, 0, on * 4));
+                f(); CK(cudaStreamSynchronize(st)); CK(cudaGetLastError());
+                const double e = err();
+                char name[64]; snprintf(name, sizeof name, "keys-on-M 3 st lab %d", lab);
+                report(name, sp, time(f), e);
             }
         }
         return 0;

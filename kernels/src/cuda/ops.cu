@@ -2236,7 +2236,14 @@ __device__ void cluster_merge(const float* cpart, int grp, int splits, int z, fl
 //   rows are the chunk's dims in the order 0, 2, …, 14, 1, 3, …, 15, undone at the end.
 // Half of the f16 form's ldmatrix count, and no pass through shared memory for the
 // conversion.
-template <int HD, int STAGES, typename KT>
+// LAB: forms of the tile loop that only `tools/gpu-lab/decodelab.cu` instantiates (the
+// engine's kernels are LAB 0, so their code is as without them): KM_LAB_S_ILP, a tile's f16
+// scores summed in two chains of MMAs (even and odd 16-dim chunks) and added at the end,
+// half the chain before the softmax (other bits); KM_LAB_LATE_LOAD, the next tile asked
+// for after this tile's scores and softmax instead of before them.
+#define KM_LAB_S_ILP 1
+#define KM_LAB_LATE_LOAD 2
+template <int HD, int STAGES, typename KT, int LAB = 0>
 __device__ void flash_decode_km_impl(const float* qkv, const KT* cache, long long half, const int* tiles,
                                      const unsigned int* tables, int n_heads, int n_kv, int block_size, float scale,
                                      const int* max_ctx, float* out, float* part, int flags, const float* inv_freq,
@@ -2468,9 +2475,13 @@ __device__ void flash_decode_km_impl(const float* qkv, const KT* cache, long lon
         else
             cp_async_wait<STAGES - 2>();
         __syncthreads();  // tile i staged by all; tile i − 1's stage free
-        load_tile(k0 + (i + STAGES - 1) * KM_KEYS, (i + STAGES - 1) % STAGES);
+        constexpr bool late = (LAB & KM_LAB_LATE_LOAD) != 0;
+        if (!late) load_tile(k0 + (i + STAGES - 1) * KM_KEYS, (i + STAGES - 1) % STAGES);
         const int kw = k0 + i * KM_KEYS + 16 * warp;  // this warp's first key
-        if (kw >= k1) continue;
+        if (kw >= k1) {
+            if constexpr (late) load_tile(k0 + (i + STAGES - 1) * KM_KEYS, (i + STAGES - 1) % STAGES);
+            continue;
+        }
         const unsigned ks_at = base + (i % STAGES) * STAGE_BYTES, vs_at = ks_at + KBYTES;
         // FP8: lane l's row address for ldmatrix: key 16·warp + l % 8 (+ 8 for matrices 1
         // and 3) of chunk l / 16 (of a pair of 16-byte chunks); K's and V's the same.
@@ -2492,11 +2503,25 @@ __device__ void flash_decode_km_impl(const float* qkv, const KT* cache, long lon
             }
         } else {
             const unsigned a_row = ks_at + ((16 * warp + (lane & 15)) * ST + 8 * (lane >> 4)) * 2;
+            if constexpr ((LAB & KM_LAB_S_ILP) != 0) {
+                float s2[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-            for (int ks = 0; ks < KS; ks++) {
-                unsigned a[4];
-                ldsm_x4_at<false>(a[0], a[1], a[2], a[3], a_row + 32 * ks);
-                mma_f16_16816(s, a, qf[ks][0], qf[ks][1]);
+                for (int ks = 0; ks < KS; ks += 2) {
+                    unsigned a[4], b[4];
+                    ldsm_x4_at<false>(a[0], a[1], a[2], a[3], a_row + 32 * ks);
+                    ldsm_x4_at<false>(b[0], b[1], b[2], b[3], a_row + 32 * (ks + 1));
+                    mma_f16_16816(s, a, qf[ks][0], qf[ks][1]);
+                    mma_f16_16816(s2, b, qf[ks + 1][0], qf[ks + 1][1]);
+                }
+#pragma unroll
+                for (int e = 0; e < 4; e++) s[e] += s2[e];
+            } else {
+#pragma unroll
+                for (int ks = 0; ks < KS; ks++) {
+                    unsigned a[4];
+                    ldsm_x4_at<false>(a[0], a[1], a[2], a[3], a_row + 32 * ks);
+                    mma_f16_16816(s, a, qf[ks][0], qf[ks][1]);
+                }
             }
         }
         // s[0]: key kw + g, head 2t4; s[1]: head 2t4 + 1; s[2], s[3]: key kw + g + 8.
@@ -2523,6 +2548,7 @@ __device__ void flash_decode_km_impl(const float* qkv, const KT* cache, long lon
             for (int d = 0; d < DT; d++) {
                 o[d][0] *= c0, o[d][1] *= c1, o[d][2] *= c0, o[d][3] *= c1;
             }
+        if constexpr (late) load_tile(k0 + (i + STAGES - 1) * KM_KEYS, (i + STAGES - 1) % STAGES);
         // P^T as B fragments (k = keys, n = heads): the transposes of the 8×8 matrices
         // (keys 0–7 | 8–15) × heads that S^T's accumulators hold.
         const unsigned b0 = movmatrix_trans(pack_f16x2(p0, p1)), b1 = movmatrix_trans(pack_f16x2(p2, p3));
