@@ -230,6 +230,18 @@ int main(int argc, char** argv) {
         }
         return 0;
     }
+    // A keys-on-M kernel `k` (with `smem` bytes, flags `kf`) in `sp` splits (+ the merge):
+    // checked against the reference, then timed.
+    auto run_km = [&](AttnFn k, int smem, int kf, int sp, const char* name) {
+        auto f = [&]() {
+            k<<<dim3(B, NKV, sp), 128, smem, st>>>(qkv, cache, half, dtiles, dtables, NH, NKV, BS, scale, dmax, out, part, kf);
+            if (sp > 1) attention_merge<<<dim3(B, NH), 128, 0, st>>>(part, sp, NH, HD, out, 0);
+        };
+        CK(cudaMemset(out, 0, on * 4));
+        f(); CK(cudaStreamSynchronize(st)); CK(cudaGetLastError());
+        const double e = err();
+        report(name, sp, time(f), e);
+    };
     // DL_KM_LAB="0 1 2 3": the keys-on-M kernel at 3 stages in those lab forms (bits of
     // KM_LAB_* in ops.cu; 0 the engine's), with DL_KM_FLAGS, at each of DL_SPLITS; then exit.
     if (getenv("DL_KM_LAB")) {
@@ -239,17 +251,8 @@ int main(int argc, char** argv) {
         const int smem = KM_SMEM_BYTES(128, 3);
         for (int lab : env_list("DL_KM_LAB", {0}, 0, 3)) {
             CK(cudaFuncSetAttribute(labk[lab], cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-            for (int sp : SPLITS) {
-                auto f = [&]() {
-                    labk[lab]<<<dim3(B, NKV, sp), 128, smem, st>>>(qkv, cache, half, dtiles, dtables, NH, NKV, BS, scale, dmax, out, part, kf);
-                    if (sp > 1) attention_merge<<<dim3(B, NH), 128, 0, st>>>(part, sp, NH, HD, out, 0);
-                };
-                CK(cudaMemset(out, 0, on * 4));
-                f(); CK(cudaStreamSynchronize(st)); CK(cudaGetLastError());
-                const double e = err();
-                char name[64]; snprintf(name, sizeof name, "keys-on-M 3 st lab %d", lab);
-                report(name, sp, time(f), e);
-            }
+            char name[64]; snprintf(name, sizeof name, "keys-on-M 3 st lab %d", lab);
+            for (int sp : SPLITS) run_km(labk[lab], smem, kf, sp, name);
         }
         return 0;
     }
@@ -294,14 +297,7 @@ int main(int argc, char** argv) {
         char name[64]; snprintf(name, sizeof name, "keys-on-M %d st%s (%d/SM)", si + 2, (kf & FLASH_BULK) ? " bulk" : "", occ);
         for (int sp : SPLITS) {
             if (one && (only[0] != si + 2 || only[1] != ((kf & FLASH_BULK) != 0) || only[2] != sp)) continue;
-            auto f = [&]() {
-                km[si]<<<dim3(B, NKV, sp), 128, smem, st>>>(qkv, cache, half, dtiles, dtables, NH, NKV, BS, scale, dmax, out, part, kf);
-                if (sp > 1) attention_merge<<<dim3(B, NH), 128, 0, st>>>(part, sp, NH, HD, out, 0);
-            };
-            CK(cudaMemset(out, 0, on * 4));
-            f(); CK(cudaStreamSynchronize(st)); CK(cudaGetLastError());
-            const double e = err();
-            report(name, sp, time(f), e);
+            run_km(km[si], smem, kf, sp, name);
         }
     }
 }
