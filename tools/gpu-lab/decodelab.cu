@@ -16,7 +16,7 @@
 //   engine's keys-on-M form alone, e.g. `DL_ENGINE_ONLY=1 ./decodelab 8 32768`; DL_STAGES="3 6"
 //   the keys-on-M stage counts, 2–6; DL_KM_FLAGS its flag bits, e.g. 8704 for the engine's
 //   FLASH_BATCH_LOADS | FLASH_LAZY_RESCALE; DL_NO_SA=1 and DL_NO_BULK=1 leave out the flash
-//   decode form and the bulk copies; DL_KM_LAB="0 1 2 3" times the keys-on-M kernel's lab
+//   decode form and the bulk copies; DL_KM_LAB="0 1 2 4 5" times the keys-on-M kernel's lab
 //   forms alone, KM_LAB_* in ops.cu, e.g. `DL_KM_LAB="0 1" DL_SPLITS=1 DL_KM_FLAGS=41600
 //   ./decodelab 64 1040`.)
 #include <cstdio>
@@ -242,14 +242,15 @@ int main(int argc, char** argv) {
         const double e = err();
         report(name, sp, time(f), e);
     };
-    // DL_KM_LAB="0 1 2 3": the keys-on-M kernel at 3 stages in those lab forms (bits of
+    // DL_KM_LAB="0 1 2 4 5": the keys-on-M kernel at 3 stages in those lab forms (bits of
     // KM_LAB_* in ops.cu; 0 the engine's), with DL_KM_FLAGS, at each of DL_SPLITS; then exit.
     if (getenv("DL_KM_LAB")) {
-        AttnFn labk[4] = {decode_km_f16_d128<3, 0>, decode_km_f16_d128<3, 1>, decode_km_f16_d128<3, 2>,
-                          decode_km_f16_d128<3, 3>};
+        AttnFn labk[8] = {decode_km_f16_d128<3, 0>, decode_km_f16_d128<3, 1>, decode_km_f16_d128<3, 2>,
+                          decode_km_f16_d128<3, 3>, decode_km_f16_d128<3, 4>, decode_km_f16_d128<3, 5>,
+                          decode_km_f16_d128<3, 6>, decode_km_f16_d128<3, 7>};
         const int kf = getenv("DL_KM_FLAGS") ? atoi(getenv("DL_KM_FLAGS")) : 0;
         const int smem = KM_SMEM_BYTES(128, 3);
-        for (int lab : env_list("DL_KM_LAB", {0}, 0, 3)) {
+        for (int lab : env_list("DL_KM_LAB", {0}, 0, 7)) {
             CK(cudaFuncSetAttribute(labk[lab], cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
             char name[64]; snprintf(name, sizeof name, "keys-on-M 3 st lab %d", lab);
             for (int sp : SPLITS) run_km(labk[lab], smem, kf, sp, name);

@@ -2240,9 +2240,12 @@ __device__ void cluster_merge(const float* cpart, int grp, int splits, int z, fl
 // engine's kernels are LAB 0, so their code is as without them): KM_LAB_S_ILP, a tile's f16
 // scores summed in two chains of MMAs (even and odd 16-dim chunks) and added at the end,
 // half the chain before the softmax (other bits); KM_LAB_LATE_LOAD, the next tile asked
-// for after this tile's scores and softmax instead of before them.
+// for after this tile's scores and softmax instead of before them; KM_LAB_SPLIT_LOAD (with
+// FLASH_BATCH_LOADS, cp.async), the next tile's block-table entries asked for before this
+// tile's scores and its copies after the softmax, so the entries' round trip runs under them.
 #define KM_LAB_S_ILP 1
 #define KM_LAB_LATE_LOAD 2
+#define KM_LAB_SPLIT_LOAD 4
 template <int HD, int STAGES, typename KT, int LAB = 0>
 __device__ void flash_decode_km_impl(const float* qkv, const KT* cache, long long half, const int* tiles,
                                      const unsigned int* tables, int n_heads, int n_kv, int block_size, float scale,
@@ -2339,6 +2342,27 @@ __device__ void flash_decode_km_impl(const float* qkv, const KT* cache, long lon
     const KT* head_src = cache + (size_t)kvh * block_size * HD;  // this KV head's rows
     const KT* my_src = head_src + my_c;
     const size_t blk_stride = (size_t)n_kv * block_size * HD;
+    // FLASH_BATCH_LOADS: the block-table entries of this thread's keys of the tile from key
+    // kb, then their copies into the stage at `at` (`stage_at`).
+    auto table_entries = [&](int kb, int* bi, unsigned* blk) {
+#pragma unroll
+        for (int p = 0; p < PASSES; p++) {
+            const int j = min(kb + my_key + p * KPP, k1 - 1);
+            bi[p] = block_of(j);
+            blk[p] = table[bi[p]];
+        }
+    };
+    auto stage_at = [&](int st) { return base + st * STAGE_BYTES + my_key * RB + my_c * sizeof(KT); };
+    auto batch_copies = [&](int kb, unsigned at, const int* bi, const unsigned* blk) {
+#pragma unroll
+        for (int p = 0; p < PASSES; p++) {
+            const int j = kb + my_key + p * KPP;
+            const bool real = j < k1;
+            const KT* src = real ? my_src + blk[p] * blk_stride + (size_t)(j - bi[p] * block_size) * HD : cache;
+            cp_async16_at(at + p * KPP * RB, src, real ? 16 : 0);
+            cp_async16_at(at + KBYTES + p * KPP * RB, real ? src + half : cache, real ? 16 : 0);
+        }
+    };
     auto load_tile = [&](int kb, int st) {
         if (kb < k1 && bulk) {
             // Thread t copies key t % 64's K (t < 64) or V row: keys past the end copy
@@ -2354,23 +2378,11 @@ __device__ void flash_decode_km_impl(const float* qkv, const KT* cache, long lon
         } else if (kb < k1 && (flags & FLASH_BATCH_LOADS)) {
             // Every pass's block-table entry asked for before the first copy needs one (keys
             // past the end read the last key's entry), so the copies wait for one round trip.
-            const unsigned at = base + st * STAGE_BYTES + my_key * RB + my_c * sizeof(KT);
+            const unsigned at = stage_at(st);
             int bi[PASSES];
             unsigned blk[PASSES];
-#pragma unroll
-            for (int p = 0; p < PASSES; p++) {
-                const int j = min(kb + my_key + p * KPP, k1 - 1);
-                bi[p] = block_of(j);
-                blk[p] = table[bi[p]];
-            }
-#pragma unroll
-            for (int p = 0; p < PASSES; p++) {
-                const int j = kb + my_key + p * KPP;
-                const bool real = j < k1;
-                const KT* src = real ? my_src + blk[p] * blk_stride + (size_t)(j - bi[p] * block_size) * HD : cache;
-                cp_async16_at(at + p * KPP * RB, src, real ? 16 : 0);
-                cp_async16_at(at + KBYTES + p * KPP * RB, real ? src + half : cache, real ? 16 : 0);
-            }
+            table_entries(kb, bi, blk);
+            batch_copies(kb, at, bi, blk);
         } else if (kb < k1) {
             const unsigned at = base + st * STAGE_BYTES + my_key * RB + my_c * sizeof(KT);
 #pragma unroll
@@ -2475,11 +2487,29 @@ __device__ void flash_decode_km_impl(const float* qkv, const KT* cache, long lon
         else
             cp_async_wait<STAGES - 2>();
         __syncthreads();  // tile i staged by all; tile i − 1's stage free
+        // The next tile (key kn, into stage sn): asked for here, or in the lab forms
+        // wholly or in part after this tile's softmax (`rest_of_load`).
+        const int kn = k0 + (i + STAGES - 1) * KM_KEYS, sn = (i + STAGES - 1) % STAGES;
         constexpr bool late = (LAB & KM_LAB_LATE_LOAD) != 0;
-        if (!late) load_tile(k0 + (i + STAGES - 1) * KM_KEYS, (i + STAGES - 1) % STAGES);
+        const bool split_load = (LAB & KM_LAB_SPLIT_LOAD) != 0 && !bulk && (flags & FLASH_BATCH_LOADS);
+        int nbi[PASSES];
+        unsigned nblk[PASSES];
+        if (split_load) {
+            if (kn < k1) table_entries(kn, nbi, nblk);
+        } else if (!late) {
+            load_tile(kn, sn);
+        }
+        auto rest_of_load = [&]() {
+            if (split_load) {
+                if (kn < k1) batch_copies(kn, stage_at(sn), nbi, nblk);
+                cp_async_commit();
+            } else if (late) {
+                load_tile(kn, sn);
+            }
+        };
         const int kw = k0 + i * KM_KEYS + 16 * warp;  // this warp's first key
         if (kw >= k1) {
-            if constexpr (late) load_tile(k0 + (i + STAGES - 1) * KM_KEYS, (i + STAGES - 1) % STAGES);
+            rest_of_load();
             continue;
         }
         const unsigned ks_at = base + (i % STAGES) * STAGE_BYTES, vs_at = ks_at + KBYTES;
@@ -2548,7 +2578,7 @@ __device__ void flash_decode_km_impl(const float* qkv, const KT* cache, long lon
             for (int d = 0; d < DT; d++) {
                 o[d][0] *= c0, o[d][1] *= c1, o[d][2] *= c0, o[d][3] *= c1;
             }
-        if constexpr (late) load_tile(k0 + (i + STAGES - 1) * KM_KEYS, (i + STAGES - 1) % STAGES);
+        rest_of_load();
         // P^T as B fragments (k = keys, n = heads): the transposes of the 8×8 matrices
         // (keys 0–7 | 8–15) × heads that S^T's accumulators hold.
         const unsigned b0 = movmatrix_trans(pack_f16x2(p0, p1)), b1 = movmatrix_trans(pack_f16x2(p2, p3));
