@@ -831,6 +831,15 @@ fn attn_splits_by_waves(
         .map_or((1, false), |(_, s, merged)| (s, merged))
 }
 
+/// The count that the environment variable `name` gives, else `default`; one that does
+/// not parse is an error that says what to give (`what`).
+fn env_count(name: &str, default: usize, what: &str) -> Result<usize, KernelError> {
+    match std::env::var(name) {
+        Ok(v) => v.parse().map_err(|_| KernelError::Device(format!("{name}={v}: give {what}"))),
+        Err(_) => Ok(default),
+    }
+}
+
 /// A split rule's choice (`splits`, merged in clusters) with the cluster floor applied: a
 /// count chosen in clusters but below `floor` runs the same splits apart, merged by
 /// `attention_merge`, where the launch has the partials' scratch (`apart`; without it the
@@ -941,12 +950,7 @@ impl CudaBackend {
         let dev = CudaDevice::open(ordinal)?;
         let stream = dev.stream().clone();
         let blas = CudaBlas::new(stream.clone()).map_err(dev_err)?;
-        let ws_mib = match std::env::var(crate::env::CUDA_BLAS_WORKSPACE_MIB) {
-            Ok(v) => v.parse::<usize>().map_err(|_| {
-                KernelError::Device(format!("{}={v}: give a number of MiB", crate::env::CUDA_BLAS_WORKSPACE_MIB))
-            })?,
-            Err(_) => 32,
-        };
+        let ws_mib = env_count(crate::env::CUDA_BLAS_WORKSPACE_MIB, 32, "a number of MiB")?;
         let blas_ws = stream.alloc_zeros::<u8>((ws_mib << 20).max(1)).map_err(dev_err)?;
         if ws_mib > 0 {
             let (p, _g) = blas_ws.device_ptr(&stream);
@@ -1079,15 +1083,11 @@ impl CudaBackend {
             gu_bf16: !off(crate::env::CUDA_GU_BF16),
             attn_rope: !off(crate::env::CUDA_ATTN_ROPE),
             attn_cluster: !off(crate::env::CUDA_ATTN_CLUSTER),
-            attn_cluster_from: match std::env::var(crate::env::CUDA_ATTN_CLUSTER_FROM) {
-                Ok(v) => v.parse().map_err(|_| {
-                    KernelError::Device(format!(
-                        "{}={v}: give the fewest key splits that may merge in a cluster (2: any)",
-                        crate::env::CUDA_ATTN_CLUSTER_FROM
-                    ))
-                })?,
-                Err(_) => 2,
-            },
+            attn_cluster_from: env_count(
+                crate::env::CUDA_ATTN_CLUSTER_FROM,
+                2,
+                "the fewest key splits that may merge in a cluster (2: any)",
+            )?,
             step_cluster: false,
             km_early: !off(crate::env::CUDA_KM_EARLY),
             km_bulk: on(crate::env::CUDA_KM_BULK) && dev.arch.0 >= 9,
@@ -1131,12 +1131,11 @@ impl CudaBackend {
             step_splits: 1,
             fa_tiles: stream.alloc_zeros::<i32>(1).map_err(dev_err)?,
             n_fa_tiles: 0,
-            gemv_max_tokens: match std::env::var(crate::env::CUDA_GEMV_MAX_TOKENS) {
-                Ok(v) => v.parse::<usize>().map_err(|_| {
-                    KernelError::Device(format!("{}={v}: give a number of tokens", crate::env::CUDA_GEMV_MAX_TOKENS))
-                })?,
-                Err(_) => super::GEMV_DEFAULT_MAX_TOKENS,
-            }
+            gemv_max_tokens: env_count(
+                crate::env::CUDA_GEMV_MAX_TOKENS,
+                super::GEMV_DEFAULT_MAX_TOKENS,
+                "a number of tokens",
+            )?
             .min(super::GEMV_MAX_TOKENS),
             profile,
             step_events: Default::default(),
@@ -1167,12 +1166,7 @@ impl CudaBackend {
             table_off: stream.alloc_zeros::<i32>(1).map_err(dev_err)?,
             tables: stream.alloc_zeros::<u32>(1).map_err(dev_err)?,
             max_ctx: 0,
-            attn_chunk: match std::env::var(crate::env::CUDA_ATTN_CHUNK) {
-                Ok(v) => v.parse().map_err(|_| {
-                    KernelError::Device(format!("{}={v}: give a number of keys", crate::env::CUDA_ATTN_CHUNK))
-                })?,
-                Err(_) => 64,
-            },
+            attn_chunk: env_count(crate::env::CUDA_ATTN_CHUNK, 64, "a number of keys")?,
             attn_part: z(1)?,
             fp8_f16_copy: !off(crate::env::CUDA_FP8_F16_COPY),
             step_fp8_copy: false,
