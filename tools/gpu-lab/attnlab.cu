@@ -161,7 +161,7 @@ int main(int argc, char** argv) {
            u2 ? "u2" : "u3", trigger, carveout, ilp ? " ILP" : "", early ? "" : ", no early tiles",
            twice ? ", attention twice" : "", batch ? ", loads first" : "", relaxed ? ", relaxed exit" : "", L, us[0], us[2], us[2] / L);
     // The last replay's last layer.
-    static unsigned long long ks[256][8], gs[3][1024][2];
+    static unsigned long long ks[KM_STAMP_ROWS][8], gs[3][1024][2];
     CK(cudaMemcpyFromSymbol(ks, km_stamps, sizeof(ks)));
     CK(cudaMemcpyFromSymbol(gs, gemv_stamps, sizeof(gs)));
     const int qb = QKV / 2 / GEMV_WARPS, ob = H / 2 / GEMV_WARPS;
@@ -186,8 +186,8 @@ int main(int argc, char** argv) {
         for (int i = 0; i < 7; i++) {
             std::vector<double> v, last;
             for (int b = 0; b < nb; b++) {
-                v.push_back(rel(ks[128 * set + b][i]));
-                if (b / NKV == SPLITS - 1) last.push_back(rel(ks[128 * set + b][i]));
+                v.push_back(rel(ks[KM_STAMP_ROWS / 2 * set + b][i]));
+                if (b / NKV == SPLITS - 1) last.push_back(rel(ks[KM_STAMP_ROWS / 2 * set + b][i]));
             }
             std::sort(v.begin(), v.end());
             std::sort(last.begin(), last.end());

@@ -18,7 +18,8 @@
 //   FLASH_BATCH_LOADS | FLASH_LAZY_RESCALE; DL_NO_SA=1 and DL_NO_BULK=1 leave out the flash
 //   decode form and the bulk copies; DL_KM_LAB="0 1 2 4 5" times the keys-on-M kernel's lab
 //   forms alone, KM_LAB_* in ops.cu, e.g. `DL_KM_LAB="0 1" DL_SPLITS=1 DL_KM_FLAGS=41600
-//   ./decodelab 64 1040`.)
+//   ./decodelab 64 1040`. Built with -DKM_STAMPS, each keys-on-M timing and KM_LOADS'
+//   also prints its last launch's blocks as a timeline: `timeline` below.)
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
@@ -79,6 +80,10 @@ __global__ void __launch_bounds__(128) km_loads(const unsigned short* cache, lon
         cp_async_commit();
     };
     const int ntiles = (k1 + KM_KEYS - 1) / KM_KEYS;
+#ifdef KM_STAMPS
+    constexpr int flags = 0;  // KM_STAMP's launch bit (one launch a layer here)
+#endif
+    KM_STAMP(0);
     for (int i = 0; i < STAGES - 1; i++) load_tile(i * KM_KEYS, i);
     unsigned acc = 0;
     for (int i = 0; i < ntiles; i++) {
@@ -93,7 +98,9 @@ __global__ void __launch_bounds__(128) km_loads(const unsigned short* cache, lon
             while (clock64() - t0 < spin) acc += 1;
         }
     }
+    KM_STAMP(4);
     if (acc == 0x9e3779b9u) sink[0] = acc;
+    KM_STAMP(6);
 }
 
 // Plain f32 reference: one block per (sequence, query head), scores in shared memory.
@@ -145,6 +152,53 @@ static std::vector<int> env_list(const char* name, std::vector<int> dflt, long l
     std::vector<int> v;
     for (const char* p = e; *p;) { char* q; long x = strtol(p, &q, 10); if (q == p) break; v.push_back((int)std::min(std::max(x, lo), hi)); p = q; }
     return v;
+}
+
+// Built with -DKM_STAMPS (`decodelab_st`): after each timing, the last launch's blocks as
+// a timeline from their stamps (entry 0, tile loop done 4, exit 6; ops.cu KM_STAMP), µs
+// from the first block's entry: the span; entries and exits at quantiles; a block's median
+// time in its loop and after it; how many blocks are alive at each tenth of the span; the
+// ramp (until the alive count first reaches 90% of its peak) and the tail (from its last
+// fall below 90% of the peak to the end). So the launch's time splits into its blocks'
+// start, steady state and end.
+static void timeline(int nb) {
+#ifdef KM_STAMPS
+    static unsigned long long ks[KM_STAMP_ROWS][8];
+    CK(cudaMemcpyFromSymbol(ks, km_stamps, sizeof(ks)));
+    nb = std::min(nb, KM_STAMP_ROWS / 2);
+    unsigned long long t0 = ~0ull, t1 = 0;
+    for (int b = 0; b < nb; b++) t0 = std::min(t0, ks[b][0]), t1 = std::max(t1, ks[b][6]);
+    auto rel = [&](unsigned long long t) { return ((long long)t - (long long)t0) / 1000.0; };
+    std::vector<double> in, out, loop, end;
+    for (int b = 0; b < nb; b++) {
+        in.push_back(rel(ks[b][0])), out.push_back(rel(ks[b][6]));
+        loop.push_back((double)(ks[b][4] - ks[b][0]) / 1000.0), end.push_back((double)(ks[b][6] - ks[b][4]) / 1000.0);
+    }
+    for (auto* v : {&in, &out, &loop, &end}) std::sort(v->begin(), v->end());
+    auto q = [&](const std::vector<double>& v, double f) { return v[std::min(v.size() - 1, (size_t)(f * v.size()))]; };
+    const double span = rel(t1);
+    auto alive = [&](double t) {
+        int n = 0;
+        for (int b = 0; b < nb; b++) n += rel(ks[b][0]) <= t && t < rel(ks[b][6]);
+        return n;
+    };
+    // The alive count on a 0.1 µs grid: its peak, the ramp and the tail.
+    std::vector<int> a;
+    for (double t = 0; t < span; t += 0.1) a.push_back(alive(t));
+    const int peak = a.empty() ? 0 : *std::max_element(a.begin(), a.end());
+    size_t ramp = 0, tail = a.size();
+    while (ramp < a.size() && a[ramp] < 0.9 * peak) ramp++;
+    while (tail > 0 && a[tail - 1] < 0.9 * peak) tail--;
+    printf("    timeline, %d blocks: span %.2f us; entries 0/50/90/100%%: %.2f %.2f %.2f %.2f; exits 0/10/50/90/100%%: "
+           "%.2f %.2f %.2f %.2f %.2f\n", nb, span, q(in, 0), q(in, 0.5), q(in, 0.9), in.back(), out.front(), q(out, 0.1),
+           q(out, 0.5), q(out, 0.9), out.back());
+    printf("    a block (median): entry to loop done %.2f us, loop done to exit %.2f; peak %d alive, ramp %.1f us, tail %.1f "
+           "us; alive at tenths:", q(loop, 0.5), q(end, 0.5), peak, ramp * 0.1, (a.size() - tail) * 0.1);
+    for (int i = 1; i < 10; i++) printf(" %d", alive(span * i / 10));
+    printf("\n");
+#else
+    (void)nb;
+#endif
 }
 
 typedef void (*AttnFn)(const float*, const unsigned short*, long long, const int*, const unsigned int*, int, int, int,
@@ -221,11 +275,13 @@ int main(int argc, char** argv) {
             auto g = [&]() { decode_km_f16_d128<3><<<dim3(B, NKV, 1), 128, smem, st>>>(qkv, cache, half, dtiles, dtables, NH, NKV, BS, scale, dmax, out, part, 0); };
             g(); CK(cudaStreamSynchronize(st));
             report("keys-on-M 3 st (engine)", 1, time(g), err());
+            timeline(B * NKV);
             for (int spin : {0, 250, 500, 1000, 2000}) {
                 auto f = [&]() { km_loads<3><<<dim3(B, NKV), 128, smem, st>>>(cache, half, dtiles, dtables, NKV, BS, spin, sink); };
                 f(); CK(cudaStreamSynchronize(st)); CK(cudaGetLastError());
                 char name[64]; snprintf(name, sizeof name, "loads alone, spin %d", spin);
                 report(name, 1, time(f), 0.0);
+                timeline(B * NKV);
             }
         }
         return 0;
@@ -241,6 +297,7 @@ int main(int argc, char** argv) {
         f(); CK(cudaStreamSynchronize(st)); CK(cudaGetLastError());
         const double e = err();
         report(name, sp, time(f), e);
+        timeline(B * NKV * sp);
     };
     // DL_KM_LAB="0 1 2 4 5": the keys-on-M kernel at 3 stages in those lab forms (bits of
     // KM_LAB_* in ops.cu; 0 the engine's), with DL_KM_FLAGS, at each of DL_SPLITS; then exit.

@@ -17,23 +17,28 @@ __device__ __forceinline__ void pdl_wait() {
     asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
 }
-// KM_STAMPS (defined only by tools/gpu-lab/attnlab.cu, never by the engine's NVRTC
-// build): the GPU's clock at points of the keys-on-M decode kernel and of the one-token
-// QKV and residual GEMVs, by each block's thread 0, so the lab can see where a b1
-// attention's microseconds go. Otherwise the stamps are nothing.
+// KM_STAMPS (defined only by the gpu-lab programs attnlab.cu and, built with -DKM_STAMPS,
+// decodelab.cu; never by the engine's NVRTC build): the GPU's clock at points of the
+// keys-on-M decode kernel and of the one-token QKV and residual GEMVs, by each block's
+// thread 0, so the lab can see where an attention's microseconds go. Otherwise the stamps
+// are nothing. A keys-on-M block's row: its index in the grid (x, then z, then y fastest;
+// at batch 1, z · gridDim.y + y), plus KM_STAMP_ROWS / 2 for a second launch.
 #ifdef KM_STAMPS
-__device__ unsigned long long km_stamps[256][8];
+#define KM_STAMP_ROWS 8192
+__device__ unsigned long long km_stamps[KM_STAMP_ROWS][8];
 __device__ unsigned long long gemv_stamps[3][1024][2];
 __device__ __forceinline__ unsigned long long globaltimer() {
     unsigned long long t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
     return t;
 }
-// (flags bit 30: a second launch in the same layer, stamped from row 128 on.)
+// (flags bit 30: a second launch in the same layer, stamped from row KM_STAMP_ROWS / 2 on.)
 #define KM_STAMP(i) \
     do { \
         if (threadIdx.x == 0) \
-            km_stamps[((flags >> 30) & 1) * 128 + (blockIdx.z * gridDim.y + blockIdx.y) % 128][i] = globaltimer(); \
+            km_stamps[((flags >> 30) & 1) * (KM_STAMP_ROWS / 2) + \
+                      ((blockIdx.x * gridDim.z + blockIdx.z) * gridDim.y + blockIdx.y) % (KM_STAMP_ROWS / 2)][i] = \
+                globaltimer(); \
     } while (0)
 #define GEMV_STAMP(epi, i) \
     do { \
