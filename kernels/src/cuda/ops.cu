@@ -21,8 +21,8 @@ __device__ __forceinline__ void pdl_wait() {
 // decodelab.cu; never by the engine's NVRTC build): the GPU's clock at points of the
 // keys-on-M decode kernel and of the one-token QKV and residual GEMVs, by each block's
 // thread 0, so the lab can see where an attention's microseconds go. Otherwise the stamps
-// are nothing. A keys-on-M block's row: its index in the grid (x, then z, then y fastest;
-// at batch 1, z · gridDim.y + y), plus KM_STAMP_ROWS / 2 for a second launch.
+// are nothing. A keys-on-M block's row: its index in the grid, (x · gridDim.z + z) ·
+// gridDim.y + y (at batch 1, z · gridDim.y + y), plus KM_STAMP_ROWS / 2 for a second launch.
 #ifdef KM_STAMPS
 #define KM_STAMP_ROWS 8192
 __device__ unsigned long long km_stamps[KM_STAMP_ROWS][8];
