@@ -301,16 +301,16 @@ int main(int argc, char** argv) {
     };
     // DL_KM_LAB="0 1 2 4 5": the keys-on-M kernel at 3 stages in those lab forms (bits of
     // KM_LAB_* in ops.cu; 0 the engine's), with DL_KM_FLAGS, at each of DL_SPLITS; then exit.
+    const int kmf = getenv("DL_KM_FLAGS") ? atoi(getenv("DL_KM_FLAGS")) : 0;  // DL_KM_FLAGS (default none)
     if (getenv("DL_KM_LAB")) {
         AttnFn labk[8] = {decode_km_f16_d128<3, 0>, decode_km_f16_d128<3, 1>, decode_km_f16_d128<3, 2>,
                           decode_km_f16_d128<3, 3>, decode_km_f16_d128<3, 4>, decode_km_f16_d128<3, 5>,
                           decode_km_f16_d128<3, 6>, decode_km_f16_d128<3, 7>};
-        const int kf = getenv("DL_KM_FLAGS") ? atoi(getenv("DL_KM_FLAGS")) : 0;
         const int smem = KM_SMEM_BYTES(128, 3);
         for (int lab : env_list("DL_KM_LAB", {0}, 0, 7)) {
             CK(cudaFuncSetAttribute(labk[lab], cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
             char name[64]; snprintf(name, sizeof name, "keys-on-M 3 st lab %d", lab);
-            for (int sp : SPLITS) run_km(labk[lab], smem, kf, sp, name);
+            for (int sp : SPLITS) run_km(labk[lab], smem, kmf, sp, name);
         }
         return 0;
     }
@@ -343,7 +343,6 @@ int main(int argc, char** argv) {
     AttnFn km[5] = {decode_km_f16_d128<2>, decode_km_f16_d128<3>, decode_km_f16_d128<4>, decode_km_f16_d128<5>,
                     decode_km_f16_d128<6>};
     const std::vector<int> STAGES = env_list("DL_STAGES", {2, 3, 4}, 2, 6);
-    const int kmf = getenv("DL_KM_FLAGS") ? atoi(getenv("DL_KM_FLAGS")) : 0;
     for (int si = 0; si < 5; si++)
     for (int kf : {kmf, kmf | FLASH_BULK}) {
         if (std::find(STAGES.begin(), STAGES.end(), si + 2) == STAGES.end()) continue;

@@ -2389,7 +2389,7 @@ __device__ void flash_decode_km_impl(const float* qkv, const KT* cache, long lon
             table_entries(kb, bi, blk);
             batch_copies(kb, at, bi, blk);
         } else if (kb < k1) {
-            const unsigned at = base + st * STAGE_BYTES + my_key * RB + my_c * sizeof(KT);
+            const unsigned at = stage_at(st);
 #pragma unroll
             for (int p = 0; p < PASSES; p++) {
                 const int j = kb + my_key + p * KPP;
