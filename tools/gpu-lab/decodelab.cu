@@ -22,6 +22,7 @@
 //   also prints its last launch's blocks as a timeline: `timeline` below.)
 #include <cstdio>
 #include <cstdlib>
+#include <map>
 #include <vector>
 #include <algorithm>
 #include <cstring>
@@ -196,6 +197,25 @@ static void timeline(int nb) {
            "us; alive at tenths:", q(loop, 0.5), q(end, 0.5), peak, ramp * 0.1, (a.size() - tail) * 0.1);
     for (int i = 1; i < 10; i++) printf(" %d", alive(span * i / 10));
     printf("\n");
+    // By SM (column 7): its blocks and its last exit. The blocks are equal work here, so an
+    // SM's blocks over its last exit is its rate; a spread of rates says the SMs are served
+    // unequally, a spread of counts that the launch gave them unequal shares.
+    std::map<unsigned long long, std::pair<int, double>> sm;
+    for (int b = 0; b < nb; b++) {
+        auto& e = sm[ks[b][7]];
+        e.first++, e.second = std::max(e.second, rel(ks[b][6]));
+    }
+    std::vector<double> last, rate;
+    int cmin = nb, cmax = 0;
+    for (auto& [id, e] : sm) {
+        last.push_back(e.second), rate.push_back(e.first / e.second);
+        cmin = std::min(cmin, e.first), cmax = std::max(cmax, e.first);
+    }
+    std::sort(last.begin(), last.end());
+    std::sort(rate.begin(), rate.end());
+    printf("    by SM: %zu SMs, %d-%d blocks each; last exit 0/10/50/90/100%%: %.2f %.2f %.2f %.2f %.2f us; blocks a us "
+           "0/50/100%%: %.3f %.3f %.3f\n", sm.size(), cmin, cmax, last.front(), q(last, 0.1), q(last, 0.5), q(last, 0.9),
+           last.back(), rate.front(), q(rate, 0.5), rate.back());
 #else
     (void)nb;
 #endif

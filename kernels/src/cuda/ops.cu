@@ -33,12 +33,20 @@ __device__ __forceinline__ unsigned long long globaltimer() {
     return t;
 }
 // (flags bit 30: a second launch in the same layer, stamped from row KM_STAMP_ROWS / 2 on.)
+// Column 7 of the row: the SM the block ran on (written with stamp 0).
 #define KM_STAMP(i) \
     do { \
-        if (threadIdx.x == 0) \
-            km_stamps[((flags >> 30) & 1) * (KM_STAMP_ROWS / 2) + \
-                      ((blockIdx.x * gridDim.z + blockIdx.z) * gridDim.y + blockIdx.y) % (KM_STAMP_ROWS / 2)][i] = \
-                globaltimer(); \
+        if (threadIdx.x == 0) { \
+            unsigned long long* km_row = \
+                km_stamps[((flags >> 30) & 1) * (KM_STAMP_ROWS / 2) + \
+                          ((blockIdx.x * gridDim.z + blockIdx.z) * gridDim.y + blockIdx.y) % (KM_STAMP_ROWS / 2)]; \
+            km_row[i] = globaltimer(); \
+            if ((i) == 0) { \
+                unsigned km_sm; \
+                asm volatile("mov.u32 %0, %%smid;" : "=r"(km_sm)); \
+                km_row[7] = km_sm; \
+            } \
+        } \
     } while (0)
 #define GEMV_STAMP(epi, i) \
     do { \
