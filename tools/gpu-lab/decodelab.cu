@@ -178,10 +178,10 @@ static void timeline(int nb) {
     for (auto* v : {&in, &out, &loop, &end}) std::sort(v->begin(), v->end());
     auto q = [&](const std::vector<double>& v, double f) { return v[std::min(v.size() - 1, (size_t)(f * v.size()))]; };
     const double span = rel(t1);
+    // Blocks alive at t: entered by t less exited by t (from the sorted entries and exits).
     auto alive = [&](double t) {
-        int n = 0;
-        for (int b = 0; b < nb; b++) n += rel(ks[b][0]) <= t && t < rel(ks[b][6]);
-        return n;
+        return (int)((std::upper_bound(in.begin(), in.end(), t) - in.begin()) -
+                     (std::upper_bound(out.begin(), out.end(), t) - out.begin()));
     };
     // The alive count on a 0.1 µs grid: its peak, the ramp and the tail.
     std::vector<int> a;
