@@ -86,6 +86,9 @@ __global__ void __launch_bounds__(128) km_loads(const unsigned short* cache, lon
 #endif
     KM_STAMP(0);
     for (int i = 0; i < STAGES - 1; i++) load_tile(i * KM_KEYS, i);
+    KM_STAMP(1);  // (no wait and no q here: 1 to 3 is the loop's start)
+    KM_STAMP(2);
+    KM_STAMP(3);
     unsigned acc = 0;
     for (int i = 0; i < ntiles; i++) {
         cp_async_wait<STAGES - 2>();
@@ -196,6 +199,23 @@ static void timeline(int nb) {
     printf("    a block (median): entry to loop done %.2f us, loop done to exit %.2f; peak %d alive, ramp %.1f us, tail %.1f "
            "us; alive at tenths:", q(loop, 0.5), q(end, 0.5), peak, ramp * 0.1, (a.size() - tail) * 0.1);
     for (int i = 1; i < 10; i++) printf(" %d", alive(span * i / 10));
+    printf("\n");
+    // The phases between consecutive stamps (entry 0, early tiles asked 1, the wait for the
+    // kernel before 2, q packed 3, loop done 4, parts merged 5, exit 6), over the blocks
+    // that wrote both ends in this launch (a stamp outside the block's entry..exit is an
+    // earlier launch's, or one this kernel never writes): median and 90%, µs. So a block's
+    // start splits into its setup, its wait and q's round trip.
+    printf("    phases (median/90%%, us):");
+    for (int i = 0; i < 6; i++) {
+        std::vector<double> d;
+        for (int b = 0; b < nb; b++) {
+            const unsigned long long* r = ks[b];
+            if (r[i] >= r[0] && r[i + 1] >= r[i] && r[i + 1] <= r[6]) d.push_back((double)(r[i + 1] - r[i]) / 1000.0);
+        }
+        std::sort(d.begin(), d.end());
+        if (d.empty()) printf(" %d-%d -", i, i + 1);
+        else printf(" %d-%d %.2f/%.2f", i, i + 1, q(d, 0.5), q(d, 0.9));
+    }
     printf("\n");
     // By SM (column 7): its blocks and its last exit. The blocks are equal work here, so an
     // SM's blocks over its last exit is its rate; a spread of rates says the SMs are served
