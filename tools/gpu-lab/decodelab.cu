@@ -107,6 +107,112 @@ __global__ void __launch_bounds__(128) km_loads(const unsigned short* cache, lon
     KM_STAMP(6);
 }
 
+// The same loads taken as work (sixty-ninth session): a resident grid (as many blocks as
+// fit) whose blocks take units from a counter as they free up, a unit being one (sequence,
+// KV head) item's keys from `chunk` * cut on (`cuts` an item); the ring runs on from one
+// unit into the next. Thread 0 claims a block's units ahead, so a claim's round trip hides
+// behind a unit's tiles: the n-th unit the block starts is the one in next_unit[n % 4].
+// Slots 0 and 1 are written before the first barrier (the first loads may start two units);
+// after that a load starts at most one unit, so before each tile's barrier thread 0 writes
+// the slot after the next one to be read (the claim it made at the last write), and a slot
+// is written again only three barriers or more after its read. `taken[block]`: the units it took; the
+// last block to leave resets the counter for the next launch. Equal blocks of a fixed grid
+// end unequally (an SM served faster, 16 of 264 slots without a second block); with units
+// taken, a block on a fast SM takes more. What that is worth to the loads alone.
+template <int STAGES>
+__global__ void __launch_bounds__(128) km_loads_taken(const unsigned short* cache, long long half, const int* tiles,
+                                                      const unsigned int* tables, int n_kv, int block_size, int spin,
+                                                      unsigned* sink, unsigned* counter, int n_items, int cuts, int chunk,
+                                                      unsigned* taken) {
+    constexpr int HD = 128, CH = HD / 8, KPP = 128 / CH, PASSES = KM_KEYS / KPP, ST = HD + 8;
+    constexpr unsigned KBYTES = KM_KEYS * ST * 2, STAGE_BYTES = 2 * KBYTES;
+    extern __shared__ __align__(16) unsigned char km_lab_smem[];
+    __shared__ unsigned next_unit[4];
+    const unsigned base = smem_u32(km_lab_smem);
+    const int my_c = (threadIdx.x % CH) * 8, my_key = threadIdx.x / CH;
+    const size_t blk_stride = (size_t)n_kv * block_size * HD;
+    const int bs_shift = __ffs(block_size) - 1;
+    const unsigned n_units = (unsigned)n_items * cuts;
+#ifdef KM_STAMPS
+    constexpr int flags = 0;
+#endif
+    KM_STAMP(0);
+    unsigned pend = 0;  // thread 0: the unit claimed for the next slot written
+    if (threadIdx.x == 0) {
+        next_unit[0] = atomicAdd(counter, 1u);
+        next_unit[1] = atomicAdd(counter, 1u);
+        pend = atomicAdd(counter, 1u);
+    }
+    __syncthreads();
+    // The load cursor, the same in every thread: unit lu's keys [lkb, lk1).
+    unsigned lu = n_units;
+    int lkb = 0, lk1 = 0, bnd = 0, written = 2, loaded = 0, units = 0;  // units started, slots written
+    const unsigned int* table = tables;
+    const unsigned short* my_src = cache;
+    auto start_unit = [&](unsigned u) {
+        lu = u;
+        if (u >= n_units) return;
+        const int item = u / cuts, cut = u % cuts;
+        const int* tile = tiles + 4 * (item / n_kv);
+        lkb = cut * chunk;
+        lk1 = min(tile[2] + 1, lkb + chunk);
+        table = tables + tile[3];
+        my_src = cache + (size_t)(item % n_kv) * block_size * HD + my_c;
+        units++;
+    };
+    auto load_next = [&](int st) {
+        if (lu < n_units && lkb >= lk1) start_unit(next_unit[bnd++ % 4]);
+        if (lu < n_units) {
+            const unsigned at = base + st * STAGE_BYTES + (my_key * ST + my_c) * 2;
+#pragma unroll
+            for (int p = 0; p < PASSES; p++) {
+                const int j = lkb + my_key + p * KPP;
+                const unsigned short* src = cache;
+                int bytes = 0;
+                if (j < lk1) {
+                    const int bi = j >> bs_shift;
+                    src = my_src + table[bi] * blk_stride + (size_t)(j - bi * block_size) * HD;
+                    bytes = 16;
+                }
+                cp_async16_at(at + p * KPP * ST * 2, src, bytes);
+                cp_async16_at(at + KBYTES + p * KPP * ST * 2, bytes ? src + half : cache, bytes);
+            }
+            lkb += KM_KEYS, loaded++;
+        }
+        cp_async_commit();
+    };
+    start_unit(next_unit[bnd++]);
+    for (int i = 0; i < STAGES - 1; i++) load_next(i);
+    KM_STAMP(1);
+    KM_STAMP(2);
+    KM_STAMP(3);
+    unsigned acc = 0;
+    for (int i = 0; i < loaded; i++) {
+        if (lu < n_units && written < bnd + 2) {
+            if (threadIdx.x == 0) next_unit[written % 4] = pend, pend = atomicAdd(counter, 1u);
+            written++;
+        }
+        cp_async_wait<STAGES - 2>();
+        __syncthreads();
+        load_next((i + STAGES - 1) % STAGES);
+        unsigned v;
+        asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(base + (i % STAGES) * STAGE_BYTES + threadIdx.x * 4));
+        acc ^= v;
+        if (spin > 0) {
+            const long long t0 = clock64();
+            while (clock64() - t0 < spin) acc += 1;
+        }
+    }
+    KM_STAMP(4);
+    if (acc == 0x9e3779b9u) sink[0] = acc;
+    if (threadIdx.x == 0) {
+        taken[blockIdx.x] = units;
+        __threadfence();
+        if (atomicAdd(counter + 1, 1u) == gridDim.x - 1) counter[0] = 0, counter[1] = 0;
+    }
+    KM_STAMP(6);
+}
+
 // Plain f32 reference: one block per (sequence, query head), scores in shared memory.
 __global__ void decode_ref(const float* qkv, const unsigned short* cache, long long half, const int* tiles,
                            const unsigned int* tables, int n_heads, int n_kv, int block_size, float scale, float* out) {
@@ -323,6 +429,37 @@ int main(int argc, char** argv) {
                 report(name, 1, time(f), 0.0);
                 timeline(B * NKV);
             }
+            // The loads taken as work (km_loads_taken): a resident grid, units of 1/cuts of
+            // an item (DL_TAKEN_CUTS, default 1 2 4), with no spin and with 2,000 cycles.
+            int per_sm = 0, sms = 0;
+            CK(cudaFuncSetAttribute(km_loads_taken<3>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+            CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, km_loads_taken<3>, 128, smem));
+            CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+            const int grid = per_sm * sms;
+            unsigned *counter, *taken;
+            CK(cudaMalloc(&counter, 8)); CK(cudaMemset(counter, 0, 8));
+            CK(cudaMalloc(&taken, grid * 4));
+            for (int spin : {0, 2000})
+                for (int cuts : env_list("DL_TAKEN_CUTS", {1, 2, 4}, 1, 64)) {
+                    const int chunk = std::max(2, (CTX + cuts * KM_KEYS - 1) / (cuts * KM_KEYS)) * KM_KEYS;
+                    const int ncut = (CTX + chunk - 1) / chunk;
+                    auto f = [&]() {
+                        km_loads_taken<3><<<grid, 128, smem, st>>>(cache, half, dtiles, dtables, NKV, BS, spin, sink,
+                                                                   counter, B * NKV, ncut, chunk, taken);
+                    };
+                    f(); CK(cudaStreamSynchronize(st)); CK(cudaGetLastError());
+                    char name[64]; snprintf(name, sizeof name, "taken, %d cuts, spin %d", ncut, spin);
+                    report(name, 1, time(f), 0.0);
+                    std::vector<unsigned> t(grid);
+                    CK(cudaMemcpy(t.data(), taken, grid * 4, cudaMemcpyDeviceToHost));
+                    unsigned sum = 0; for (unsigned x : t) sum += x;
+                    std::sort(t.begin(), t.end());
+                    printf("    %d blocks (%d a SM) took %u units of %d keys (of %d): fewest %u, median %u, most %u%s\n", grid,
+                           per_sm, sum, chunk, B * NKV * ncut, t.front(), t[grid / 2], t.back(),
+                           sum == (unsigned)(B * NKV * ncut) ? "" : " BAD");
+                    timeline(grid);
+                }
+            CK(cudaFree(counter)); CK(cudaFree(taken));
         }
         return 0;
     }
