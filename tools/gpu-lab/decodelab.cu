@@ -46,12 +46,36 @@ __global__ void __launch_bounds__(128) decode_km_f16_d128(FLASH_ARGS) {
 // wait and barrier per tile, but no arithmetic: each tile is touched by one shared load per
 // thread, then the block spins `spin` clock cycles (a stand-in for a tile's MMAs and
 // softmax) before the next. What the load structure reaches, and how a tile's work adds.
+// One tile's copies as the keys-on-M kernel asks for them (lean loads, no batching): keys
+// [kb, kb + 64) below k1, this thread's 16-byte column of each (`my_src`: the KV head's rows
+// from the column on), a block-table read per key; K at `at`, V KBYTES on.
+__device__ __forceinline__ void km_lab_copies(unsigned at, const unsigned short* cache, long long half,
+                                              const unsigned short* my_src, const unsigned int* table,
+                                              size_t blk_stride, int block_size, int kb, int k1) {
+    constexpr int HD = 128, CH = HD / 8, KPP = 128 / CH, PASSES = KM_KEYS / KPP, ST = HD + 8;
+    constexpr unsigned KBYTES = KM_KEYS * ST * 2;
+    const int my_key = threadIdx.x / CH, bs_shift = __ffs(block_size) - 1;
+#pragma unroll
+    for (int p = 0; p < PASSES; p++) {
+        const int j = kb + my_key + p * KPP;
+        const unsigned short* src = cache;
+        int bytes = 0;
+        if (j < k1) {
+            const int bi = j >> bs_shift;
+            src = my_src + table[bi] * blk_stride + (size_t)(j - bi * block_size) * HD;
+            bytes = 16;
+        }
+        cp_async16_at(at + p * KPP * ST * 2, src, bytes);
+        cp_async16_at(at + KBYTES + p * KPP * ST * 2, bytes ? src + half : cache, bytes);
+    }
+}
+
 template <int STAGES>
 __global__ void __launch_bounds__(128) km_loads(const unsigned short* cache, long long half, const int* tiles,
                                                 const unsigned int* tables, int n_kv, int block_size, int spin,
                                                 unsigned* sink) {
-    constexpr int HD = 128, CH = HD / 8, KPP = 128 / CH, PASSES = KM_KEYS / KPP, ST = HD + 8;
-    constexpr unsigned KBYTES = KM_KEYS * ST * 2, STAGE_BYTES = 2 * KBYTES;
+    constexpr int HD = 128, CH = HD / 8, ST = HD + 8;
+    constexpr unsigned STAGE_BYTES = 2 * KM_KEYS * ST * 2;
     extern __shared__ __align__(16) unsigned char km_lab_smem[];
     const unsigned base = smem_u32(km_lab_smem);
     const int* tile = tiles + 4 * blockIdx.x;
@@ -60,23 +84,10 @@ __global__ void __launch_bounds__(128) km_loads(const unsigned short* cache, lon
     const int my_c = (threadIdx.x % CH) * 8, my_key = threadIdx.x / CH;
     const unsigned short* my_src = cache + (size_t)kvh * block_size * HD + my_c;
     const size_t blk_stride = (size_t)n_kv * block_size * HD;
-    const int bs_shift = __ffs(block_size) - 1;
     auto load_tile = [&](int kb, int st) {
         if (kb < k1) {
             const unsigned at = base + st * STAGE_BYTES + (my_key * ST + my_c) * 2;
-#pragma unroll
-            for (int p = 0; p < PASSES; p++) {
-                const int j = kb + my_key + p * KPP;
-                const unsigned short* src = cache;
-                int bytes = 0;
-                if (j < k1) {
-                    const int bi = j >> bs_shift;
-                    src = my_src + table[bi] * blk_stride + (size_t)(j - bi * block_size) * HD;
-                    bytes = 16;
-                }
-                cp_async16_at(at + p * KPP * ST * 2, src, bytes);
-                cp_async16_at(at + KBYTES + p * KPP * ST * 2, bytes ? src + half : cache, bytes);
-            }
+            km_lab_copies(at, cache, half, my_src, table, blk_stride, block_size, kb, k1);
         }
         cp_async_commit();
     };
@@ -124,14 +135,13 @@ __global__ void __launch_bounds__(128) km_loads_taken(const unsigned short* cach
                                                       const unsigned int* tables, int n_kv, int block_size, int spin,
                                                       unsigned* sink, unsigned* counter, int n_items, int cuts, int chunk,
                                                       unsigned* taken) {
-    constexpr int HD = 128, CH = HD / 8, KPP = 128 / CH, PASSES = KM_KEYS / KPP, ST = HD + 8;
-    constexpr unsigned KBYTES = KM_KEYS * ST * 2, STAGE_BYTES = 2 * KBYTES;
+    constexpr int HD = 128, CH = HD / 8, ST = HD + 8;
+    constexpr unsigned STAGE_BYTES = 2 * KM_KEYS * ST * 2;
     extern __shared__ __align__(16) unsigned char km_lab_smem[];
     __shared__ unsigned next_unit[4];
     const unsigned base = smem_u32(km_lab_smem);
     const int my_c = (threadIdx.x % CH) * 8, my_key = threadIdx.x / CH;
     const size_t blk_stride = (size_t)n_kv * block_size * HD;
-    const int bs_shift = __ffs(block_size) - 1;
     const unsigned n_units = (unsigned)n_items * cuts;
 #ifdef KM_STAMPS
     constexpr int flags = 0;
@@ -164,19 +174,7 @@ __global__ void __launch_bounds__(128) km_loads_taken(const unsigned short* cach
         if (lu < n_units && lkb >= lk1) start_unit(next_unit[bnd++ % 4]);
         if (lu < n_units) {
             const unsigned at = base + st * STAGE_BYTES + (my_key * ST + my_c) * 2;
-#pragma unroll
-            for (int p = 0; p < PASSES; p++) {
-                const int j = lkb + my_key + p * KPP;
-                const unsigned short* src = cache;
-                int bytes = 0;
-                if (j < lk1) {
-                    const int bi = j >> bs_shift;
-                    src = my_src + table[bi] * blk_stride + (size_t)(j - bi * block_size) * HD;
-                    bytes = 16;
-                }
-                cp_async16_at(at + p * KPP * ST * 2, src, bytes);
-                cp_async16_at(at + KBYTES + p * KPP * ST * 2, bytes ? src + half : cache, bytes);
-            }
+            km_lab_copies(at, cache, half, my_src, table, blk_stride, block_size, lkb, lk1);
             lkb += KM_KEYS, loaded++;
         }
         cp_async_commit();
