@@ -70,6 +70,18 @@ __device__ __forceinline__ void km_lab_copies(unsigned at, const unsigned short*
     }
 }
 
+// A tile's stand-in use: one shared load a thread from the stage at `at`, then `spin`
+// clock cycles (for a tile's MMAs and softmax).
+__device__ __forceinline__ void km_lab_use(unsigned at, int spin, unsigned& acc) {
+    unsigned v;
+    asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(at + threadIdx.x * 4));
+    acc ^= v;
+    if (spin > 0) {
+        const long long t0 = clock64();
+        while (clock64() - t0 < spin) acc += 1;
+    }
+}
+
 template <int STAGES>
 __global__ void __launch_bounds__(128) km_loads(const unsigned short* cache, long long half, const int* tiles,
                                                 const unsigned int* tables, int n_kv, int block_size, int spin,
@@ -105,13 +117,7 @@ __global__ void __launch_bounds__(128) km_loads(const unsigned short* cache, lon
         cp_async_wait<STAGES - 2>();
         __syncthreads();
         load_tile((i + STAGES - 1) * KM_KEYS, (i + STAGES - 1) % STAGES);
-        unsigned v;
-        asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(base + (i % STAGES) * STAGE_BYTES + threadIdx.x * 4));
-        acc ^= v;
-        if (spin > 0) {
-            const long long t0 = clock64();
-            while (clock64() - t0 < spin) acc += 1;
-        }
+        km_lab_use(base + (i % STAGES) * STAGE_BYTES, spin, acc);
     }
     KM_STAMP(4);
     if (acc == 0x9e3779b9u) sink[0] = acc;
@@ -193,13 +199,7 @@ __global__ void __launch_bounds__(128) km_loads_taken(const unsigned short* cach
         cp_async_wait<STAGES - 2>();
         __syncthreads();
         load_next((i + STAGES - 1) % STAGES);
-        unsigned v;
-        asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(base + (i % STAGES) * STAGE_BYTES + threadIdx.x * 4));
-        acc ^= v;
-        if (spin > 0) {
-            const long long t0 = clock64();
-            while (clock64() - t0 < spin) acc += 1;
-        }
+        km_lab_use(base + (i % STAGES) * STAGE_BYTES, spin, acc);
     }
     KM_STAMP(4);
     if (acc == 0x9e3779b9u) sink[0] = acc;
