@@ -18,8 +18,10 @@
 //   FLASH_BATCH_LOADS | FLASH_LAZY_RESCALE; DL_NO_SA=1 and DL_NO_BULK=1 leave out the flash
 //   decode form and the bulk copies; DL_KM_LAB="0 1 2 4 5" times the keys-on-M kernel's lab
 //   forms alone, KM_LAB_* in ops.cu, e.g. `DL_KM_LAB="0 1" DL_SPLITS=1 DL_KM_FLAGS=41600
-//   ./decodelab 64 1040`. Built with -DKM_STAMPS, each keys-on-M timing and KM_LOADS'
-//   also prints its last launch's blocks as a timeline: `timeline` below.)
+//   ./decodelab 64 1040`; DL_ROPE=1 gives the kernel RoPE frequencies and slots, for the
+//   engine's FLASH_ROPE (flag 32), and DL_SEQ_TABLES=1 block tables in order. Built with
+//   -DKM_STAMPS, each keys-on-M timing and KM_LOADS' also prints its last launch's blocks
+//   as a timeline: `timeline` below.)
 #include <cstdio>
 #include <cstdlib>
 #include <map>
@@ -32,12 +34,18 @@
 #include "../../kernels/src/cuda/ops.cu"
 #include "graph_time.h"
 
+// With DL_ROPE=1 the RoPE frequencies (theta 500,000) and each row's slot (its last key's,
+// so FLASH_ROPE rotates q and writes the row's k and v there, as the engine's decode steps
+// do); null otherwise.
+__device__ const float* lab_inv_freq;
+__device__ const long long* lab_slots;
+
 // The keys-on-M kernel of ops.cu (`flash_decode_km_impl`, the engine's at 3 stages) with
 // 2–4 stages of K/V tiles; LAB: its lab forms (KM_LAB_* in ops.cu; the engine's is 0).
 template <int STAGES, int LAB = 0>
 __global__ void __launch_bounds__(128) decode_km_f16_d128(FLASH_ARGS) {
     flash_decode_km_impl<128, STAGES, unsigned short, LAB>(qkv, cache, half, tiles, tables, n_heads, n_kv, block_size,
-                                                           scale, max_ctx, out, part, flags, nullptr, nullptr, 0);
+                                                           scale, max_ctx, out, part, flags, lab_inv_freq, lab_slots, 0);
 }
 
 // The keys-on-M kernel's tile loads alone (twenty-eighth session): its grid, its three
@@ -372,17 +380,29 @@ int main(int argc, char** argv) {
         for (auto& v : h) { s = s * 1664525u + 1013904223u; v = (((s >> 8) / 16777216.f) * 2 - 1) * 2.f; }
         CK(cudaMemcpy(qkv, h.data(), h.size() * 4, cudaMemcpyHostToDevice));
     }
-    // Tiles and block tables: each sequence's blocks a shuffled slice of the cache.
+    // Tiles and block tables: each sequence's blocks a shuffled slice of the cache (with
+    // DL_SEQ_TABLES=1 in order, as a fresh engine's allocator hands them out).
     std::vector<int> tiles(4 * B);
     std::vector<unsigned> tables(blocks);
     for (int i = 0; i < blocks; i++) tables[i] = i;
-    { unsigned s = 9; for (int i = blocks - 1; i > 0; i--) { s = s * 1664525u + 1013904223u; std::swap(tables[i], tables[(s >> 8) % (i + 1)]); } }
+    if (!getenv("DL_SEQ_TABLES")) { unsigned s = 9; for (int i = blocks - 1; i > 0; i--) { s = s * 1664525u + 1013904223u; std::swap(tables[i], tables[(s >> 8) % (i + 1)]); } }
     for (int b = 0; b < B; b++) tiles[4 * b] = b, tiles[4 * b + 1] = 1, tiles[4 * b + 2] = CTX - 1, tiles[4 * b + 3] = b * nb;
     int *dtiles, *dmax; unsigned* dtables;
     CK(cudaMalloc(&dtiles, tiles.size() * 4)); CK(cudaMalloc(&dtables, tables.size() * 4)); CK(cudaMalloc(&dmax, 4));
     CK(cudaMemcpy(dtiles, tiles.data(), tiles.size() * 4, cudaMemcpyHostToDevice));
     CK(cudaMemcpy(dtables, tables.data(), tables.size() * 4, cudaMemcpyHostToDevice));
     CK(cudaMemcpy(dmax, &CTX, 4, cudaMemcpyHostToDevice));
+    if (getenv("DL_ROPE")) {
+        std::vector<float> f(HD / 2);
+        for (int j = 0; j < HD / 2; j++) f[j] = (float)pow(500000.0, -2.0 * j / HD);
+        std::vector<long long> sl(B);
+        for (int b = 0; b < B; b++) sl[b] = (long long)tables[b * nb + (CTX - 1) / BS] * BS + (CTX - 1) % BS;
+        float* df; long long* ds;
+        CK(cudaMalloc(&df, f.size() * 4)); CK(cudaMalloc(&ds, sl.size() * 8));
+        CK(cudaMemcpy(df, f.data(), f.size() * 4, cudaMemcpyHostToDevice));
+        CK(cudaMemcpy(ds, sl.data(), sl.size() * 8, cudaMemcpyHostToDevice));
+        CK(cudaMemcpyToSymbol(lab_inv_freq, &df, sizeof df)); CK(cudaMemcpyToSymbol(lab_slots, &ds, sizeof ds));
+    }
     const size_t on = (size_t)B * NH * HD;
     // DL_SPLITS="1 4 33": the split counts to time (at most 64; default 1 2 3 4 8 16).
     const std::vector<int> SPLITS = env_list("DL_SPLITS", {1, 2, 3, 4, 8, 16}, 1, 64);
