@@ -2256,9 +2256,16 @@ __device__ void cluster_merge(const float* cpart, int grp, int splits, int z, fl
 // for after this tile's scores and softmax instead of before them; KM_LAB_SPLIT_LOAD (with
 // FLASH_BATCH_LOADS, cp.async), the next tile's block-table entries asked for before this
 // tile's scores and its copies after the softmax, so the entries' round trip runs under them.
+// Forms of a block's start: KM_LAB_ROPE_LATE (FLASH_ROPE), the early tiles asked for before
+// RoPE's cos and sin are computed (their frequencies' load, f64 sincos and a barrier) rather
+// than after; KM_LAB_ONE_TRIP (FLASH_EARLY with FLASH_BATCH_LOADS, cp.async), the early
+// tiles' block-table entries all asked for before any of their copies, one round trip
+// rather than one a tile.
 #define KM_LAB_S_ILP 1
 #define KM_LAB_LATE_LOAD 2
 #define KM_LAB_SPLIT_LOAD 4
+#define KM_LAB_ROPE_LATE 8
+#define KM_LAB_ONE_TRIP 16
 template <int HD, int STAGES, typename KT, int LAB = 0>
 __device__ void flash_decode_km_impl(const float* qkv, const KT* cache, long long half, const int* tiles,
                                      const unsigned int* tables, int n_heads, int n_kv, int block_size, float scale,
@@ -2319,10 +2326,12 @@ __device__ void flash_decode_km_impl(const float* qkv, const KT* cache, long lon
         pdl_wait();
         load_q();
     }
-    if (rope) {
+    auto rope_tables = [&]() {
         for (int j = threadIdx.x; j < HH; j += blockDim.x) rope_cs((float)pos0, inv_freq[j], rope_c[j], rope_s[j]);
         __syncthreads();
-    }
+    };
+    constexpr bool rope_late = (LAB & KM_LAB_ROPE_LATE) != 0;
+    if (rope && !rope_late) rope_tables();
     // Pair j's dims (a, b), as rope_write_kv_impl pairs them.
     auto pair_a = [&](int j) { return interleaved ? 2 * j : j; };
     auto pair_b = [&](int j) { return interleaved ? 2 * j + 1 : j + HH; };
@@ -2438,8 +2447,25 @@ __device__ void flash_decode_km_impl(const float* qkv, const KT* cache, long lon
     // without FLASH_ROPE, the row's k and v); with FLASH_WAIT_FIRST, after that wait,
     // beside q's loads.
     int pre = 0;
+    if constexpr ((LAB & KM_LAB_ONE_TRIP) != 0) {
+        if ((flags & FLASH_EARLY) && (flags & FLASH_BATCH_LOADS) && !bulk) {
+            while (pre < STAGES - 1 && k0 + (pre + 1) * KM_KEYS <= pos0) pre++;
+            int ebi[STAGES - 1][PASSES];
+            unsigned eblk[STAGES - 1][PASSES];
+#pragma unroll
+            for (int t = 0; t < STAGES - 1; t++)
+                if (t < pre) table_entries(k0 + t * KM_KEYS, ebi[t], eblk[t]);
+#pragma unroll
+            for (int t = 0; t < STAGES - 1; t++)
+                if (t < pre) {
+                    batch_copies(k0 + t * KM_KEYS, stage_at(t), ebi[t], eblk[t]);
+                    cp_async_commit();
+                }
+        }
+    }
     if (flags & FLASH_EARLY)
         for (; pre < STAGES - 1 && k0 + (pre + 1) * KM_KEYS <= pos0; pre++) load_tile(k0 + pre * KM_KEYS, pre);
+    if (rope && rope_late) rope_tables();
     KM_STAMP(1);
     if (!wait_first) pdl_wait();
     KM_STAMP(2);
