@@ -2260,12 +2260,15 @@ __device__ void cluster_merge(const float* cpart, int grp, int splits, int z, fl
 // RoPE's cos and sin are computed (their frequencies' load, f64 sincos and a barrier) rather
 // than after; KM_LAB_ONE_TRIP (FLASH_EARLY with FLASH_BATCH_LOADS, cp.async), the early
 // tiles' block-table entries all asked for before any of their copies, one round trip
-// rather than one a tile.
+// rather than one a tile; KM_LAB_KV_EARLY (FLASH_ROPE with FLASH_WAIT_FIRST; implies
+// ROPE_LATE), the row's k and v and this thread's RoPE frequency loaded beside q, so neither
+// the k/v write nor the cos/sin waits for a load of its own.
 #define KM_LAB_S_ILP 1
 #define KM_LAB_LATE_LOAD 2
 #define KM_LAB_SPLIT_LOAD 4
 #define KM_LAB_ROPE_LATE 8
 #define KM_LAB_ONE_TRIP 16
+#define KM_LAB_KV_EARLY 32
 template <int HD, int STAGES, typename KT, int LAB = 0>
 __device__ void flash_decode_km_impl(const float* qkv, const KT* cache, long long half, const int* tiles,
                                      const unsigned int* tables, int n_heads, int n_kv, int block_size, float scale,
@@ -2326,11 +2329,22 @@ __device__ void flash_decode_km_impl(const float* qkv, const KT* cache, long lon
         pdl_wait();
         load_q();
     }
+    // KM_LAB_KV_EARLY: this thread's frequency and its share of the row's k and v (one
+    // pair of k, one value of v: HD ≤ 128 for 128 threads), loaded beside q.
+    constexpr bool kv_early = (LAB & KM_LAB_KV_EARLY) != 0;
+    static_assert(!kv_early || HD <= 128, "a thread's share of k and v in registers");
+    const bool preload = kv_early && rope && wait_first;
+    float fx = 0.f, kx0 = 0.f, kx1 = 0.f, vx = 0.f;
     auto rope_tables = [&]() {
-        for (int j = threadIdx.x; j < HH; j += blockDim.x) rope_cs((float)pos0, inv_freq[j], rope_c[j], rope_s[j]);
+        if (preload) {
+            if (threadIdx.x < HH) rope_cs((float)pos0, fx, rope_c[threadIdx.x], rope_s[threadIdx.x]);
+        } else {
+            for (int j = threadIdx.x; j < HH; j += blockDim.x) rope_cs((float)pos0, inv_freq[j], rope_c[j], rope_s[j]);
+        }
         __syncthreads();
     };
-    constexpr bool rope_late = (LAB & KM_LAB_ROPE_LATE) != 0;
+    if (preload && threadIdx.x < HH) fx = inv_freq[threadIdx.x];
+    constexpr bool rope_late = (LAB & (KM_LAB_ROPE_LATE | KM_LAB_KV_EARLY)) != 0;
     if (rope && !rope_late) rope_tables();
     // Pair j's dims (a, b), as rope_write_kv_impl pairs them.
     auto pair_a = [&](int j) { return interleaved ? 2 * j : j; };
@@ -2433,19 +2447,35 @@ __device__ void flash_decode_km_impl(const float* qkv, const KT* cache, long lon
         const float* k = qkv + (size_t)row0 * w + (size_t)(n_heads + kvh) * HD;
         const float* v = k + (size_t)n_kv * HD;
         KT* c = const_cast<KT*>(cache);
-        for (int j = threadIdx.x; j < HH; j += blockDim.x) {
-            float x0 = k[pair_a(j)], x1 = k[pair_b(j)];
-            rope_apply(rope_c[j], rope_s[j], x0, x1);
-            kv_store(c, at + pair_a(j), x0);
-            kv_store(c, at + pair_b(j), x1);
+        if (preload) {
+            const int j = threadIdx.x;
+            if (j < HH) {
+                float x0 = kx0, x1 = kx1;
+                rope_apply(rope_c[j], rope_s[j], x0, x1);
+                kv_store(c, at + pair_a(j), x0);
+                kv_store(c, at + pair_b(j), x1);
+            }
+            if (j < HD) kv_store(c, (size_t)half + at + j, vx);
+        } else {
+            for (int j = threadIdx.x; j < HH; j += blockDim.x) {
+                float x0 = k[pair_a(j)], x1 = k[pair_b(j)];
+                rope_apply(rope_c[j], rope_s[j], x0, x1);
+                kv_store(c, at + pair_a(j), x0);
+                kv_store(c, at + pair_b(j), x1);
+            }
+            for (int d = threadIdx.x; d < HD; d += blockDim.x) kv_store(c, (size_t)half + at + d, v[d]);
         }
-        for (int d = threadIdx.x; d < HD; d += blockDim.x) kv_store(c, (size_t)half + at + d, v[d]);
         if (bulk) fence_proxy_async_global();  // the bulk copies of the tile read them
     };
     // With FLASH_EARLY the first tiles of keys before the row's own (written by earlier
     // steps) are asked for before waiting for the kernel before, which wrote q (and,
     // without FLASH_ROPE, the row's k and v); with FLASH_WAIT_FIRST, after that wait,
     // beside q's loads.
+    if (preload && writes_kv) {
+        const float* k = qkv + (size_t)row0 * w + (size_t)(n_heads + kvh) * HD;
+        if (threadIdx.x < HH) kx0 = k[pair_a(threadIdx.x)], kx1 = k[pair_b(threadIdx.x)];
+        if (threadIdx.x < HD) vx = k[(size_t)n_kv * HD + threadIdx.x];
+    }
     int pre = 0;
     if constexpr ((LAB & KM_LAB_ONE_TRIP) != 0) {
         if ((flags & FLASH_EARLY) && (flags & FLASH_BATCH_LOADS) && !bulk) {
