@@ -2467,15 +2467,17 @@ __device__ void flash_decode_km_impl(const float* qkv, const KT* cache, long lon
         }
         if (bulk) fence_proxy_async_global();  // the bulk copies of the tile read them
     };
-    // With FLASH_EARLY the first tiles of keys before the row's own (written by earlier
-    // steps) are asked for before waiting for the kernel before, which wrote q (and,
-    // without FLASH_ROPE, the row's k and v); with FLASH_WAIT_FIRST, after that wait,
-    // beside q's loads.
+    // KM_LAB_KV_EARLY: the row's k and v asked for beside q (the wait for the kernel that
+    // wrote them is done).
     if (preload && writes_kv) {
         const float* k = qkv + (size_t)row0 * w + (size_t)(n_heads + kvh) * HD;
         if (threadIdx.x < HH) kx0 = k[pair_a(threadIdx.x)], kx1 = k[pair_b(threadIdx.x)];
         if (threadIdx.x < HD) vx = k[(size_t)n_kv * HD + threadIdx.x];
     }
+    // With FLASH_EARLY the first tiles of keys before the row's own (written by earlier
+    // steps) are asked for before waiting for the kernel before, which wrote q (and,
+    // without FLASH_ROPE, the row's k and v); with FLASH_WAIT_FIRST, after that wait,
+    // beside q's loads.
     int pre = 0;
     if constexpr ((LAB & KM_LAB_ONE_TRIP) != 0) {
         if ((flags & FLASH_EARLY) && (flags & FLASH_BATCH_LOADS) && !bulk) {
