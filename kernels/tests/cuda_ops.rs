@@ -918,7 +918,9 @@ fn rope_write_kv_case(n_heads: usize, n_kv: usize) {
 /// the attention: the attention's output and every byte of the f16 cache, for both pair
 /// layouts, 32/8 heads at head_dim 128 and 9/3 at 64, unsplit and split into 64-key
 /// chunks, over sequences whose new key lies in the kernel's first loads (contexts of 4
-/// and 100 keys) and past them (700, 1,000); and the switch decides which ran. Likewise a
+/// and 100 keys) and past them (700, 1,000), also with the row's k, v and the RoPE
+/// frequencies asked for beside q (`DISAGG_CUDA_KM_KV_EARLY`); and the switch decides which
+/// ran. Likewise a
 /// prefill step on the warp-specialized kernel (32/8 heads, head_dim 128) whose q the
 /// kernel rotates as it loads it, after `rope_write_k_f16` rotated and stored only k: 171 new
 /// rows from position 0 (a partial last tile) and 40 after a past of 300 keys. The
@@ -987,27 +989,28 @@ fn attention_with_rope_equals_the_separate_ops() {
                 let mut runs: Vec<(Vec<f32>, Vec<u8>)> = Vec::new();
                 // (RoPE in the attention, rope_write_k_f16's grouped form, heads per thread,
                 // grouped RoPE before the attention, the keys-on-M kernel's loads first (after
-                // its wait) and relaxed exit barrier); the last, a block per token, is the
-                // reference.
-                let forms: &[(bool, bool, Option<usize>, bool, bool)] = if prefill {
+                // its wait) and relaxed exit barrier, its row's k, v and frequencies asked for
+                // beside q); the last, a block per token, is the reference.
+                let forms: &[(bool, bool, Option<usize>, bool, bool, bool)] = if prefill {
                     &[
-                        (true, true, None, true, false),
-                        (true, true, Some(3), true, false),
-                        (true, true, Some(1), true, false),
-                        (true, false, None, true, false),
-                        (false, true, None, true, false),
-                        (false, true, Some(1), true, false),
-                        (false, true, None, false, false),
+                        (true, true, None, true, false, false),
+                        (true, true, Some(3), true, false, false),
+                        (true, true, Some(1), true, false, false),
+                        (true, false, None, true, false, false),
+                        (false, true, None, true, false, false),
+                        (false, true, Some(1), true, false, false),
+                        (false, true, None, false, false, false),
                     ]
                 } else {
                     &[
-                        (true, true, None, true, false),
-                        (true, true, None, true, true),
-                        (false, true, None, true, false),
-                        (false, true, None, false, false),
+                        (true, true, None, true, false, false),
+                        (true, true, None, true, true, false),
+                        (true, true, None, true, true, true),
+                        (false, true, None, true, false, false),
+                        (false, true, None, false, false, false),
                     ]
                 };
-                for &(fused, round, group, pairs, loads_first) in forms {
+                for &(fused, round, group, pairs, loads_first, kv_early) in forms {
                     be.set_attn_rope(fused);
                     be.set_pp_rope(fused);
                     be.set_rope_k_round(round);
@@ -1016,6 +1019,7 @@ fn attention_with_rope_equals_the_separate_ops() {
                     be.set_km_batch_loads(loads_first);
                     be.set_km_wait_first(loads_first);
                     be.set_cluster_relaxed_exit(loads_first);
+                    be.set_km_kv_early(kv_early);
                     be.set_attn_chunk(chunk);
                     let mut kv = be.kv_cache(shape).unwrap();
                     for layer in 0..n_layers {

@@ -17,7 +17,7 @@
 //   the keys-on-M stage counts, 2–6; DL_KM_FLAGS its flag bits, e.g. 8704 for the engine's
 //   FLASH_BATCH_LOADS | FLASH_LAZY_RESCALE; DL_NO_SA=1 and DL_NO_BULK=1 leave out the flash
 //   decode form and the bulk copies; DL_KM_LAB="0 1 2 4 5" times the keys-on-M kernel's lab
-//   forms alone (0-8, 16, 24, 32, 48), KM_LAB_* in ops.cu, e.g. `DL_KM_LAB="0 1" DL_SPLITS=1 DL_KM_FLAGS=41600
+//   forms alone, KM_LAB_* in ops.cu, e.g. `DL_KM_LAB="0 1" DL_SPLITS=1 DL_KM_FLAGS=41600
 //   ./decodelab 64 1040`; DL_ROPE=1 gives the kernel RoPE frequencies and slots, for the
 //   engine's FLASH_ROPE (flag 32), and DL_SEQ_TABLES=1 block tables in order. Built with
 //   -DKM_STAMPS, each keys-on-M timing and KM_LOADS' also prints its last launch's blocks
@@ -498,18 +498,12 @@ int main(int argc, char** argv) {
     // KM_LAB_* in ops.cu; 0 the engine's), with DL_KM_FLAGS, at each of DL_SPLITS; then exit.
     const int kmf = getenv("DL_KM_FLAGS") ? atoi(getenv("DL_KM_FLAGS")) : 0;  // DL_KM_FLAGS (default none)
     if (getenv("DL_KM_LAB")) {
-        // The tile loop's forms (0-7) and the start's (8, 16, 24: KM_LAB_ROPE_LATE,
-        // KM_LAB_ONE_TRIP, both; 32, 48: KM_LAB_KV_EARLY, with ONE_TRIP).
-        std::map<int, AttnFn> labk = {
-            {0, decode_km_f16_d128<3, 0>}, {1, decode_km_f16_d128<3, 1>}, {2, decode_km_f16_d128<3, 2>},
-            {3, decode_km_f16_d128<3, 3>}, {4, decode_km_f16_d128<3, 4>}, {5, decode_km_f16_d128<3, 5>},
-            {6, decode_km_f16_d128<3, 6>}, {7, decode_km_f16_d128<3, 7>}, {8, decode_km_f16_d128<3, 8>},
-            {16, decode_km_f16_d128<3, 16>}, {24, decode_km_f16_d128<3, 24>}, {32, decode_km_f16_d128<3, 32>},
-            {48, decode_km_f16_d128<3, 48>}};
+        AttnFn labk[8] = {decode_km_f16_d128<3, 0>, decode_km_f16_d128<3, 1>, decode_km_f16_d128<3, 2>,
+                          decode_km_f16_d128<3, 3>, decode_km_f16_d128<3, 4>, decode_km_f16_d128<3, 5>,
+                          decode_km_f16_d128<3, 6>, decode_km_f16_d128<3, 7>};
         const int smem = KM_SMEM_BYTES(128, 3);
         std::map<int, std::vector<unsigned>> firsts;
-        for (int lab : env_list("DL_KM_LAB", {0}, 0, 63)) {
-            if (!labk.count(lab)) { printf("DL_KM_LAB %d: not built (0-8, 16, 24, 32, 48)\n", lab); return 1; }
+        for (int lab : env_list("DL_KM_LAB", {0}, 0, 7)) {
             CK(cudaFuncSetAttribute(labk[lab], cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
             char name[64]; snprintf(name, sizeof name, "keys-on-M 3 st lab %d", lab);
             for (int sp : SPLITS) {

@@ -601,6 +601,10 @@ pub struct CudaBackend {
     /// waits for the kernel before first and asks for q beside its first tiles' block-table
     /// entries (`DISAGG_CUDA_KM_WAIT_FIRST=0`: q after the tiles' copies; the same bits).
     km_wait_first: bool,
+    /// With its wait first and RoPE in the kernel, the keys-on-M kernel asks for the row's
+    /// k and v and the RoPE frequencies beside q, and computes cos/sin after its early
+    /// tiles (`DISAGG_CUDA_KM_KV_EARLY=1`; else each when used; the same bits).
+    km_kv_early: bool,
     /// The barrier after a keys-on-M cluster's merge arrives without release
     /// (`DISAGG_CUDA_CLUSTER_RELAXED_EXIT=0`: with it).
     cluster_relaxed_exit: bool,
@@ -1095,6 +1099,7 @@ impl CudaBackend {
             flash_merge_ilp: !off(crate::env::CUDA_FLASH_MERGE_ILP),
             km_batch_loads: !off(crate::env::CUDA_KM_BATCH_LOADS),
             km_wait_first: !off(crate::env::CUDA_KM_WAIT_FIRST),
+            km_kv_early: on(crate::env::CUDA_KM_KV_EARLY),
             cluster_relaxed_exit: !off(crate::env::CUDA_CLUSTER_RELAXED_EXIT),
             flash_warp_spec: !off(crate::env::CUDA_FLASH_WARP_SPEC),
             flash_pp_turns: on(crate::env::CUDA_FLASH_PP_TURNS),
@@ -1572,10 +1577,18 @@ impl CudaBackend {
     }
 
     /// The keys-on-M kernel waits for the kernel before, then asks for q beside its first
-    /// tiles' block-table entries, where its loads come first and the QKV GEMV does not
-    /// let it in early (default: on unless `DISAGG_CUDA_KM_WAIT_FIRST=0`; the same bits).
+    /// tiles' block-table entries, where its loads come first and the kernel before cannot
+    /// let it in early: RoPE is left to it, or the one-token QKV GEMV does not trigger
+    /// (default: on unless `DISAGG_CUDA_KM_WAIT_FIRST=0`; the same bits).
     pub fn set_km_wait_first(&mut self, on: bool) {
         self.set_switch(on, |b| &mut b.km_wait_first);
+    }
+
+    /// Where the keys-on-M kernel waits first and applies RoPE itself, it asks for the
+    /// row's k and v and the RoPE frequencies beside q and computes cos/sin after its
+    /// early tiles (default: off unless `DISAGG_CUDA_KM_KV_EARLY=1`; the same bits).
+    pub fn set_km_kv_early(&mut self, on: bool) {
+        self.set_switch(on, |b| &mut b.km_kv_early);
     }
 
     /// `DISAGG_CUDA_QKV_TRIGGER`'s bits 1, 2 and 4 (default: as that variable says, else
@@ -2416,7 +2429,11 @@ impl CudaBackend {
                 self.attn_part = st.alloc_zeros::<f32>(need.next_power_of_two()).expect("CUDA: attention scratch");
             }
         }
-        // The flash kernels' switch bits bar RoPE and clusters (below).
+        // The flash kernels' switch bits bar RoPE and clusters (below). The keys-on-M kernel
+        // waits first where the kernel before cannot have let it in early: that is only the
+        // one-token QKV GEMV that applies RoPE itself, so never where RoPE is left to this
+        // kernel (the QKV GEMM or plain GEMV before it).
+        let wait_first = self.km_wait_first && (rope.is_some() || !self.qkv_lets_attention_in_early());
         let flash_flags = self.flash_lean_loads as i32
             | (self.flash_wide_merge as i32) << 1
             | (self.flash_mask_edge as i32) << 2
@@ -2429,7 +2446,8 @@ impl CudaBackend {
             | (self.flash_merge_ilp as i32) << 12
             | (self.km_batch_loads as i32) << 13
             | (self.cluster_relaxed_exit as i32) << 14
-            | ((self.km_wait_first && !self.qkv_lets_attention_in_early()) as i32) << 15;
+            | (wait_first as i32) << 15
+            | (self.km_kv_early as i32) << 16;
         match &mut kv.layers[layer] {
             c @ (KvBuf::F16(_) | KvBuf::Fp8(_)) if self.step_flash => {
                 let name = self.step_flash_kernel;
@@ -2469,7 +2487,7 @@ impl CudaBackend {
                 // The kernel's switch bits (FLASH_LEAN_LOADS, FLASH_WIDE_MERGE,
                 // FLASH_MASK_EDGE, FLASH_PAIR_LOADS, the keys-on-M kernel's FLASH_EARLY,
                 // FLASH_BULK, FLASH_MERGE_ILP, FLASH_BATCH_LOADS, FLASH_WAIT_FIRST, FLASH_RELAXED_EXIT,
-                // FLASH_LAZY_RESCALE in ops.cu), and FLASH_OUT_BF16: the bf16 GEMM scratch
+                // FLASH_KV_EARLY, FLASH_LAZY_RESCALE in ops.cu), and FLASH_OUT_BF16: the bf16 GEMM scratch
                 // in place of `out`.
                 let flags = flash_flags
                     | (rope.is_some() as i32) << 5

@@ -1111,6 +1111,7 @@ __device__ __forceinline__ void wgmma_rs(float* d, const unsigned* a, unsigned l
 #define FLASH_BATCH_LOADS 8192  // keys on M: q's values and a tile's block-table entries all loaded before use (else each in turn)
 #define FLASH_RELAXED_EXIT 16384  // keys on M, cluster: the barrier after the merge arrives without release (else with)
 #define FLASH_WAIT_FIRST 32768    // keys on M, with FLASH_BATCH_LOADS: wait, then ask for q beside the first tiles' table entries (else q after them)
+#define FLASH_KV_EARLY 65536      // keys on M, with FLASH_ROPE and FLASH_WAIT_FIRST: the row's k, v and RoPE frequencies asked for beside q, cos/sin after the early tiles (else each when used)
 // 2^x for the online softmax. FX: the bare MUFU instruction, inputs and results below
 // 2^-126 flushed to zero (x ≤ 0 here, and P is rounded to f16 anyway, whose smallest
 // subnormal is 2^-24); else exp2f, which scales around the MUFU for f32 subnormals.
@@ -2256,19 +2257,9 @@ __device__ void cluster_merge(const float* cpart, int grp, int splits, int z, fl
 // for after this tile's scores and softmax instead of before them; KM_LAB_SPLIT_LOAD (with
 // FLASH_BATCH_LOADS, cp.async), the next tile's block-table entries asked for before this
 // tile's scores and its copies after the softmax, so the entries' round trip runs under them.
-// Forms of a block's start: KM_LAB_ROPE_LATE (FLASH_ROPE), the early tiles asked for before
-// RoPE's cos and sin are computed (their frequencies' load, f64 sincos and a barrier) rather
-// than after; KM_LAB_ONE_TRIP (FLASH_EARLY with FLASH_BATCH_LOADS, cp.async), the early
-// tiles' block-table entries all asked for before any of their copies, one round trip
-// rather than one a tile; KM_LAB_KV_EARLY (FLASH_ROPE with FLASH_WAIT_FIRST; implies
-// ROPE_LATE), the row's k and v and this thread's RoPE frequency loaded beside q, so neither
-// the k/v write nor the cos/sin waits for a load of its own.
 #define KM_LAB_S_ILP 1
 #define KM_LAB_LATE_LOAD 2
 #define KM_LAB_SPLIT_LOAD 4
-#define KM_LAB_ROPE_LATE 8
-#define KM_LAB_ONE_TRIP 16
-#define KM_LAB_KV_EARLY 32
 template <int HD, int STAGES, typename KT, int LAB = 0>
 __device__ void flash_decode_km_impl(const float* qkv, const KT* cache, long long half, const int* tiles,
                                      const unsigned int* tables, int n_heads, int n_kv, int block_size, float scale,
@@ -2329,11 +2320,13 @@ __device__ void flash_decode_km_impl(const float* qkv, const KT* cache, long lon
         pdl_wait();
         load_q();
     }
-    // KM_LAB_KV_EARLY: this thread's frequency and its share of the row's k and v (one
-    // pair of k, one value of v: HD ≤ 128 for 128 threads), loaded beside q.
-    constexpr bool kv_early = (LAB & KM_LAB_KV_EARLY) != 0;
-    static_assert(!kv_early || HD <= 128, "a thread's share of k and v in registers");
-    const bool preload = kv_early && rope && wait_first;
+    // FLASH_KV_EARLY (with RoPE, after the wait above): this thread's RoPE frequency and its
+    // share of the row's k and v (one pair of k, one value of v: head_dim ≤ 128 for 128
+    // threads) asked for beside q, and RoPE's cos/sin computed after the early tiles are
+    // asked for, so neither the cos/sin nor the k/v write waits for a load of its own
+    // (unsplit, every block holds its row's key and writes it). The same values: the same bits.
+    static_assert(HD <= 128, "a thread's share of k and v in registers");
+    const bool preload = (flags & FLASH_KV_EARLY) != 0 && rope && wait_first;
     float fx = 0.f, kx0 = 0.f, kx1 = 0.f, vx = 0.f;
     auto rope_tables = [&]() {
         if (preload) {
@@ -2344,8 +2337,7 @@ __device__ void flash_decode_km_impl(const float* qkv, const KT* cache, long lon
         __syncthreads();
     };
     if (preload && threadIdx.x < HH) fx = inv_freq[threadIdx.x];
-    constexpr bool rope_late = (LAB & (KM_LAB_ROPE_LATE | KM_LAB_KV_EARLY)) != 0;
-    if (rope && !rope_late) rope_tables();
+    if (rope && !preload) rope_tables();
     // Pair j's dims (a, b), as rope_write_kv_impl pairs them.
     auto pair_a = [&](int j) { return interleaved ? 2 * j : j; };
     auto pair_b = [&](int j) { return interleaved ? 2 * j + 1 : j + HH; };
@@ -2467,7 +2459,7 @@ __device__ void flash_decode_km_impl(const float* qkv, const KT* cache, long lon
         }
         if (bulk) fence_proxy_async_global();  // the bulk copies of the tile read them
     };
-    // KM_LAB_KV_EARLY: the row's k and v asked for beside q (the wait for the kernel that
+    // FLASH_KV_EARLY: the row's k and v asked for beside q (the wait for the kernel that
     // wrote them is done).
     if (preload && writes_kv) {
         const float* k = qkv + (size_t)row0 * w + (size_t)(n_heads + kvh) * HD;
@@ -2479,25 +2471,9 @@ __device__ void flash_decode_km_impl(const float* qkv, const KT* cache, long lon
     // without FLASH_ROPE, the row's k and v); with FLASH_WAIT_FIRST, after that wait,
     // beside q's loads.
     int pre = 0;
-    if constexpr ((LAB & KM_LAB_ONE_TRIP) != 0) {
-        if ((flags & FLASH_EARLY) && (flags & FLASH_BATCH_LOADS) && !bulk) {
-            while (pre < STAGES - 1 && k0 + (pre + 1) * KM_KEYS <= pos0) pre++;
-            int ebi[STAGES - 1][PASSES];
-            unsigned eblk[STAGES - 1][PASSES];
-#pragma unroll
-            for (int t = 0; t < STAGES - 1; t++)
-                if (t < pre) table_entries(k0 + t * KM_KEYS, ebi[t], eblk[t]);
-#pragma unroll
-            for (int t = 0; t < STAGES - 1; t++)
-                if (t < pre) {
-                    batch_copies(k0 + t * KM_KEYS, stage_at(t), ebi[t], eblk[t]);
-                    cp_async_commit();
-                }
-        }
-    }
     if (flags & FLASH_EARLY)
         for (; pre < STAGES - 1 && k0 + (pre + 1) * KM_KEYS <= pos0; pre++) load_tile(k0 + pre * KM_KEYS, pre);
-    if (rope && rope_late) rope_tables();
+    if (preload) rope_tables();
     KM_STAMP(1);
     if (!wait_first) pdl_wait();
     KM_STAMP(2);
