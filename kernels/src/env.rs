@@ -341,12 +341,13 @@ pub const CUDA_KM_BATCH_LOADS: &str = "DISAGG_CUDA_KM_BATCH_LOADS";
 /// same bits; Llama-3-8B batch 1 −0.05 to −0.28% on an H100, docs/PERF.md); for A/B runs.
 pub const CUDA_KM_WAIT_FIRST: &str = "DISAGG_CUDA_KM_WAIT_FIRST";
 
-/// `1`: where the keys-on-M decode kernel waits first (above) and applies RoPE itself
-/// (`DISAGG_CUDA_ATTN_ROPE`), it asks for the row's k and v and the RoPE frequencies beside
-/// q and computes cos/sin after its early tiles, instead of loading each when it is used
-/// (two round trips after q for the row's k/v write, one before the early tiles for cos/sin;
-/// the same values, the same bits; on an H100 the b64 attention at 1k keys 2.0–2.9% faster
-/// in `decodelab`, docs/PERF.md); for A/B runs.
+/// `0`: where the keys-on-M decode kernel waits first (above) and applies RoPE itself
+/// (`DISAGG_CUDA_ATTN_ROPE`), it loads the row's k and v and the RoPE frequencies each when
+/// it uses them (the k/v write's loads after q is packed, the frequencies' before the early
+/// tiles), instead of asking for them beside q and computing cos/sin after its early tiles
+/// (the same values, the same bits; on an H100 Llama-3-8B batch 16 at 1k keys −0.9 to
+/// −1.0% and batch 64 −0.2 to −0.6%, its b64 attention in `decodelab` −2.0 to −2.9%;
+/// docs/PERF.md); for A/B runs.
 pub const CUDA_KM_KV_EARLY: &str = "DISAGG_CUDA_KM_KV_EARLY";
 
 /// `0`: the cluster barrier after a keys-on-M cluster's merge arrives with release (every

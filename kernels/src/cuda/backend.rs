@@ -603,7 +603,7 @@ pub struct CudaBackend {
     km_wait_first: bool,
     /// With its wait first and RoPE in the kernel, the keys-on-M kernel asks for the row's
     /// k and v and the RoPE frequencies beside q, and computes cos/sin after its early
-    /// tiles (`DISAGG_CUDA_KM_KV_EARLY=1`; else each when used; the same bits).
+    /// tiles (`DISAGG_CUDA_KM_KV_EARLY=0`: each when used; the same bits).
     km_kv_early: bool,
     /// The barrier after a keys-on-M cluster's merge arrives without release
     /// (`DISAGG_CUDA_CLUSTER_RELAXED_EXIT=0`: with it).
@@ -1099,7 +1099,7 @@ impl CudaBackend {
             flash_merge_ilp: !off(crate::env::CUDA_FLASH_MERGE_ILP),
             km_batch_loads: !off(crate::env::CUDA_KM_BATCH_LOADS),
             km_wait_first: !off(crate::env::CUDA_KM_WAIT_FIRST),
-            km_kv_early: on(crate::env::CUDA_KM_KV_EARLY),
+            km_kv_early: !off(crate::env::CUDA_KM_KV_EARLY),
             cluster_relaxed_exit: !off(crate::env::CUDA_CLUSTER_RELAXED_EXIT),
             flash_warp_spec: !off(crate::env::CUDA_FLASH_WARP_SPEC),
             flash_pp_turns: on(crate::env::CUDA_FLASH_PP_TURNS),
@@ -1586,7 +1586,7 @@ impl CudaBackend {
 
     /// Where the keys-on-M kernel waits first and applies RoPE itself, it asks for the
     /// row's k and v and the RoPE frequencies beside q and computes cos/sin after its
-    /// early tiles (default: off unless `DISAGG_CUDA_KM_KV_EARLY=1`; the same bits).
+    /// early tiles (default: on unless `DISAGG_CUDA_KM_KV_EARLY=0`; the same bits).
     pub fn set_km_kv_early(&mut self, on: bool) {
         self.set_switch(on, |b| &mut b.km_kv_early);
     }
