@@ -345,9 +345,9 @@ pub const CUDA_KM_WAIT_FIRST: &str = "DISAGG_CUDA_KM_WAIT_FIRST";
 /// (`DISAGG_CUDA_ATTN_ROPE`), it loads the row's k and v and the RoPE frequencies each when
 /// it uses them (the k/v write's loads after q is packed, the frequencies' before the early
 /// tiles), instead of asking for them beside q and computing cos/sin after its early tiles
-/// (the same values, the same bits; on an H100 Llama-3-8B batch 16 at 1k keys −0.9 to
-/// −1.0% and batch 64 −0.2 to −0.6%, its b64 attention in `decodelab` −2.0 to −2.9%;
-/// docs/PERF.md); for A/B runs.
+/// (the same values, the same bits; on an H100 Llama-3-8B batch 16 at 1k keys −0.94 and
+/// −0.96% and batch 64 −0.41% in two alternated rounds, its b64 attention at 1k keys in
+/// `decodelab` −1.9 to −3.0%; docs/PERF.md); for A/B runs.
 pub const CUDA_KM_KV_EARLY: &str = "DISAGG_CUDA_KM_KV_EARLY";
 
 /// `0`: the cluster barrier after a keys-on-M cluster's merge arrives with release (every
