@@ -920,9 +920,8 @@ fn rope_write_kv_case(n_heads: usize, n_kv: usize) {
 /// chunks, over sequences whose new key lies in the kernel's first loads (contexts of 4
 /// and 100 keys) and past them (700, 1,000), also with the row's k, v and the RoPE
 /// frequencies asked for beside q (`DISAGG_CUDA_KM_KV_EARLY`); and the switch decides which
-/// ran. Likewise a
-/// prefill step on the warp-specialized kernel (32/8 heads, head_dim 128) whose q the
-/// kernel rotates as it loads it, after `rope_write_k_f16` rotated and stored only k: 171 new
+/// ran. Likewise a prefill step on the warp-specialized kernel (32/8 heads, head_dim 128)
+/// whose q the kernel rotates as it loads it, after `rope_write_k_f16` rotated and stored only k: 171 new
 /// rows from position 0 (a partial last tile) and 40 after a past of 300 keys. The
 /// prefill step runs two layers: the second's grouped RoPE kernel (one, three or eight
 /// heads per thread; q's skipped, or rotated before the attention) reads the cos/sin the

@@ -48,12 +48,6 @@ __global__ void __launch_bounds__(128) decode_km_f16_d128(FLASH_ARGS) {
                                                            scale, max_ctx, out, part, flags, lab_inv_freq, lab_slots, 0);
 }
 
-// The keys-on-M kernel's tile loads alone (twenty-eighth session): its grid, its three
-// stages of padded 64-key K and V tiles (two blocks per SM), its cp.async pattern (a
-// thread keeps one 16-byte column and steps over keys, a block-table read per key) and its
-// wait and barrier per tile, but no arithmetic: each tile is touched by one shared load per
-// thread, then the block spins `spin` clock cycles (a stand-in for a tile's MMAs and
-// softmax) before the next. What the load structure reaches, and how a tile's work adds.
 // One tile's copies as the keys-on-M kernel asks for them (lean loads, no batching): keys
 // [kb, kb + 64) below k1, this thread's 16-byte column of each (`my_src`: the KV head's rows
 // from the column on), a block-table read per key; K at `at`, V KBYTES on.
@@ -90,6 +84,12 @@ __device__ __forceinline__ void km_lab_use(unsigned at, int spin, unsigned& acc)
     }
 }
 
+// The keys-on-M kernel's tile loads alone (twenty-eighth session): its grid, its three
+// stages of padded 64-key K and V tiles (two blocks per SM), its cp.async pattern (a
+// thread keeps one 16-byte column and steps over keys, a block-table read per key) and its
+// wait and barrier per tile, but no arithmetic: each tile is touched by one shared load per
+// thread, then the block spins `spin` clock cycles (a stand-in for a tile's MMAs and
+// softmax) before the next. What the load structure reaches, and how a tile's work adds.
 template <int STAGES>
 __global__ void __launch_bounds__(128) km_loads(const unsigned short* cache, long long half, const int* tiles,
                                                 const unsigned int* tables, int n_kv, int block_size, int spin,
@@ -140,8 +140,8 @@ __global__ void __launch_bounds__(128) km_loads(const unsigned short* cache, lon
 // Slots 0 and 1 are written before the first barrier (the first loads may start two units);
 // after that a load starts at most one unit, so before each tile's barrier thread 0 writes
 // the slot after the next one to be read (the claim it made at the last write), and a slot
-// is written again only three barriers or more after its read. `taken[block]`: the units it took; the
-// last block to leave resets the counter for the next launch. Equal blocks of a fixed grid
+// is written again only three barriers or more after its read. `taken[block]`: the units
+// it took; the last block to leave resets the counter for the next launch. Equal blocks of a fixed grid
 // end unequally (an SM served faster, 16 of 264 slots without a second block); with units
 // taken, a block on a fast SM takes more. What that is worth to the loads alone.
 template <int STAGES>

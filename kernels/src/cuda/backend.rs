@@ -2430,9 +2430,9 @@ impl CudaBackend {
             }
         }
         // The flash kernels' switch bits bar RoPE and clusters (below). The keys-on-M kernel
-        // waits first where the kernel before cannot have let it in early: that is only the
-        // one-token QKV GEMV that applies RoPE itself, so never where RoPE is left to this
-        // kernel (the QKV GEMM or plain GEMV before it).
+        // waits first where the kernel before cannot have let it in early. Only the one-token
+        // QKV GEMV that applies RoPE itself can (its trigger bits), and where RoPE is left to
+        // this kernel the kernel before is the QKV GEMM or the plain GEMV.
         let wait_first = self.km_wait_first && (rope.is_some() || !self.qkv_lets_attention_in_early());
         let flash_flags = self.flash_lean_loads as i32
             | (self.flash_wide_merge as i32) << 1
