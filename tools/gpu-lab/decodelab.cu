@@ -435,6 +435,16 @@ int main(int argc, char** argv) {
         const int smem = KM_SMEM_BYTES(128, 3);
         CK(cudaFuncSetAttribute(km_loads<3>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
         CK(cudaFuncSetAttribute(decode_km_f16_d128<3>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+        // km_loads_taken's resident grid, its counter (reset by each launch's last block) and
+        // the units each block took.
+        int per_sm = 0, sms = 0;
+        CK(cudaFuncSetAttribute(km_loads_taken<3>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+        CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, km_loads_taken<3>, 128, smem));
+        CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+        const int grid = per_sm * sms;
+        unsigned *counter, *taken;
+        CK(cudaMalloc(&counter, 8)); CK(cudaMemset(counter, 0, 8));
+        CK(cudaMalloc(&taken, grid * 4));
         for (int round = 0; round < 2; round++) {
             auto g = [&]() { decode_km_f16_d128<3><<<dim3(B, NKV, 1), 128, smem, st>>>(qkv, cache, half, dtiles, dtables, NH, NKV, BS, scale, dmax, out, part, 0); };
             g(); CK(cudaStreamSynchronize(st));
@@ -449,14 +459,6 @@ int main(int argc, char** argv) {
             }
             // The loads taken as work (km_loads_taken): a resident grid, units of 1/cuts of
             // an item (DL_TAKEN_CUTS, default 1 2 4), with no spin and with 2,000 cycles.
-            int per_sm = 0, sms = 0;
-            CK(cudaFuncSetAttribute(km_loads_taken<3>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-            CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, km_loads_taken<3>, 128, smem));
-            CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-            const int grid = per_sm * sms;
-            unsigned *counter, *taken;
-            CK(cudaMalloc(&counter, 8)); CK(cudaMemset(counter, 0, 8));
-            CK(cudaMalloc(&taken, grid * 4));
             for (int spin : {0, 2000})
                 for (int cuts : env_list("DL_TAKEN_CUTS", {1, 2, 4}, 1, 64)) {
                     const int chunk = std::max(2, (CTX + cuts * KM_KEYS - 1) / (cuts * KM_KEYS)) * KM_KEYS;
@@ -477,7 +479,6 @@ int main(int argc, char** argv) {
                            sum == (unsigned)(B * NKV * ncut) ? "" : " BAD");
                     timeline(grid);
                 }
-            CK(cudaFree(counter)); CK(cudaFree(taken));
         }
         return 0;
     }

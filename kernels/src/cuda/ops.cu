@@ -2325,15 +2325,14 @@ __device__ void flash_decode_km_impl(const float* qkv, const KT* cache, long lon
     // threads) asked for beside q, and RoPE's cos/sin computed after the early tiles are
     // asked for, so neither the cos/sin nor the k/v write waits for a load of its own
     // (unsplit, every block holds its row's key and writes it). The same values: the same bits.
+    // With 128 threads and head_dim ≤ 128 the loops below over pairs and dims run at most
+    // once a thread (j = threadIdx.x), so the preloaded values are that iteration's.
     static_assert(HD <= 128, "a thread's share of k and v in registers");
     const bool preload = (flags & FLASH_KV_EARLY) != 0 && rope && wait_first;
     float fx = 0.f, kx0 = 0.f, kx1 = 0.f, vx = 0.f;
     auto rope_tables = [&]() {
-        if (preload) {
-            if (threadIdx.x < HH) rope_cs((float)pos0, fx, rope_c[threadIdx.x], rope_s[threadIdx.x]);
-        } else {
-            for (int j = threadIdx.x; j < HH; j += blockDim.x) rope_cs((float)pos0, inv_freq[j], rope_c[j], rope_s[j]);
-        }
+        for (int j = threadIdx.x; j < HH; j += blockDim.x)
+            rope_cs((float)pos0, preload ? fx : inv_freq[j], rope_c[j], rope_s[j]);
         __syncthreads();
     };
     if (preload && threadIdx.x < HH) fx = inv_freq[threadIdx.x];
@@ -2439,24 +2438,13 @@ __device__ void flash_decode_km_impl(const float* qkv, const KT* cache, long lon
         const float* k = qkv + (size_t)row0 * w + (size_t)(n_heads + kvh) * HD;
         const float* v = k + (size_t)n_kv * HD;
         KT* c = const_cast<KT*>(cache);
-        if (preload) {
-            const int j = threadIdx.x;
-            if (j < HH) {
-                float x0 = kx0, x1 = kx1;
-                rope_apply(rope_c[j], rope_s[j], x0, x1);
-                kv_store(c, at + pair_a(j), x0);
-                kv_store(c, at + pair_b(j), x1);
-            }
-            if (j < HD) kv_store(c, (size_t)half + at + j, vx);
-        } else {
-            for (int j = threadIdx.x; j < HH; j += blockDim.x) {
-                float x0 = k[pair_a(j)], x1 = k[pair_b(j)];
-                rope_apply(rope_c[j], rope_s[j], x0, x1);
-                kv_store(c, at + pair_a(j), x0);
-                kv_store(c, at + pair_b(j), x1);
-            }
-            for (int d = threadIdx.x; d < HD; d += blockDim.x) kv_store(c, (size_t)half + at + d, v[d]);
+        for (int j = threadIdx.x; j < HH; j += blockDim.x) {
+            float x0 = preload ? kx0 : k[pair_a(j)], x1 = preload ? kx1 : k[pair_b(j)];
+            rope_apply(rope_c[j], rope_s[j], x0, x1);
+            kv_store(c, at + pair_a(j), x0);
+            kv_store(c, at + pair_b(j), x1);
         }
+        for (int d = threadIdx.x; d < HD; d += blockDim.x) kv_store(c, (size_t)half + at + d, preload ? vx : v[d]);
         if (bulk) fence_proxy_async_global();  // the bulk copies of the tile read them
     };
     // FLASH_KV_EARLY: the row's k and v asked for beside q (the wait for the kernel that
