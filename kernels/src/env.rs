@@ -350,14 +350,6 @@ pub const CUDA_KM_WAIT_FIRST: &str = "DISAGG_CUDA_KM_WAIT_FIRST";
 /// `decodelab` −1.9 to −3.0%; docs/PERF.md); for A/B runs.
 pub const CUDA_KM_KV_EARLY: &str = "DISAGG_CUDA_KM_KV_EARLY";
 
-/// `1` or `2`: the keys-on-M decode attention lets the kernel after it, where that one is
-/// launched programmatically (the one-token o GEMV), be scheduled before it ends: as each
-/// block leaves its tile loop (1) or once its warps' parts are merged (2), so the GEMV's
-/// blocks take the SMs the attention leaves free and ask for their first weights during its
-/// merges; the GEMV still waits for all of the attention's writes (the same bits). `0`
-/// (default): as its last block ends. For A/B runs (docs/PERF.md, seventieth session).
-pub const CUDA_ATTN_TRIGGER: &str = "DISAGG_CUDA_ATTN_TRIGGER";
-
 /// `0`: the cluster barrier after a keys-on-M cluster's merge arrives with release (every
 /// block's output stores drained first), instead of without (what it guards is only that
 /// no block leaves while another reads its shared memory; each value read is used first;

@@ -605,10 +605,6 @@ pub struct CudaBackend {
     /// k and v and the RoPE frequencies beside q, and computes cos/sin after its early
     /// tiles (`DISAGG_CUDA_KM_KV_EARLY=0`: each when used; the same bits).
     km_kv_early: bool,
-    /// Where the keys-on-M kernel lets the kernel after it be scheduled before it ends
-    /// (`DISAGG_CUDA_ATTN_TRIGGER`): 0 as its last block ends, 1 as every block leaves its
-    /// tile loop, 2 once every block's warps' parts are merged (the same bits).
-    attn_trigger: u32,
     /// The barrier after a keys-on-M cluster's merge arrives without release
     /// (`DISAGG_CUDA_CLUSTER_RELAXED_EXIT=0`: with it).
     cluster_relaxed_exit: bool,
@@ -1104,15 +1100,6 @@ impl CudaBackend {
             km_batch_loads: !off(crate::env::CUDA_KM_BATCH_LOADS),
             km_wait_first: !off(crate::env::CUDA_KM_WAIT_FIRST),
             km_kv_early: !off(crate::env::CUDA_KM_KV_EARLY),
-            attn_trigger: match std::env::var(crate::env::CUDA_ATTN_TRIGGER) {
-                Ok(v) => v.parse().ok().filter(|&t| t <= 2).ok_or_else(|| {
-                    KernelError::Device(format!(
-                        "{}={v}: give 0 (none), 1 (after the attention's tile loop) or 2 (after its warps' merge)",
-                        crate::env::CUDA_ATTN_TRIGGER
-                    ))
-                })?,
-                Err(_) => 0,
-            },
             cluster_relaxed_exit: !off(crate::env::CUDA_CLUSTER_RELAXED_EXIT),
             flash_warp_spec: !off(crate::env::CUDA_FLASH_WARP_SPEC),
             flash_pp_turns: on(crate::env::CUDA_FLASH_PP_TURNS),
@@ -1602,17 +1589,6 @@ impl CudaBackend {
     /// early tiles (default: on unless `DISAGG_CUDA_KM_KV_EARLY=0`; the same bits).
     pub fn set_km_kv_early(&mut self, on: bool) {
         self.set_switch(on, |b| &mut b.km_kv_early);
-    }
-
-    /// Where the keys-on-M attention lets the kernel after it be scheduled (default: as
-    /// `DISAGG_CUDA_ATTN_TRIGGER` says, else 0): 0 as its last block ends, 1 as every block
-    /// leaves its tile loop, 2 once every block's warps' parts are merged.
-    pub fn set_attn_trigger(&mut self, at: u32) {
-        assert!(at <= 2, "attention trigger {at}: 0, 1 or 2");
-        if self.attn_trigger != at {
-            self.buffers_moving();
-            self.attn_trigger = at;
-        }
     }
 
     /// `DISAGG_CUDA_QKV_TRIGGER`'s bits 1, 2 and 4 (default: as that variable says, else
@@ -2471,9 +2447,7 @@ impl CudaBackend {
             | (self.km_batch_loads as i32) << 13
             | (self.cluster_relaxed_exit as i32) << 14
             | (wait_first as i32) << 15
-            | (self.km_kv_early as i32) << 16
-            | ((self.attn_trigger != 0) as i32) << 17
-            | ((self.attn_trigger == 2) as i32) << 18;
+            | (self.km_kv_early as i32) << 16;
         match &mut kv.layers[layer] {
             c @ (KvBuf::F16(_) | KvBuf::Fp8(_)) if self.step_flash => {
                 let name = self.step_flash_kernel;
@@ -2513,8 +2487,8 @@ impl CudaBackend {
                 // The kernel's switch bits (FLASH_LEAN_LOADS, FLASH_WIDE_MERGE,
                 // FLASH_MASK_EDGE, FLASH_PAIR_LOADS, the keys-on-M kernel's FLASH_EARLY,
                 // FLASH_BULK, FLASH_MERGE_ILP, FLASH_BATCH_LOADS, FLASH_WAIT_FIRST, FLASH_RELAXED_EXIT,
-                // FLASH_KV_EARLY, FLASH_TRIGGER, FLASH_TRIGGER_MERGED, FLASH_LAZY_RESCALE in ops.cu),
-                // and FLASH_OUT_BF16: the bf16 GEMM scratch in place of `out`.
+                // FLASH_KV_EARLY, FLASH_LAZY_RESCALE in ops.cu), and FLASH_OUT_BF16: the bf16 GEMM scratch
+                // in place of `out`.
                 let flags = flash_flags
                     | (rope.is_some() as i32) << 5
                     | (cluster as i32) << 6

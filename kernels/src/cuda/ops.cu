@@ -10,8 +10,8 @@
 // kernel writes (reading only weights before it). By default no kernel lets the next one
 // start earlier (griddepcontrol.launch_dependents): blocks of the next kernel then took SMs
 // while this one still ran, and a decode step at batch 1 was 15% slower (PERF.md); only the
-// one-token QKV GEMV and, for A/B runs, the keys-on-M attention can (pdl_trigger below).
-// Launched without the attribute, pdl_wait is a no-op.
+// one-token QKV GEMV can, for A/B runs (pdl_trigger below). Launched without the
+// attribute, pdl_wait is a no-op.
 __device__ __forceinline__ void pdl_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -59,7 +59,7 @@ __device__ __forceinline__ unsigned long long globaltimer() {
 
 // Lets the next kernel, launched programmatically, be scheduled before this one ends (its
 // blocks take SMs where room is left and run up to their pdl_wait). Only the one-token
-// QKV GEMV (`RopeKv::trigger`) and the keys-on-M attention (FLASH_TRIGGER) have it, by request.
+// QKV GEMV has it, by request (`RopeKv::trigger`).
 __device__ __forceinline__ void pdl_trigger() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
@@ -1112,8 +1112,6 @@ __device__ __forceinline__ void wgmma_rs(float* d, const unsigned* a, unsigned l
 #define FLASH_RELAXED_EXIT 16384  // keys on M, cluster: the barrier after the merge arrives without release (else with)
 #define FLASH_WAIT_FIRST 32768    // keys on M, with FLASH_BATCH_LOADS: wait, then ask for q beside the first tiles' table entries (else q after them)
 #define FLASH_KV_EARLY 65536      // keys on M, with FLASH_ROPE and FLASH_WAIT_FIRST: the row's k, v and RoPE frequencies asked for beside q, cos/sin after the early tiles (else each when used)
-#define FLASH_TRIGGER 131072      // keys on M: the next kernel may be scheduled once every block has left its tile loop (else as the last block ends)
-#define FLASH_TRIGGER_MERGED 262144  // with FLASH_TRIGGER: only once every block's warps' parts are merged (before a cluster's merge)
 // 2^x for the online softmax. FX: the bare MUFU instruction, inputs and results below
 // 2^-126 flushed to zero (x ≤ 0 here, and P is rounded to f16 anyway, whose smallest
 // subnormal is 2^-24); else exp2f, which scales around the MUFU for f32 subnormals.
@@ -2647,10 +2645,6 @@ __device__ void flash_decode_km_impl(const float* qkv, const KT* cache, long lon
         }
     }
     KM_STAMP(4);
-    // FLASH_TRIGGER: the kernel after this one, launched programmatically, may be scheduled
-    // now, so its blocks take the SMs left free and ask for their first weights while this
-    // one merges (latency, not bytes); their own pdl_wait still orders every read of `out`.
-    if ((flags & (FLASH_TRIGGER | FLASH_TRIGGER_MERGED)) == FLASH_TRIGGER) pdl_trigger();
     // This warp's sums over its keys: add the lanes of each head column.
 #pragma unroll
     for (int off = 4; off < 32; off <<= 1) {
@@ -2691,7 +2685,6 @@ __device__ void flash_decode_km_impl(const float* qkv, const KT* cache, long lon
         merge_warp_parts<HD, true>(ml, ro, 8, RS, hh, c, out, th * HD + c, pp, bf16);
     }
     KM_STAMP(5);
-    if ((flags & (FLASH_TRIGGER | FLASH_TRIGGER_MERGED)) == (FLASH_TRIGGER | FLASH_TRIGGER_MERGED)) pdl_trigger();
     if (cluster)
         cluster_merge<HD>(cpart, grp, splits, z, out, ((size_t)row0 * n_heads + kvh * grp) * HD, bf16,
                           (flags & FLASH_MERGE_ILP) != 0 && splits <= 16, (flags & FLASH_RELAXED_EXIT) != 0);
