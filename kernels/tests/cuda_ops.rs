@@ -18,7 +18,7 @@ fn main() {
         Ok(())
     })];
     if std::env::var_os(kernels::env::TEST_CUDA).is_some() {
-        let gpu_tests: [(&str, fn()); 13] = [
+        let gpu_tests: [(&str, fn()); 14] = [
             (
                 "greedy_argmax_takes_the_first_maximum_in_every_form",
                 greedy_argmax_takes_the_first_maximum_in_every_form,
@@ -31,6 +31,7 @@ fn main() {
                 prenormed_gemvs_match_the_gemvs_that_norm_themselves,
             ),
             ("mlp_residual_matches_cpu_fused_or_not", mlp_residual_matches_cpu_fused_or_not),
+            ("split_k_down_and_its_norm_match_the_unsplit_ops", split_k_down_and_its_norm_match_the_unsplit_ops),
             ("rope_write_kv_matches_cpu", rope_write_kv_matches_cpu),
             ("fused_gemv_matches_cpu_norm_matmul_silu", fused_gemv_matches_cpu_norm_matmul_silu),
             ("bf16_matmul_matches_cpu_with_and_without_gemv", bf16_matmul_matches_cpu_with_and_without_gemv),
@@ -1554,6 +1555,67 @@ fn mlp_residual_matches_cpu_fused_or_not() {
     }
     be.set_silu_bf16(true);
     be.set_gu_bf16(true);
+}
+
+/// The down projection split over K by the backend (`set_splitk_norm`), its partials added
+/// to the residual by one kernel that also writes the next RMSNorm's bf16 output, against
+/// one cuBLAS GEMM and the norm's own launch: x within f32 reordering, the norm the
+/// following GEMM reads equal in bits to what `rms_norm_bf16_rows` writes from that x,
+/// and the skipped norm counted only where the split ran.
+fn split_k_down_and_its_norm_match_the_unsplit_ops() {
+    use kernels::quant::GgmlType;
+    use kernels::{Backend, WeightPart};
+    let mut be = kernels::cuda::CudaBackend::new(0, true).expect("cuda:0 opens");
+    // ff 14,336: from 9 tokens, 4 slices of 3,584 up to 64 tokens and 2 up to 128; none past
+    // 128 or on the skinny GEMM's 8.
+    let (hidden, ff, out_rows, eps) = (512usize, 14336usize, 384usize, 1e-5f32);
+    let bytes = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+    let lin = |be: &kernels::cuda::CudaBackend, rows: usize, cols: usize, seed: u32| {
+        let b = bytes(&data(rows * cols, seed).iter().map(|v| v / 64.0).collect::<Vec<f32>>());
+        be.linear(&[WeightPart { ty: GgmlType::F32, rows, cols, bytes: &b }]).unwrap()
+    };
+    let (gate_up, down, next) =
+        (lin(&be, 2 * ff, hidden, 81), lin(&be, hidden, ff, 82), lin(&be, out_rows, hidden, 83));
+    let (n1, n2) = (be.vector(&data(hidden, 84)), be.vector(&data(hidden, 85)));
+    for (n, split) in [(12usize, true), (40, true), (64, true), (100, true), (200, false), (8, false)] {
+        let x0 = data(n * hidden, 90 + n as u32);
+        // (x after the MLP, the next GEMM on the norm of x, the same from a copy of x)
+        let mut runs: Vec<(Vec<f32>, Vec<f32>)> = Vec::new();
+        for from in [0usize, 9] {
+            be.set_splitk_norm(from);
+            let taken = be.splitk_norms();
+            let mut dx = be.device().upload(&x0).unwrap();
+            let (mut h, mut gu, mut act) =
+                (be.act(n * hidden).unwrap(), be.act(n * 2 * ff).unwrap(), be.act(n * ff).unwrap());
+            let mut y = be.act(n * out_rows).unwrap();
+            be.mlp_residual(&mut dx, &n1, eps, n, &mut h, &gate_up, &mut gu, ff, &mut act, &down, Some(&n2));
+            be.norm_matmul(&dx, &n2, eps, n, &mut h, &next, &mut y);
+            let skipped = be.splitk_norms() - taken;
+            assert_eq!(skipped, u64::from(from > 0 && split), "{n} tokens, split-K from {from}: norms skipped");
+            // The same norm and GEMM from a copy of x: the norm's own launch.
+            let mut xs = vec![0f32; n * hidden];
+            be.to_host(&dx, &mut xs);
+            let dcopy = be.device().upload(&xs).unwrap();
+            let mut y2 = be.act(n * out_rows).unwrap();
+            be.norm_matmul(&dcopy, &n2, eps, n, &mut h, &next, &mut y2);
+            let (mut a, mut b) = (vec![0f32; n * out_rows], vec![0f32; n * out_rows]);
+            be.to_host(&y, &mut a);
+            be.to_host(&y2, &mut b);
+            assert!(
+                a == b,
+                "{n} tokens, split-K from {from}: the norm written with x differs from rms_norm_bf16_rows'"
+            );
+            runs.push((xs, a));
+        }
+        let top = runs[0].0.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let dx = runs[0].0.iter().zip(&runs[1].0).map(|(a, b)| (a - b).abs()).fold(0f32, worst32) / top;
+        println!("split-K down, {n} tokens (split {split}): x differs by {dx:.2e} of its range from one GEMM");
+        if split {
+            assert!(dx < 1e-5, "{n} tokens: split-K x off by {dx:.2e} of the range");
+        } else {
+            assert!(runs[0] == runs[1], "{n} tokens: the unsplit path changed");
+        }
+    }
 }
 
 fn fused_gemv_case(be: &mut kernels::cuda::CudaBackend, hidden: usize) {

@@ -617,6 +617,18 @@ pub struct CudaBackend {
     prenormed: Option<(u64, u64, usize)>,
     /// GEMVs that took them.
     prenorm_taken: u64,
+    /// `DISAGG_CUDA_SPLITK_NORM`: the fewest tokens from which a bf16 down projection past
+    /// the GEMV and the skinny GEMM is split over K here and finished by one kernel with the
+    /// residual add and the next RMSNorm (0: never; see [`Self::residual_gemm`]).
+    splitk_from: usize,
+    /// Its partials (splits × tokens × rows), grown on first use.
+    splitk_part: CudaSlice<f32>,
+    /// What that kernel left in the bf16 GEMM scratch: the RMSNorm of x, as (x's device
+    /// address, the norm weight's, the width, tokens, eps bits); taken by the norm it
+    /// stands for, cleared where the scratch or x may be written otherwise.
+    normed_bf16: Option<(u64, u64, usize, usize, u32)>,
+    /// Norms skipped because it was there (tests).
+    normed_taken: u64,
     /// How many deep GEMVs (`gemv_deep`) were launched from the host (tests).
     deep_taken: u64,
     /// `DISAGG_CUDA_SKINNY` (sm_90): GEMMs of 2–8 tokens on the skinny kernel (see
@@ -720,6 +732,10 @@ fn fp8_copy_wanted(copy_bytes: usize, prefill: bool) -> bool {
 /// its index arithmetic (64-bit divisions) for two or four values (the likely cost, not
 /// measured apart).
 const ROPE_GROUP_MAX: usize = 8;
+
+/// The narrowest K slice a split-K residual GEMM takes (`CudaBackend::splitk_splits`):
+/// Llama-3-8B's down projection (14,336) in 4.
+const SPLITK_MIN_COLS: usize = 3584;
 
 /// The keys-on-M decode kernel for `head_dim` (64 or 128).
 fn km_kernel(head_dim: usize, fp8: bool) -> &'static str {
@@ -1077,6 +1093,14 @@ impl CudaBackend {
             prenorm_parts: stream.alloc_zeros::<f32>(1).map_err(dev_err)?,
             prenormed: None,
             prenorm_taken: 0,
+            splitk_from: env_count(
+                crate::env::CUDA_SPLITK_NORM,
+                0,
+                "the fewest tokens whose down projection splits over K (0: never)",
+            )?,
+            splitk_part: stream.alloc_zeros::<f32>(1).map_err(dev_err)?,
+            normed_bf16: None,
+            normed_taken: 0,
             deep_taken: 0,
             skinny: !off(crate::env::CUDA_SKINNY) && dev.arch.0 >= 9,
             norm_cast: !off(crate::env::CUDA_NORM_CAST),
@@ -1436,6 +1460,22 @@ impl CudaBackend {
     /// know which path they checked.
     pub fn prenormed_gemvs(&self) -> u64 {
         self.prenorm_taken
+    }
+
+    /// From how many tokens a bf16 down projection past the GEMV and the skinny GEMM splits
+    /// over K and is finished by one kernel with the residual add and the next RMSNorm
+    /// (default: as `DISAGG_CUDA_SPLITK_NORM` says, else 0 = never).
+    pub fn set_splitk_norm(&mut self, from: usize) {
+        if self.splitk_from != from {
+            self.buffers_moving();
+            self.splitk_from = from;
+        }
+    }
+
+    /// How many RMSNorms launched from the host were skipped because the split-K residual
+    /// kernel before them had written them, for tests.
+    pub fn splitk_norms(&self) -> u64 {
+        self.normed_taken
     }
 
     /// How many GEMVs with more loads per row in flight ([`Self::set_gemv_deep`]) were
@@ -2036,6 +2076,7 @@ impl CudaBackend {
             && self.gemv_pipe
             && self.prenormed == Some((x.device_ptr(&st).0, norm.device_ptr(&st).0, *cols));
         self.prenormed = None;
+        self.normed_bf16 = None;
         let (rows_out, names, flat, pnorm) = match kind {
             Gemv::Plain => (n_out, &super::GEMV_BF16[..], super::GEMV_FLAT_M1[0], ""),
             Gemv::Norm => (n_out, &super::GEMV_NORM_BF16[..], super::GEMV_FLAT_M1[1], super::GEMV_PNORM_M1[0]),
@@ -2169,6 +2210,8 @@ impl CudaBackend {
 
     /// Grows the bf16 GEMM input scratch to `len` values (dropping captured graphs).
     fn grow_x_bf16(&mut self, len: usize) {
+        // (Every writer of the scratch but the split-K residual kernel comes here first.)
+        self.normed_bf16 = None;
         if self.x_bf16.len() < len {
             self.buffers_moving();
             let st = self.dev.stream().clone();
@@ -2272,6 +2315,7 @@ impl CudaBackend {
         assert!(self.x_bf16.len() >= n_tokens * cols && out.len() >= n_tokens * rows, "bf16 GEMM buffers");
         assert!(!c_bf16 || !(accumulate || self.takes_skinny(*cols, n_tokens)), "bf16 GEMM output: cuBLAS, C = A·B");
         self.prenormed = None;
+        self.normed_bf16 = None;
         let st = self.dev.stream().clone();
         if self.takes_skinny(*cols, n_tokens) {
             // Key splits: the most (≤ 8, ≤ the 64-column slabs) that keep the blocks within
@@ -2329,6 +2373,130 @@ impl CudaBackend {
         .expect("cuBLAS: bf16 GEMM");
     }
 
+    /// Key slices for [`Self::residual_gemm`] of `w` over `n_tokens` (1: unsplit): from
+    /// `DISAGG_CUDA_SPLITK_NORM` tokens (past the GEMV and the skinny GEMM) 4 up to 64
+    /// tokens and 2 up to 128 (splitklab: the down projection at 16 / 64 / 128 tokens),
+    /// fewer where a slice would be narrower than [`SPLITK_MIN_COLS`] or not a whole number
+    /// of 64-column slabs; rows a multiple of 4 and ≤ 8,192, the finishing kernel's shape.
+    fn splitk_splits(&self, w: &CudaLinear, n_tokens: usize) -> usize {
+        let (rows, cols) = (w.rows(), w.cols());
+        if self.splitk_from == 0
+            || n_tokens < self.splitk_from
+            || n_tokens > 128
+            || !matches!(w, CudaLinear::Bf16 { .. })
+            || self.takes_gemv(w, n_tokens)
+            || self.takes_skinny(cols, n_tokens)
+            || !rows.is_multiple_of(4)
+            || rows > 8192
+        {
+            return 1;
+        }
+        let mut s = if n_tokens <= 64 { 4 } else { 2 };
+        while s > 1 && !(cols.is_multiple_of(64 * s) && cols / s >= SPLITK_MIN_COLS) {
+            s /= 2;
+        }
+        s
+    }
+
+    /// x += W · (the bf16 GEMM scratch), x being the residual stream, with `next_norm`
+    /// (its weight and eps) the RMSNorm of x that comes next. Where
+    /// [`Self::splitk_splits`] splits K, the slices are one strided-batched cuBLAS GEMM
+    /// into partials (cuBLAS' own split-K adds a reduction launch) and one kernel
+    /// (`splitk_residual_norm_bf16`) adds them to the residual and writes the next norm's
+    /// bf16 output, which [`Self::rms_norm_to_bf16`] then takes instead of launching. Else
+    /// one GEMM accumulating into x.
+    fn residual_gemm(
+        &mut self,
+        w: &CudaLinear,
+        n_tokens: usize,
+        x: &mut CudaSlice<f32>,
+        next_norm: Option<(&CudaSlice<f32>, f32)>,
+    ) {
+        let splits = self.splitk_splits(w, n_tokens);
+        let t = self.tic();
+        let op = gemm_op_name(t.is_some(), w);
+        if splits == 1 {
+            self.gemm_bf16_scratch(w, n_tokens, x, true);
+            self.toc(op, t);
+            return;
+        }
+        let CudaLinear::Bf16 { w, rows, cols } = w else { unreachable!("checked by splitk_splits") };
+        let (rows, cols) = (*rows, *cols);
+        let need = splits * n_tokens * rows;
+        assert!(self.x_bf16.len() >= n_tokens * cols.max(rows) && x.len() >= n_tokens * rows, "split-K GEMM buffers");
+        let st = self.dev.stream().clone();
+        if self.splitk_part.len() < need {
+            self.buffers_moving();
+            self.splitk_part = st.alloc_zeros::<f32>(need.next_power_of_two()).expect("CUDA: split-K partials");
+        }
+        self.prenormed = None;
+        self.normed_bf16 = None;
+        let kc = cols / splits;
+        let (alpha, beta) = (1f32, 0f32);
+        let pstride = (n_tokens * rows) as i64;
+        {
+            let (a, _ga) = w.device_ptr(&st);
+            let (b, _gb) = self.x_bf16.device_ptr(&st);
+            let (c, _gc) = self.splitk_part.device_ptr_mut(&st);
+            // SAFETY: A is W (rows × cols bf16, row-major: column-major cols × rows for
+            // op T), slice s its columns s·kc…, B the scratch's n_tokens rows of `cols`
+            // bf16, slice s the same columns, C the partials, slice s at s · pstride (f32,
+            // `need` ≤ their length); kc a multiple of 64 keeps every slice 16-byte aligned.
+            unsafe {
+                blas::gemm_strided_batched_ex(
+                    *self.blas.handle(),
+                    cublasOperation_t::CUBLAS_OP_T,
+                    cublasOperation_t::CUBLAS_OP_N,
+                    rows as i32,
+                    n_tokens as i32,
+                    kc as i32,
+                    &alpha as *const f32 as *const _,
+                    a as *const _,
+                    cudaDataType::CUDA_R_16BF,
+                    cols as i32,
+                    kc as i64,
+                    b as *const _,
+                    cudaDataType::CUDA_R_16BF,
+                    cols as i32,
+                    kc as i64,
+                    &beta as *const f32 as *const _,
+                    c as *mut _,
+                    cudaDataType::CUDA_R_32F,
+                    rows as i32,
+                    pstride,
+                    splits as i32,
+                    cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                    cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                )
+            }
+            .expect("cuBLAS: split-K GEMM");
+        }
+        self.toc(op, t);
+        let t = self.tic();
+        let (g, eps) = match next_norm {
+            Some((g, eps)) if g.len() == rows => (Some(g), eps),
+            _ => (None, 0.0),
+        };
+        let (s32, d, norm) = (splits as i32, rows as i32, i32::from(g.is_some()));
+        let w_first = i32::from(self.norm_weights_first);
+        let cfg = LaunchConfig { grid_dim: (n_tokens as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        let mut b = Launch::new(&st, self.dev.func("splitk_residual_norm_bf16"));
+        b.arg(&self.splitk_part).arg(&s32).arg(&pstride).arg(&mut *x);
+        match g {
+            Some(g) => b.arg(g),
+            None => b.arg(&self.splitk_part),
+        };
+        b.arg(&eps).arg(&d).arg(&mut self.x_bf16).arg(&w_first).arg(&norm);
+        // SAFETY: the partials hold `splits` slices of n_tokens rows of `rows` f32, x and
+        // the scratch n_tokens rows of `rows` (checked above); rows a multiple of 4, ≤ 8192
+        // (splitk_splits), the kernel's shape; the norm weight `rows` wide when read.
+        unsafe { b.launch(cfg, self.pdl) }.expect("CUDA: split-K residual + norm");
+        if let Some(g) = g {
+            self.normed_bf16 = Some((x.device_ptr(&st).0, g.device_ptr(&st).0, rows, n_tokens, eps.to_bits()));
+        }
+        self.toc("splitk_residual_norm", t);
+    }
+
     /// RMSNorm of `n_tokens` rows straight into the bf16 GEMM scratch (no f32 copy, no
     /// cast) when the fused kernel takes the width (a multiple of 4, ≤ 8192).
     fn rms_norm_to_bf16(&mut self, x: &CudaSlice<f32>, norm: &CudaSlice<f32>, eps: f32, n_tokens: usize) -> bool {
@@ -2337,9 +2505,15 @@ impl CudaBackend {
             return false;
         }
         assert!(x.len() >= n_tokens * dim, "RMSNorm to bf16: x holds {} values, not {n_tokens} rows of {dim}", x.len());
+        let st = self.dev.stream().clone();
+        let key = (x.device_ptr(&st).0, norm.device_ptr(&st).0, dim, n_tokens, eps.to_bits());
+        if self.normed_bf16.take() == Some(key) {
+            // The split-K residual kernel wrote exactly this (residual_gemm).
+            self.normed_taken += 1;
+            return true;
+        }
         let t = self.tic();
         self.grow_x_bf16(n_tokens * dim);
-        let st = self.dev.stream().clone();
         let cfg = LaunchConfig { grid_dim: (n_tokens as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
         let (d, w_first) = (dim as i32, i32::from(self.norm_weights_first));
         let mut b = Launch::new(&st, self.dev.func("rms_norm_bf16_rows"));
@@ -3195,6 +3369,7 @@ impl Backend for CudaBackend {
         );
         let t = self.tic();
         self.prenormed = None;
+        self.normed_bf16 = None;
         self.rope_cs_ready = false;
         self.prepare_step(tokens, batch, rope, attn, logit_rows);
         self.toc("step_metadata_upload", t);
@@ -3212,6 +3387,7 @@ impl Backend for CudaBackend {
         assert!(ids.iter().all(|&i| (i as usize) < table.rows()) && out.len() >= ids.len() * dim);
         assert_eq!(ids.len(), self.n_step, "CUDA: embed takes the ids given to begin_step");
         self.prenormed = None;
+        self.normed_bf16 = None;
         let st = self.dev.stream().clone();
         let d_ids = &self.ids;
         let (d, n) = (dim as i32, ids.len() as i32);
@@ -3260,6 +3436,7 @@ impl Backend for CudaBackend {
             return;
         }
         self.prenormed = None;
+        self.normed_bf16 = None;
         let t = self.tic();
         let (rows, cols) = (w.rows(), w.cols());
         assert!(x.len() >= n_tokens * cols && out.len() >= n_tokens * rows, "matmul buffers");
@@ -3507,9 +3684,7 @@ impl Backend for CudaBackend {
             .silu_mul_to_bf16(gu, gu_bf16, n_tokens, ff, &mut self.x_bf16, self.pdl)
             .expect("CUDA: SiLU·gate to bf16");
         self.toc("silu_mul_bf16", t);
-        let t = self.tic();
-        self.gemm_bf16_scratch(down, n_tokens, x, true);
-        self.toc(gemm_op_name(t.is_some(), down), t);
+        self.residual_gemm(down, n_tokens, x, next_norm.map(|g| (g, eps)));
     }
 
     fn gather_rows(&mut self, x: &CudaSlice<f32>, rows: &[u32], dim: usize, out: &mut CudaSlice<f32>) {

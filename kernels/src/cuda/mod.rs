@@ -58,6 +58,7 @@ pub struct CudaDevice {
 const KERNELS: &[&str] = &[
     "rms_norm_rows",
     "rms_norm_bf16_rows",
+    "splitk_residual_norm_bf16",
     "silu_mul_rows",
     "silu_mul_rows4",
     "silu_mul_rows4_bf16",

@@ -190,36 +190,48 @@ __device__ __forceinline__ void kv_store(unsigned char* p, size_t i, float v) { 
 // registers for the second pass. Rounding: f32 as rms_norm_rows, then to bf16. With
 // `w_first` the thread's norm weights (written before the step) are loaded before the wait
 // for the kernel before, not after the row's sum: the same values, one round trip fewer
-// after the wait.
+// after the wait. With `splits` > 0 (splitk_residual_norm_bf16) the row is first finished
+// as a residual GEMM split over K: x[row] += part[0][row] + … + part[splits − 1][row] (in
+// that order, the slices `pstride` values apart), written back to x, and with `norm` 0 the
+// kernel stops there.
 #define NORM_BF16_VEC 8
-extern "C" __global__ void __launch_bounds__(256) rms_norm_bf16_rows(const float* x, const float* w, float eps, int dim,
-                                                                     unsigned short* out, int w_first) {
+__device__ __forceinline__ void norm_bf16_row(float* x, const float* part, int splits, long long pstride,
+                                              const float* w, float eps, int dim, unsigned short* out, int w_first,
+                                              int norm) {
     const int n4 = dim / 4;
     const float4* w4 = reinterpret_cast<const float4*>(w);
     float4 gw[NORM_BF16_VEC];
-    if (w_first)
+    if (w_first && norm)
 #pragma unroll
         for (int e = 0; e < NORM_BF16_VEC; e++) {
             const int i = e * 256 + threadIdx.x;
             gw[e] = i < n4 ? w4[i] : make_float4(0.f, 0.f, 0.f, 0.f);
         }
     pdl_wait();
-    const float4* xr = reinterpret_cast<const float4*>(x + (size_t)blockIdx.x * dim);
+    float4* xr = reinterpret_cast<float4*>(x + (size_t)blockIdx.x * dim);
     float4 v[NORM_BF16_VEC];
     float s = 0.f;
 #pragma unroll
     for (int e = 0; e < NORM_BF16_VEC; e++) {
         const int i = e * 256 + threadIdx.x;
         v[e] = i < n4 ? xr[i] : make_float4(0.f, 0.f, 0.f, 0.f);
+        if (splits > 0 && i < n4) {
+            for (int k = 0; k < splits; k++) {
+                const float4 p = reinterpret_cast<const float4*>(part + k * pstride + (size_t)blockIdx.x * dim)[i];
+                v[e].x += p.x, v[e].y += p.y, v[e].z += p.z, v[e].w += p.w;
+            }
+            xr[i] = v[e];
+        }
         s += v[e].x * v[e].x + v[e].y * v[e].y + v[e].z * v[e].z + v[e].w * v[e].w;
     }
-    __shared__ float part[8];
+    if (!norm) return;
+    __shared__ float part_s[8];
     for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffff, s, off);
-    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = s;
+    if ((threadIdx.x & 31) == 0) part_s[threadIdx.x >> 5] = s;
     __syncthreads();
     float t = 0.f;
 #pragma unroll
-    for (int i = 0; i < 8; i++) t += part[i];
+    for (int i = 0; i < 8; i++) t += part_s[i];
     const float scale = rsqrtf(t / dim + eps);
     uint2* o = reinterpret_cast<uint2*>(out + (size_t)blockIdx.x * dim);
 #pragma unroll
@@ -232,6 +244,20 @@ extern "C" __global__ void __launch_bounds__(256) rms_norm_bf16_rows(const float
             o[i] = make_uint2(a | (b << 16), c | (d << 16));
         }
     }
+}
+extern "C" __global__ void __launch_bounds__(256) rms_norm_bf16_rows(const float* x, const float* w, float eps, int dim,
+                                                                     unsigned short* out, int w_first) {
+    // (x is only read: no splits.)
+    norm_bf16_row(const_cast<float*>(x), nullptr, 0, 0, w, eps, dim, out, w_first, 1);
+}
+// A residual GEMM that the backend split over K into `splits` partials, finished, and with
+// `norm` the next RMSNorm of the new rows written as bf16 (as rms_norm_bf16_rows would write
+// it from x): one launch for the split-K sum, the residual add and the next norm.
+extern "C" __global__ void __launch_bounds__(256) splitk_residual_norm_bf16(const float* part, int splits,
+                                                                            long long pstride, float* x, const float* w,
+                                                                            float eps, int dim, unsigned short* out,
+                                                                            int w_first, int norm) {
+    norm_bf16_row(x, part, splits, pstride, w, eps, dim, out, w_first, norm);
 }
 
 extern "C" __global__ void embed_rows_bf16(const unsigned short* table, const unsigned int* ids, int dim, int n, float* out) {
