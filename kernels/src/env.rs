@@ -350,13 +350,15 @@ pub const CUDA_KM_WAIT_FIRST: &str = "DISAGG_CUDA_KM_WAIT_FIRST";
 /// `decodelab` −1.9 to −3.0%; docs/PERF.md); for A/B runs.
 pub const CUDA_KM_KV_EARLY: &str = "DISAGG_CUDA_KM_KV_EARLY";
 
-/// `N` > 0: a CUDA bf16 down projection of N to 128 tokens (past the GEMV and the skinny
-/// GEMM) runs as cuBLAS GEMMs over 4 slices of K (up to 64 tokens; 2 up to 128, where a
-/// slice keeps ≥ 3,584 columns: Llama-3-8B's 14,336) into partials and one kernel that adds
-/// them and the residual and writes the next RMSNorm's bf16 output, which the norm then
-/// skips, instead of one cuBLAS GEMM adding into the residual (cuBLAS' own split-K and its
-/// reduction launch) and the norm's own launch. `0` (default): never. For A/B runs
-/// (docs/PERF.md, twenty-ninth and seventieth sessions).
+/// `N`: a CUDA bf16 down projection of N to 128 tokens (past the GEMV and the skinny GEMM)
+/// runs as cuBLAS GEMMs over 4 slices of K (up to 64 tokens; 2 up to 128, where a slice
+/// keeps ≥ 3,584 columns: Llama-3-8B's 14,336) into partials and one kernel that adds them
+/// and the residual and writes the next RMSNorm's bf16 output, which the norm then skips,
+/// instead of one cuBLAS GEMM adding into the residual (cuBLAS' own split-K and its
+/// reduction launch) and the norm's own launch. Default 65 (two slices, 65–128 tokens:
+/// Llama-3-8B b128 0.5–0.7% faster on an H100; four slices at 16–64 tokens were 0.3–0.5%
+/// slower there); `0`: never. For A/B runs (docs/PERF.md, twenty-ninth and seventieth
+/// sessions).
 pub const CUDA_SPLITK_NORM: &str = "DISAGG_CUDA_SPLITK_NORM";
 
 /// `0`: the cluster barrier after a keys-on-M cluster's merge arrives with release (every

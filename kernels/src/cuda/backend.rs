@@ -617,9 +617,10 @@ pub struct CudaBackend {
     prenormed: Option<(u64, u64, usize)>,
     /// GEMVs that took them.
     prenorm_taken: u64,
-    /// `DISAGG_CUDA_SPLITK_NORM`: the fewest tokens from which a bf16 down projection past
-    /// the GEMV and the skinny GEMM is split over K here and finished by one kernel with the
-    /// residual add and the next RMSNorm (0: never; see [`Self::residual_gemm`]).
+    /// `DISAGG_CUDA_SPLITK_NORM` (default 65): the fewest tokens from which a bf16 down
+    /// projection past the GEMV and the skinny GEMM is split over K here and finished by one
+    /// kernel with the residual add and the next RMSNorm (0: never; see
+    /// [`Self::residual_gemm`]).
     splitk_from: usize,
     /// Its partials (splits × tokens × rows), grown on first use.
     splitk_part: CudaSlice<f32>,
@@ -736,6 +737,12 @@ const ROPE_GROUP_MAX: usize = 8;
 /// The narrowest K slice a split-K residual GEMM takes (`CudaBackend::splitk_splits`):
 /// Llama-3-8B's down projection (14,336) in 4.
 const SPLITK_MIN_COLS: usize = 3584;
+
+/// From how many tokens the down projection splits over K by default (two slices up to 128
+/// tokens): on an H100, Llama-3-8B b128 at 1k keys 0.5–0.7% faster in four alternated
+/// rounds, b80 and b96 level; at 4 slices b16–b64 were 0.3–0.5% slower (docs/PERF.md,
+/// seventieth session).
+const SPLITK_FROM: usize = 65;
 
 /// The keys-on-M decode kernel for `head_dim` (64 or 128).
 fn km_kernel(head_dim: usize, fp8: bool) -> &'static str {
@@ -1095,7 +1102,7 @@ impl CudaBackend {
             prenorm_taken: 0,
             splitk_from: env_count(
                 crate::env::CUDA_SPLITK_NORM,
-                0,
+                SPLITK_FROM,
                 "the fewest tokens whose down projection splits over K (0: never)",
             )?,
             splitk_part: stream.alloc_zeros::<f32>(1).map_err(dev_err)?,
@@ -1464,7 +1471,7 @@ impl CudaBackend {
 
     /// From how many tokens a bf16 down projection past the GEMV and the skinny GEMM splits
     /// over K and is finished by one kernel with the residual add and the next RMSNorm
-    /// (default: as `DISAGG_CUDA_SPLITK_NORM` says, else 0 = never).
+    /// (default: as `DISAGG_CUDA_SPLITK_NORM` says, else 65; 0 = never).
     pub fn set_splitk_norm(&mut self, from: usize) {
         if self.splitk_from != from {
             self.buffers_moving();
