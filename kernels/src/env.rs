@@ -356,7 +356,7 @@ pub const CUDA_KM_KV_EARLY: &str = "DISAGG_CUDA_KM_KV_EARLY";
 /// and the residual and writes the next RMSNorm's bf16 output, which the norm then skips,
 /// instead of one cuBLAS GEMM adding into the residual (cuBLAS' own split-K and its
 /// reduction launch) and the norm's own launch. Default 65 (two slices, 65–128 tokens:
-/// Llama-3-8B b128 0.5–0.7% faster on an H100; four slices at 16–64 tokens were 0.3–0.5%
+/// Llama-3-8B b128 0.5–0.7% faster on an H100; four slices at 16–64 tokens were 0.2–0.7%
 /// slower there); `0`: never. For A/B runs (docs/PERF.md, twenty-ninth and seventieth
 /// sessions).
 pub const CUDA_SPLITK_NORM: &str = "DISAGG_CUDA_SPLITK_NORM";

@@ -740,7 +740,7 @@ const SPLITK_MIN_COLS: usize = 3584;
 
 /// From how many tokens the down projection splits over K by default (two slices up to 128
 /// tokens): on an H100, Llama-3-8B b128 at 1k keys 0.5–0.7% faster in four alternated
-/// rounds, b80 and b96 level; at 4 slices b16–b64 were 0.3–0.5% slower (docs/PERF.md,
+/// rounds, b80 and b96 level; at 4 slices b16–b64 were 0.2–0.7% slower (docs/PERF.md,
 /// seventieth session).
 const SPLITK_FROM: usize = 65;
 
