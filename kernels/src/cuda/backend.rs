@@ -2384,7 +2384,8 @@ impl CudaBackend {
     /// `DISAGG_CUDA_SPLITK_NORM` tokens (past the GEMV and the skinny GEMM) 4 up to 64
     /// tokens and 2 up to 128 (splitklab: the down projection at 16 / 64 / 128 tokens),
     /// fewer where a slice would be narrower than [`SPLITK_MIN_COLS`] or not a whole number
-    /// of 64-column slabs; rows a multiple of 4 and ≤ 8,192, the finishing kernel's shape.
+    /// of 64-column slabs; rows a multiple of 4 and ≤ 8,192, the finishing kernel's shape,
+    /// and no more than the columns (the bf16 scratch, sized for the input, takes the norm).
     fn splitk_splits(&self, w: &CudaLinear, n_tokens: usize) -> usize {
         let (rows, cols) = (w.rows(), w.cols());
         if self.splitk_from == 0
@@ -2395,6 +2396,7 @@ impl CudaBackend {
             || self.takes_skinny(cols, n_tokens)
             || !rows.is_multiple_of(4)
             || rows > 8192
+            || rows > cols
         {
             return 1;
         }
@@ -2430,7 +2432,7 @@ impl CudaBackend {
         let CudaLinear::Bf16 { w, rows, cols } = w else { unreachable!("checked by splitk_splits") };
         let (rows, cols) = (*rows, *cols);
         let need = splits * n_tokens * rows;
-        assert!(self.x_bf16.len() >= n_tokens * cols.max(rows) && x.len() >= n_tokens * rows, "split-K GEMM buffers");
+        assert!(self.x_bf16.len() >= n_tokens * cols && x.len() >= n_tokens * rows, "split-K GEMM buffers");
         let st = self.dev.stream().clone();
         if self.splitk_part.len() < need {
             self.buffers_moving();
@@ -2480,8 +2482,9 @@ impl CudaBackend {
         }
         self.toc(op, t);
         let t = self.tic();
+        // (The next norm only where rms_norm_to_bf16 would write it: the fused norm on.)
         let (g, eps) = match next_norm {
-            Some((g, eps)) if g.len() == rows => (Some(g), eps),
+            Some((g, eps)) if g.len() == rows && self.norm_cast => (Some(g), eps),
             _ => (None, 0.0),
         };
         let (s32, d, norm) = (splits as i32, rows as i32, i32::from(g.is_some()));
@@ -3297,6 +3300,7 @@ impl Backend for CudaBackend {
         // The bf16 copy of a GEMM's input (only for steps too big for the GEMV kernel).
         if n > self.gemv_max_tokens {
             let len = n * lim.widest_input;
+            self.normed_bf16 = None;
             self.x_bf16 = self.zeros(len, "the bf16 GEMM input")?;
         }
         // Split-K partials, one per (token, query head, split). By waves: at most
