@@ -2082,8 +2082,7 @@ impl CudaBackend {
             && n_tokens == 1
             && self.gemv_pipe
             && self.prenormed == Some((x.device_ptr(&st).0, norm.device_ptr(&st).0, *cols));
-        self.prenormed = None;
-        self.normed_bf16 = None;
+        self.forget_prepared();
         let (rows_out, names, flat, pnorm) = match kind {
             Gemv::Plain => (n_out, &super::GEMV_BF16[..], super::GEMV_FLAT_M1[0], ""),
             Gemv::Norm => (n_out, &super::GEMV_NORM_BF16[..], super::GEMV_FLAT_M1[1], super::GEMV_PNORM_M1[0]),
@@ -2215,6 +2214,14 @@ impl CudaBackend {
         true
     }
 
+    /// Forgets what a residual kernel prepared for the norm after it (the GEMV's sums,
+    /// `prenormed`; the split-K kernel's bf16 norm, `normed_bf16`): x or the scratch may be
+    /// written otherwise from here.
+    fn forget_prepared(&mut self) {
+        self.prenormed = None;
+        self.normed_bf16 = None;
+    }
+
     /// Grows the bf16 GEMM input scratch to `len` values (dropping captured graphs).
     fn grow_x_bf16(&mut self, len: usize) {
         // (Every writer of the scratch but the split-K residual kernel comes here first.)
@@ -2321,8 +2328,7 @@ impl CudaBackend {
         let CudaLinear::Bf16 { w, rows, cols } = w else { unreachable!("bf16 GEMM of f32 weights") };
         assert!(self.x_bf16.len() >= n_tokens * cols && out.len() >= n_tokens * rows, "bf16 GEMM buffers");
         assert!(!c_bf16 || !(accumulate || self.takes_skinny(*cols, n_tokens)), "bf16 GEMM output: cuBLAS, C = A·B");
-        self.prenormed = None;
-        self.normed_bf16 = None;
+        self.forget_prepared();
         let st = self.dev.stream().clone();
         if self.takes_skinny(*cols, n_tokens) {
             // Key splits: the most (≤ 8, ≤ the 64-column slabs) that keep the blocks within
@@ -2438,8 +2444,7 @@ impl CudaBackend {
             self.buffers_moving();
             self.splitk_part = st.alloc_zeros::<f32>(need.next_power_of_two()).expect("CUDA: split-K partials");
         }
-        self.prenormed = None;
-        self.normed_bf16 = None;
+        self.forget_prepared();
         let kc = cols / splits;
         let (alpha, beta) = (1f32, 0f32);
         let pstride = (n_tokens * rows) as i64;
@@ -2516,11 +2521,12 @@ impl CudaBackend {
         }
         assert!(x.len() >= n_tokens * dim, "RMSNorm to bf16: x holds {} values, not {n_tokens} rows of {dim}", x.len());
         let st = self.dev.stream().clone();
-        let key = (x.device_ptr(&st).0, norm.device_ptr(&st).0, dim, n_tokens, eps.to_bits());
-        if self.normed_bf16.take() == Some(key) {
-            // The split-K residual kernel wrote exactly this (residual_gemm).
-            self.normed_taken += 1;
-            return true;
+        if let Some(note) = self.normed_bf16.take() {
+            if note == (x.device_ptr(&st).0, norm.device_ptr(&st).0, dim, n_tokens, eps.to_bits()) {
+                // The split-K residual kernel wrote exactly this (residual_gemm).
+                self.normed_taken += 1;
+                return true;
+            }
         }
         let t = self.tic();
         self.grow_x_bf16(n_tokens * dim);
@@ -3379,8 +3385,7 @@ impl Backend for CudaBackend {
             "CUDA: RoPE left to an attention that never ran"
         );
         let t = self.tic();
-        self.prenormed = None;
-        self.normed_bf16 = None;
+        self.forget_prepared();
         self.rope_cs_ready = false;
         self.prepare_step(tokens, batch, rope, attn, logit_rows);
         self.toc("step_metadata_upload", t);
@@ -3397,8 +3402,7 @@ impl Backend for CudaBackend {
         let dim = table.cols();
         assert!(ids.iter().all(|&i| (i as usize) < table.rows()) && out.len() >= ids.len() * dim);
         assert_eq!(ids.len(), self.n_step, "CUDA: embed takes the ids given to begin_step");
-        self.prenormed = None;
-        self.normed_bf16 = None;
+        self.forget_prepared();
         let st = self.dev.stream().clone();
         let d_ids = &self.ids;
         let (d, n) = (dim as i32, ids.len() as i32);
@@ -3446,8 +3450,7 @@ impl Backend for CudaBackend {
         if n_tokens == 0 {
             return;
         }
-        self.prenormed = None;
-        self.normed_bf16 = None;
+        self.forget_prepared();
         let t = self.tic();
         let (rows, cols) = (w.rows(), w.cols());
         assert!(x.len() >= n_tokens * cols && out.len() >= n_tokens * rows, "matmul buffers");
