@@ -914,6 +914,10 @@ fn rope_write_kv_case(n_heads: usize, n_kv: usize) {
     }
 }
 
+/// A form of [`attention_with_rope_equals_the_separate_ops`]: its six switches, in the
+/// order the comment above its table names them.
+type RopeForm = (bool, bool, Option<usize>, bool, bool, bool);
+
 /// A decode step on the keys-on-M kernel with RoPE and the KV write in the attention
 /// kernel (`norm_qkv_rope` leaving them to it) gives the same bits as `rope_write_kv` then
 /// the attention: the attention's output and every byte of the f16 cache, for both pair
@@ -991,7 +995,7 @@ fn attention_with_rope_equals_the_separate_ops() {
                 // grouped RoPE before the attention, the keys-on-M kernel's loads first (after
                 // its wait) and relaxed exit barrier, its row's k, v and frequencies asked for
                 // beside q); the last, a block per token, is the reference.
-                let forms: &[(bool, bool, Option<usize>, bool, bool, bool)] = if prefill {
+                let forms: &[RopeForm] = if prefill {
                     &[
                         (true, true, None, true, false, false),
                         (true, true, Some(3), true, false, false),
