@@ -478,6 +478,8 @@ fn programmatic_launch_changes_no_bits() {
     // lets the attention be scheduled: 0 at its end, 1 at its blocks' start, 2 after their
     // loops; 5 is the default's 1 with the GEMV at two loads per row): none may change a bit.
     // The attention's tiles by bulk copies in runs 2, 3, 6 and 7 (PDL off and on), else cp.async.
+    // The last run also makes the captured edges into cuBLAS's GEMMs programmatic (the
+    // batched steps' GEMMs of 9+ tokens).
     let runs = [(false, true, true, 0), (true, true, true, 0), (false, true, true, 0), (true, true, true, 0)];
     let more = [
         (true, false, true, 0),
@@ -487,9 +489,12 @@ fn programmatic_launch_changes_no_bits() {
         (true, true, true, 2),
         (true, true, true, 5),
     ];
-    for (i, (on, cluster, early, trigger)) in runs.into_iter().chain(more).enumerate() {
+    let n_runs = runs.len() + more.len();
+    for (i, (on, cluster, early, trigger)) in runs.into_iter().chain(more).chain([(true, true, true, 0)]).enumerate() {
         let bulk = (i / 2) % 2 == 1;
+        let gemm = i == n_runs;
         gpu.backend_mut().set_pdl(on);
+        gpu.backend_mut().set_gemm_pdl(gemm);
         gpu.backend_mut().set_attn_cluster(cluster);
         gpu.backend_mut().set_km_early(early);
         gpu.backend_mut().set_km_bulk(bulk);
@@ -500,7 +505,9 @@ fn programmatic_launch_changes_no_bits() {
             run_to_completion(&mut gpu, reqs.clone(), 1).unwrap().into_iter().map(|o| o.output_ids).collect();
         let one = run_to_completion(&mut gpu, vec![(long.clone(), greedy(40))], 2).unwrap().remove(0).output_ids;
         outputs.push((
-            format!("pdl {on}, clusters {cluster}, early tiles {early}, bulk {bulk}, QKV trigger {trigger}"),
+            format!(
+                "pdl {on}, clusters {cluster}, early tiles {early}, bulk {bulk}, QKV trigger {trigger}, GEMM edges {gemm}"
+            ),
             bits,
             batched,
             one,
@@ -514,7 +521,7 @@ fn programmatic_launch_changes_no_bits() {
         assert_eq!(o, one, "{on}: batch-1 tokens over a 300-token context changed");
     }
     println!(
-        "programmatic dependent launch, cluster merge, early tiles, QKV trigger: logits and tokens identical in {} runs",
+        "programmatic dependent launch, cluster merge, early tiles, QKV trigger, GEMM edges: logits and tokens identical in {} runs",
         outputs.len()
     );
 }

@@ -423,6 +423,9 @@ pub struct CudaBackend {
     /// Programmatic dependent launch for the step's kernels (`DISAGG_CUDA_PDL`; sm_90+,
     /// on by default): see [`super::Launch`].
     pdl: bool,
+    /// Programmatic graph edges into cuBLAS's GEMMs in captured steps
+    /// (`DISAGG_CUDA_GEMM_PDL=1`, with `pdl`): see [`Self::gemm_edge`].
+    gemm_pdl: bool,
     deferred_host: [Option<cudarc::driver::PinnedHostSlice<u32>>; 2],
     deferred: std::collections::VecDeque<(usize, usize, CudaEvent)>,
     deferred_next: usize,
@@ -1180,6 +1183,7 @@ impl CudaBackend {
             event_pool: Vec::new(),
             defer,
             pdl: !off(crate::env::CUDA_PDL) && dev.arch.0 >= 9,
+            gemm_pdl: on(crate::env::CUDA_GEMM_PDL) && !off(crate::env::CUDA_PDL) && dev.arch.0 >= 9,
             deferred_host: [None, None],
             deferred: Default::default(),
             deferred_next: 0,
@@ -1520,6 +1524,13 @@ impl CudaBackend {
     pub fn set_pdl(&mut self, on: bool) {
         let on = on && self.dev.arch.0 >= 9;
         self.set_switch(on, |b| &mut b.pdl);
+    }
+
+    /// Programmatic graph edges into cuBLAS's GEMMs in captured steps (default: off unless
+    /// `DISAGG_CUDA_GEMM_PDL=1`; sm_90+ only): see [`Self::gemm_edge`].
+    pub fn set_gemm_pdl(&mut self, on: bool) {
+        let on = on && self.dev.arch.0 >= 9;
+        self.set_switch(on, |b| &mut b.gemm_pdl);
     }
 
     /// Whether the step's kernels go out as programmatic dependent launches.
@@ -2358,6 +2369,7 @@ impl CudaBackend {
         let (b, _gb) = self.x_bf16.device_ptr(&st);
         let (c, _gc) = out.device_ptr_mut(&st);
         let c_type = if c_bf16 { cudaDataType::CUDA_R_16BF } else { cudaDataType::CUDA_R_32F };
+        self.gemm_edge(&st);
         // SAFETY: as above; types as declared (bf16 A and B, f32 or bf16 C: half the
         // bytes `out` holds).
         unsafe {
@@ -2384,6 +2396,69 @@ impl CudaBackend {
             )
         }
         .expect("cuBLAS: bf16 GEMM");
+    }
+
+    /// With [`Self::gemm_pdl`], while a step is being captured: makes the captured edges
+    /// into the next node programmatic (port and type), where every node before it is a
+    /// kernel, so that the cuBLAS GEMM launched next is scheduled as the kernel before it
+    /// ends, as the backend's own kernels are with `pdl`. Sound only where that GEMM waits
+    /// for the kernel before it in its own code (`griddepcontrol.wait`), which cuBLAS does
+    /// not document: `tools/gpu-lab/gemmpdl.cu` probes it on the card (docs/PERF.md).
+    fn gemm_edge(&self, st: &cudarc::driver::CudaStream) {
+        use cudarc::driver::sys;
+        if !(self.gemm_pdl && self.capturing) {
+            return;
+        }
+        let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        let (mut id, mut graph) = (0u64, std::ptr::null_mut());
+        let (mut deps, mut edges, mut n) = (std::ptr::null(), std::ptr::null(), 0usize);
+        // SAFETY: out-pointers to locals; the arrays returned stay valid until the next
+        // call on this capture, and are copied before it.
+        unsafe {
+            sys::cuStreamGetCaptureInfo_v3(
+                st.cu_stream(),
+                &mut status,
+                &mut id,
+                &mut graph,
+                &mut deps,
+                &mut edges,
+                &mut n,
+            )
+        }
+        .result()
+        .expect("CUDA: reading a capture's dependencies");
+        if status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE || n == 0 || deps.is_null() {
+            return;
+        }
+        // SAFETY: the driver returned n nodes at deps.
+        let mut nodes: Vec<sys::CUgraphNode> = unsafe { std::slice::from_raw_parts(deps, n) }.to_vec();
+        for &node in &nodes {
+            let mut ty = sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_EMPTY;
+            // SAFETY: a node of the graph being captured.
+            unsafe { sys::cuGraphNodeGetType(node, &mut ty) }.result().expect("CUDA: a graph node's type");
+            if ty != sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_KERNEL {
+                return;
+            }
+        }
+        let edge = sys::CUgraphEdgeData {
+            from_port: sys::CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC as u8,
+            to_port: 0,
+            type_: sys::CUgraphDependencyType::CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC as u8,
+            reserved: [0; 5],
+        };
+        let data = vec![edge; n];
+        // SAFETY: the same n nodes, n edges' data; the flag replaces the set.
+        unsafe {
+            sys::cuStreamUpdateCaptureDependencies_v2(
+                st.cu_stream(),
+                nodes.as_mut_ptr(),
+                data.as_ptr(),
+                n,
+                sys::CUstreamUpdateCaptureDependencies_flags::CU_STREAM_SET_CAPTURE_DEPENDENCIES as u32,
+            )
+        }
+        .result()
+        .expect("CUDA: making a GEMM's edge programmatic");
     }
 
     /// Key slices for [`Self::residual_gemm`] of `w` over `n_tokens` (1: unsplit): from
@@ -2448,6 +2523,7 @@ impl CudaBackend {
         let kc = cols / splits;
         let (alpha, beta) = (1f32, 0f32);
         let pstride = (n_tokens * rows) as i64;
+        self.gemm_edge(&st);
         {
             let (a, _ga) = w.device_ptr(&st);
             let (b, _gb) = self.x_bf16.device_ptr(&st);

@@ -1,0 +1,252 @@
+// Does a cuBLAS GEMM wait for the kernel before it when its graph edge is programmatic, and
+// does that save time? (docs/PERF.md, seventy-first session.)
+//
+// The engine's own kernels are launched with programmatic dependent launch (PDL) and wait
+// for their inputs in their code (griddepcontrol.wait); cuBLAS launches its GEMMs with no
+// such attribute, so in a captured step every GEMM starts only after the kernel before it
+// has ended and flushed. This lab:
+// 1. says how cuBLAS's kernel came into the graph: the captured edge from the kernel before
+//    it, default or programmatic;
+// 2. probe: a kernel that lets its dependents launch at once (griddepcontrol.launch_dependents),
+//    then spins ~50 µs, then writes the GEMM's input; with the edge made programmatic, the
+//    GEMM's output is right only if the GEMM waits (griddepcontrol.wait) before its loads;
+// 3. times L layers of [prep → QKV GEMM → prep → o → prep → gate/up → prep → down] at M
+//    tokens (Llama-3-8B shapes, every layer its own weights), the prep kernels launched with
+//    PDL as the engine's are, with the edges into the GEMMs default or programmatic.
+//
+//   bash tools/gpu-lab/nvcc.sh -O3 -std=c++17 -arch=sm_90a tools/gpu-lab/gemmpdl.cu \
+//     -I$CUBLAS/include -L$CUBLAS/lib -l:libcublas.so.13 -o .gpu3/gemmpdl
+//   ./gemmpdl [M=64] [LAYERS=32] [REPLAYS=20] [ROUNDS=3]
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+#define CK(x)                                                                                 \
+    do {                                                                                      \
+        cudaError_t e_ = (x);                                                                 \
+        if (e_ != cudaSuccess) {                                                              \
+            printf("%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_));         \
+            exit(1);                                                                          \
+        }                                                                                     \
+    } while (0)
+#define CB(x)                                                                                 \
+    do {                                                                                      \
+        cublasStatus_t s_ = (x);                                                              \
+        if (s_ != CUBLAS_STATUS_SUCCESS) {                                                    \
+            printf("%s:%d %s: cuBLAS status %d\n", __FILE__, __LINE__, #x, (int)s_);          \
+            exit(1);                                                                          \
+        }                                                                                     \
+    } while (0)
+
+__global__ void fill(__nv_bfloat16* p, size_t n, unsigned seed, float scale) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        unsigned h = (unsigned)i * 2654435761u ^ seed;
+        h ^= h >> 15, h *= 2246822519u, h ^= h >> 13;
+        p[i] = __float2bfloat16(((h & 0xffff) / 65536.f - 0.5f) * scale);
+    }
+}
+
+// Lets its dependents launch at once, spins, then writes x.
+__global__ void writer(__nv_bfloat16* x, int n, float v, long long spin) {
+    asm volatile("griddepcontrol.launch_dependents;");
+    long long t0 = clock64();
+    while (clock64() - t0 < spin) {
+    }
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) x[i] = __float2bfloat16(v);
+}
+
+// Between two GEMMs, as the engine's norm and SiLU kernels: waits for the GEMM before it,
+// then makes the next GEMM's bf16 input from its f32 output.
+__global__ void prep(const float* y, int ny, __nv_bfloat16* x, int nx) {
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < nx; i += gridDim.x * blockDim.x)
+        x[i] = __float2bfloat16(y[i % ny] * 0.01f);
+}
+
+static cublasHandle_t blas;
+static cudaStream_t st;
+
+// y (M × rows, f32) = x (M × cols, bf16) · Wᵀ, W rows × cols bf16 row-major: the engine's call.
+static void gemm(const __nv_bfloat16* w, int rows, int cols, const __nv_bfloat16* x, int m, float* y) {
+    const float alpha = 1.f, beta = 0.f;
+    CB(cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, rows, m, cols, &alpha, w, CUDA_R_16BF, cols, x, CUDA_R_16BF, cols,
+                    &beta, y, CUDA_R_32F, rows, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+}
+
+static void launch_pdl(void (*k)(const float*, int, __nv_bfloat16*, int), const float* y, int ny, __nv_bfloat16* x,
+                       int nx) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(132);
+    cfg.blockDim = dim3(256);
+    cfg.stream = st;
+    cudaLaunchAttribute a[1];
+    a[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    a[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = a;
+    cfg.numAttrs = 1;
+    CK(cudaLaunchKernelEx(&cfg, k, y, ny, x, nx));
+}
+
+// The capture's current leaf node (the last launch's).
+static cudaGraphNode_t leaf() {
+    cudaStreamCaptureStatus s;
+    const cudaGraphNode_t* deps = nullptr;
+    size_t n = 0;
+    CK(cudaStreamGetCaptureInfo(st, &s, nullptr, nullptr, &deps, nullptr, &n));
+    if (n != 1) {
+        printf("capture has %zu leaves\n", n);
+        exit(1);
+    }
+    return deps[0];
+}
+
+// Every edge out of the nodes in `from`: how many are programmatic; with `make`, makes the
+// default ones programmatic. Returns the number of edges out of them.
+static int edges_from(cudaGraph_t g, const std::vector<cudaGraphNode_t>& from, bool make, int* programmatic) {
+    size_t n = 0;
+    CK(cudaGraphGetEdges(g, nullptr, nullptr, nullptr, &n));
+    std::vector<cudaGraphNode_t> f(n), t(n);
+    std::vector<cudaGraphEdgeData> d(n);
+    CK(cudaGraphGetEdges(g, f.data(), t.data(), d.data(), &n));
+    int out = 0;
+    *programmatic = 0;
+    for (size_t i = 0; i < n; i++) {
+        bool ours = false;
+        for (auto p : from) ours |= p == f[i];
+        if (!ours) continue;
+        out++;
+        if (d[i].type == cudaGraphDependencyTypeProgrammatic) {
+            (*programmatic)++;
+            continue;
+        }
+        if (!make) continue;
+        CK(cudaGraphRemoveDependencies(g, &f[i], &t[i], &d[i], 1));
+        cudaGraphEdgeData e = {};
+        e.from_port = cudaGraphKernelNodePortProgrammatic;
+        e.type = cudaGraphDependencyTypeProgrammatic;
+        CK(cudaGraphAddDependencies(g, &f[i], &t[i], &e, 1));
+    }
+    return out;
+}
+
+int main(int argc, char** argv) {
+    const int m = argc > 1 ? atoi(argv[1]) : 64;
+    const int layers = argc > 2 ? atoi(argv[2]) : 32;
+    const int replays = argc > 3 ? atoi(argv[3]) : 20;
+    const int rounds = argc > 4 ? atoi(argv[4]) : 3;
+    CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    CB(cublasCreate(&blas));
+    CB(cublasSetStream(blas, st));
+    void* ws;
+    CK(cudaMalloc(&ws, 64 << 20));
+    CB(cublasSetWorkspace(blas, ws, 64 << 20));
+    cudaDeviceProp prop;
+    CK(cudaGetDeviceProperties(&prop, 0));
+    printf("%s, M %d, %d layers\n", prop.name, m, layers);
+
+    // Shapes of a Llama-3-8B layer: (rows, cols) of QKV, o, gate/up, down.
+    const int shapes[4][2] = {{6144, 4096}, {4096, 4096}, {28672, 4096}, {4096, 14336}};
+    size_t per_layer = 0;
+    for (auto& s : shapes) per_layer += (size_t)s[0] * s[1];
+    __nv_bfloat16* w;
+    CK(cudaMalloc(&w, per_layer * layers * 2));
+    fill<<<1024, 256, 0, st>>>(w, per_layer * layers, 7, 0.05f);
+    __nv_bfloat16* x;
+    float* y;
+    CK(cudaMalloc(&x, (size_t)m * 14336 * 2));
+    CK(cudaMalloc(&y, (size_t)m * 28672 * 4));
+    CK(cudaMemsetAsync(y, 0, (size_t)m * 28672 * 4, st));
+    CK(cudaStreamSynchronize(st));
+
+    // 1 and 2: writer → o-shaped GEMM, the edge as captured and then made programmatic.
+    {
+        const int rows = 4096, cols = 4096;
+        std::vector<float> ref(rows * (size_t)m), got(rows * (size_t)m);
+        fill<<<256, 256, 0, st>>>(x, (size_t)m * cols, 1, 0.f);  // zeros
+        writer<<<132, 256, 0, st>>>(x, m * cols, 1.f, 0);
+        gemm(w, rows, cols, x, m, y);
+        CK(cudaMemcpyAsync(ref.data(), y, ref.size() * 4, cudaMemcpyDeviceToHost, st));
+        CK(cudaStreamSynchronize(st));
+        for (int make = 0; make < 2; make++) {
+            fill<<<256, 256, 0, st>>>(x, (size_t)m * cols, 1, 0.f);
+            CK(cudaMemsetAsync(y, 0, ref.size() * 4, st));
+            CK(cudaStreamSynchronize(st));
+            cudaGraph_t g;
+            CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+            writer<<<132, 256, 0, st>>>(x, m * cols, 1.f, 100000);
+            std::vector<cudaGraphNode_t> wn = {leaf()};
+            gemm(w, rows, cols, x, m, y);
+            CK(cudaStreamEndCapture(st, &g));
+            size_t nodes = 0;
+            CK(cudaGraphGetNodes(g, nullptr, &nodes));
+            int prog = 0;
+            const int out = edges_from(g, wn, make, &prog);
+            cudaGraphExec_t ge;
+            CK(cudaGraphInstantiate(&ge, g, 0));
+            CK(cudaGraphLaunch(ge, st));
+            CK(cudaMemcpyAsync(got.data(), y, got.size() * 4, cudaMemcpyDeviceToHost, st));
+            CK(cudaStreamSynchronize(st));
+            double worst = 0, range = 0;
+            size_t zero = 0;
+            for (size_t i = 0; i < ref.size(); i++) {
+                worst = fmax(worst, fabs(got[i] - ref[i]));
+                range = fmax(range, fabs(ref[i]));
+                zero += got[i] == 0.f;
+            }
+            printf("probe, edge %s: %zu nodes, %d edge(s) out of the writer, %d programmatic as captured; "
+                   "max |y - ref| %.3g of range %.3g, %zu of %zu outputs zero\n",
+                   make ? "made programmatic" : "as captured", nodes, out, prog, worst, range, zero, ref.size());
+            CK(cudaGraphExecDestroy(ge));
+            CK(cudaGraphDestroy(g));
+        }
+    }
+
+    // 3: the chain, timed.
+    cudaGraphExec_t ge[2];
+    for (int make = 0; make < 2; make++) {
+        cudaGraph_t g;
+        std::vector<cudaGraphNode_t> preps;
+        CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+        const __nv_bfloat16* wl = w;
+        for (int l = 0; l < layers; l++) {
+            for (auto& s : shapes) {
+                launch_pdl(prep, y, m * 4096, x, m * s[1]);
+                preps.push_back(leaf());
+                gemm(wl, s[0], s[1], x, m, y);
+                wl += (size_t)s[0] * s[1];
+            }
+        }
+        CK(cudaStreamEndCapture(st, &g));
+        int prog = 0;
+        const int out = edges_from(g, preps, make, &prog);
+        printf("chain %d: %zu preps, %d edges out of them, %d programmatic as captured%s\n", make, preps.size(), out,
+               prog, make ? ", the rest made programmatic" : "");
+        CK(cudaGraphInstantiate(&ge[make], g, 0));
+        CK(cudaGraphDestroy(g));
+    }
+    cudaEvent_t a, b;
+    CK(cudaEventCreate(&a));
+    CK(cudaEventCreate(&b));
+    const double bytes = 2.0 * per_layer * layers;
+    for (int r = 0; r < rounds; r++) {
+        for (int k = 0; k < 2; k++) {
+            const int make = (r + k) % 2;
+            CK(cudaGraphLaunch(ge[make], st));
+            CK(cudaEventRecord(a, st));
+            for (int i = 0; i < replays; i++) CK(cudaGraphLaunch(ge[make], st));
+            CK(cudaEventRecord(b, st));
+            CK(cudaEventSynchronize(b));
+            float ms;
+            CK(cudaEventElapsedTime(&ms, a, b));
+            const double us = 1000.0 * ms / replays;
+            printf("round %d, edges into the GEMMs %s: %.1f us per replay, %.2f us per layer, %.3f TB/s\n", r,
+                   make ? "programmatic" : "default   ", us, us / layers, bytes / (us * 1e-6) / 1e12);
+        }
+    }
+    return 0;
+}
