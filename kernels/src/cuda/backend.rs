@@ -221,6 +221,12 @@ fn pooled_event(pool: &mut Vec<CudaEvent>, st: &std::sync::Arc<cudarc::driver::C
     }
 }
 
+/// The fewest tokens of a GEMM whose captured edge [`CudaBackend::gemm_edge`] makes
+/// programmatic: past the one-token GEMV and the skinny kernel's 2–8 (cuBLAS' own GEMV
+/// kernels have no wait); the engine's bits test ran it at 11 tokens, the lab's probe at 16
+/// and 64 (docs/PERF.md, seventy-first session).
+const GEMM_PDL_MIN_TOKENS: usize = 9;
+
 /// Most blocks `argmax_rows_split` gives one row.
 const ARGMAX_MAX_CHUNKS: usize = 64;
 
@@ -2369,7 +2375,7 @@ impl CudaBackend {
         let (b, _gb) = self.x_bf16.device_ptr(&st);
         let (c, _gc) = out.device_ptr_mut(&st);
         let c_type = if c_bf16 { cudaDataType::CUDA_R_16BF } else { cudaDataType::CUDA_R_32F };
-        self.gemm_edge(&st);
+        self.gemm_edge(&st, n_tokens);
         // SAFETY: as above; types as declared (bf16 A and B, f32 or bf16 C: half the
         // bytes `out` holds).
         unsafe {
@@ -2398,15 +2404,17 @@ impl CudaBackend {
         .expect("cuBLAS: bf16 GEMM");
     }
 
-    /// With [`Self::gemm_pdl`], while a step is being captured: makes the captured edges
-    /// into the next node programmatic (port and type), where every node before it is a
-    /// kernel, so that the cuBLAS GEMM launched next is scheduled as the kernel before it
-    /// ends, as the backend's own kernels are with `pdl`. Sound only where that GEMM waits
-    /// for the kernel before it in its own code (`griddepcontrol.wait`), which cuBLAS does
-    /// not document: `tools/gpu-lab/gemmpdl.cu` probes it on the card (docs/PERF.md).
-    fn gemm_edge(&self, st: &cudarc::driver::CudaStream) {
+    /// With [`Self::gemm_pdl`], while a step is being captured, for a GEMM of at least
+    /// [`GEMM_PDL_MIN_TOKENS`] tokens: makes the captured edges into the next node
+    /// programmatic (port and type), where every node before it is a kernel, so that the
+    /// cuBLAS GEMM launched next is scheduled as the kernel before it ends, as the
+    /// backend's own kernels are with `pdl`. Sound only where that GEMM waits for the
+    /// kernel before it in its own code (`griddepcontrol.wait`), which cuBLAS does not
+    /// document: `tools/gpu-lab/gemmpdl.cu` probes it on the card (docs/PERF.md,
+    /// seventy-first session: it waited at 16 and 64 tokens).
+    fn gemm_edge(&self, st: &cudarc::driver::CudaStream, n_tokens: usize) {
         use cudarc::driver::sys;
-        if !(self.gemm_pdl && self.capturing) {
+        if !(self.gemm_pdl && self.capturing && n_tokens >= GEMM_PDL_MIN_TOKENS) {
             return;
         }
         let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
@@ -2523,7 +2531,7 @@ impl CudaBackend {
         let kc = cols / splits;
         let (alpha, beta) = (1f32, 0f32);
         let pstride = (n_tokens * rows) as i64;
-        self.gemm_edge(&st);
+        self.gemm_edge(&st, n_tokens);
         {
             let (a, _ga) = w.device_ptr(&st);
             let (b, _gb) = self.x_bf16.device_ptr(&st);
