@@ -117,11 +117,11 @@ pub const CUDA_PACKED_UPLOAD: &str = "DISAGG_CUDA_PACKED_UPLOAD";
 /// launch and its first weight loads overlap the end of the kernel before); for A/B runs.
 pub const CUDA_PDL: &str = "DISAGG_CUDA_PDL";
 
-/// `1`: in a captured decode step, the graph edge into each cuBLAS GEMM of 9+ tokens from
-/// the kernel before it is made programmatic, so the GEMM is scheduled as that kernel ends,
-/// as the backend's own kernels are (`DISAGG_CUDA_PDL`); sound only where cuBLAS's GEMM
-/// waits for its inputs in its code (tools/gpu-lab/gemmpdl.cu probes it). Off by default;
-/// for A/B runs.
+/// `1` (with `DISAGG_CUDA_PDL` on, sm_90+): in a captured decode step, the graph edge into
+/// each bf16 cuBLAS GEMM of 9+ tokens from the kernel before it (where that is a kernel) is
+/// made programmatic, so the GEMM is scheduled as that kernel ends, as the backend's own
+/// kernels are; sound only where cuBLAS's GEMM waits for its inputs in its own code
+/// (tools/gpu-lab/gemmpdl.cu probes it). Off by default; for A/B runs.
 pub const CUDA_GEMM_PDL: &str = "DISAGG_CUDA_GEMM_PDL";
 
 /// The CUDA attention's split-K (flash-decoding) path: when splitting fills the GPU's

@@ -477,9 +477,9 @@ fn programmatic_launch_changes_no_bits() {
     // first tiles asked for before it waits for the QKV GEMV, where the one-token QKV GEMV
     // lets the attention be scheduled: 0 at its end, 1 at its blocks' start, 2 after their
     // loops; 5 is the default's 1 with the GEMV at two loads per row): none may change a bit.
-    // The attention's tiles by bulk copies in runs 2, 3, 6 and 7 (PDL off and on), else cp.async.
-    // The last run also makes the captured edges into cuBLAS's GEMMs programmatic (the
-    // batched steps' GEMMs of 9+ tokens).
+    // The attention's tiles by bulk copies in runs 2, 3, 6, 7 and 10 (PDL off and on), else
+    // cp.async. The last run (10) also makes the captured edges into cuBLAS's GEMMs
+    // programmatic (the batched steps' GEMMs of 11 tokens).
     let runs = [(false, true, true, 0), (true, true, true, 0), (false, true, true, 0), (true, true, true, 0)];
     let more = [
         (true, false, true, 0),

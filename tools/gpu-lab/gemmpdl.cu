@@ -7,15 +7,21 @@
 // has ended and flushed. This lab:
 // 1. says how cuBLAS's kernel came into the graph: the captured edge from the kernel before
 //    it, default or programmatic;
-// 2. probe: a kernel that lets its dependents launch at once (griddepcontrol.launch_dependents),
-//    then spins ~50 µs, then writes the GEMM's input; with the edge made programmatic, the
-//    GEMM's output is right only if the GEMM waits (griddepcontrol.wait) before its loads;
+// 2. probe: a one-block kernel that lets its dependents launch at once
+//    (griddepcontrol.launch_dependents), then spins ~50 µs, then writes the GEMM's input;
+//    with the edge made programmatic, the GEMM's output is right only if the GEMM waits
+//    (griddepcontrol.wait) before its loads, or did not start until the writer ended. The
+//    control: the same with a kernel that does not wait in the GEMM's place, which must
+//    read zeros (else the edge did not let it start early, and the probe shows nothing);
+//    both report when they started against the writer's end (%globaltimer);
 // 3. times L layers of [prep → QKV GEMM → prep → o → prep → gate/up → prep → down] at M
 //    tokens (Llama-3-8B shapes, every layer its own weights), the prep kernels launched with
 //    PDL as the engine's are, with the edges into the GEMMs default or programmatic.
 //
 //   bash tools/gpu-lab/nvcc.sh -O3 -std=c++17 -arch=sm_90a tools/gpu-lab/gemmpdl.cu \
-//     -I$CUBLAS/include -L$CUBLAS/lib -l:libcublas.so.13 -o .gpu3/gemmpdl
+//     -I$CUBLAS/include -I$CCCL/include -L$CUBLAS/lib -l:libcublas.so.13 -o .gpu3/gemmpdl
+// (CUBLAS, CCCL: nvidia/cu13 of the PyPI wheels nvidia-cublas 13.0.* and nvidia-cuda-cccl,
+// unpacked; on the device, LD_LIBRARY_PATH to its CUDA's libcublas.so.13.)
 //   ./gemmpdl [M=64] [LAYERS=32] [REPLAYS=20] [ROUNDS=3]
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
@@ -51,13 +57,30 @@ __global__ void fill(__nv_bfloat16* p, size_t n, unsigned seed, float scale) {
     }
 }
 
-// Lets its dependents launch at once, spins, then writes x.
-__global__ void writer(__nv_bfloat16* x, int n, float v, long long spin) {
+__device__ unsigned long long now_ns() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
+    return t;
+}
+
+// Lets its dependents launch at once, spins, then writes x; stamps its end.
+__global__ void writer(__nv_bfloat16* x, int n, float v, long long spin, unsigned long long* stamp) {
     asm volatile("griddepcontrol.launch_dependents;");
     long long t0 = clock64();
     while (clock64() - t0 < spin) {
     }
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) x[i] = __float2bfloat16(v);
+    __syncthreads();
+    if (threadIdx.x == 0) stamp[0] = now_ns();
+}
+
+// The control: reads x with no wait; counts the zeros it saw and stamps its start.
+__global__ void reader(const __nv_bfloat16* x, int n, unsigned* zeros, unsigned long long* stamp) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) stamp[1] = now_ns();
+    unsigned z = 0;
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
+        z += __bfloat162float(x[i]) == 0.f;
+    atomicAdd(zeros, z);
 }
 
 // Between two GEMMs, as the engine's norm and SiLU kernels: waits for the GEMM before it,
@@ -163,46 +186,73 @@ int main(int argc, char** argv) {
     CK(cudaMemsetAsync(y, 0, (size_t)m * 28672 * 4, st));
     CK(cudaStreamSynchronize(st));
 
-    // 1 and 2: writer → o-shaped GEMM, the edge as captured and then made programmatic.
+    // 1 and 2: a one-block writer → an o-shaped GEMM (or the control), the edge as captured
+    // and then made programmatic.
     {
         const int rows = 4096, cols = 4096;
         std::vector<float> ref(rows * (size_t)m), got(rows * (size_t)m);
+        unsigned* zeros;
+        unsigned long long* stamp;
+        CK(cudaMalloc(&zeros, 4));
+        CK(cudaMalloc(&stamp, 16));
         fill<<<256, 256, 0, st>>>(x, (size_t)m * cols, 1, 0.f);  // zeros
-        writer<<<132, 256, 0, st>>>(x, m * cols, 1.f, 0);
+        writer<<<1, 256, 0, st>>>(x, m * cols, 1.f, 0, stamp);
         gemm(w, rows, cols, x, m, y);
         CK(cudaMemcpyAsync(ref.data(), y, ref.size() * 4, cudaMemcpyDeviceToHost, st));
         CK(cudaStreamSynchronize(st));
-        for (int make = 0; make < 2; make++) {
-            fill<<<256, 256, 0, st>>>(x, (size_t)m * cols, 1, 0.f);
-            CK(cudaMemsetAsync(y, 0, ref.size() * 4, st));
-            CK(cudaStreamSynchronize(st));
-            cudaGraph_t g;
-            CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
-            writer<<<132, 256, 0, st>>>(x, m * cols, 1.f, 100000);
-            std::vector<cudaGraphNode_t> wn = {leaf()};
-            gemm(w, rows, cols, x, m, y);
-            CK(cudaStreamEndCapture(st, &g));
-            size_t nodes = 0;
-            CK(cudaGraphGetNodes(g, nullptr, &nodes));
-            int prog = 0;
-            const int out = edges_from(g, wn, make, &prog);
-            cudaGraphExec_t ge;
-            CK(cudaGraphInstantiate(&ge, g, 0));
-            CK(cudaGraphLaunch(ge, st));
-            CK(cudaMemcpyAsync(got.data(), y, got.size() * 4, cudaMemcpyDeviceToHost, st));
-            CK(cudaStreamSynchronize(st));
-            double worst = 0, range = 0;
-            size_t zero = 0;
-            for (size_t i = 0; i < ref.size(); i++) {
-                worst = fmax(worst, fabs(got[i] - ref[i]));
-                range = fmax(range, fabs(ref[i]));
-                zero += got[i] == 0.f;
+        for (int control = 1; control >= 0; control--) {
+            for (int make = 0; make < 2; make++) {
+                fill<<<256, 256, 0, st>>>(x, (size_t)m * cols, 1, 0.f);
+                CK(cudaMemsetAsync(y, 0, ref.size() * 4, st));
+                CK(cudaMemsetAsync(zeros, 0, 4, st));
+                CK(cudaMemsetAsync(stamp, 0, 16, st));
+                CK(cudaStreamSynchronize(st));
+                cudaGraph_t g;
+                CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+                writer<<<1, 256, 0, st>>>(x, m * cols, 1.f, 100000, stamp);
+                std::vector<cudaGraphNode_t> wn = {leaf()};
+                if (control)
+                    reader<<<132, 256, 0, st>>>(x, m * cols, zeros, stamp);
+                else
+                    gemm(w, rows, cols, x, m, y);
+                CK(cudaStreamEndCapture(st, &g));
+                size_t nodes = 0;
+                CK(cudaGraphGetNodes(g, nullptr, &nodes));
+                int prog = 0;
+                const int out = edges_from(g, wn, make, &prog);
+                if (out < 1) {
+                    printf("no edge out of the writer\n");
+                    exit(1);
+                }
+                cudaGraphExec_t ge;
+                CK(cudaGraphInstantiate(&ge, g, 0));
+                CK(cudaGraphLaunch(ge, st));
+                CK(cudaMemcpyAsync(got.data(), y, got.size() * 4, cudaMemcpyDeviceToHost, st));
+                unsigned z = 0;
+                unsigned long long t[2];
+                CK(cudaMemcpyAsync(&z, zeros, 4, cudaMemcpyDeviceToHost, st));
+                CK(cudaMemcpyAsync(t, stamp, 16, cudaMemcpyDeviceToHost, st));
+                CK(cudaStreamSynchronize(st));
+                const char* edge = make ? "made programmatic" : "as captured";
+                if (control) {
+                    printf("control (a reader that does not wait), edge %s: %d programmatic as captured; read %u of "
+                           "%d zeros; started %.1f us before the writer's end\n",
+                           edge, prog, z, m * cols, ((double)t[0] - (double)t[1]) / 1000.0);
+                } else {
+                    double worst = 0, range = 0;
+                    size_t zero = 0;
+                    for (size_t i = 0; i < ref.size(); i++) {
+                        worst = fmax(worst, fabs(got[i] - ref[i]));
+                        range = fmax(range, fabs(ref[i]));
+                        zero += got[i] == 0.f;
+                    }
+                    printf("probe, edge %s: %zu nodes, %d edge(s) out of the writer, %d programmatic as captured; "
+                           "max |y - ref| %.3g of range %.3g, %zu of %zu outputs zero\n",
+                           edge, nodes, out, prog, worst, range, zero, ref.size());
+                }
+                CK(cudaGraphExecDestroy(ge));
+                CK(cudaGraphDestroy(g));
             }
-            printf("probe, edge %s: %zu nodes, %d edge(s) out of the writer, %d programmatic as captured; "
-                   "max |y - ref| %.3g of range %.3g, %zu of %zu outputs zero\n",
-                   make ? "made programmatic" : "as captured", nodes, out, prog, worst, range, zero, ref.size());
-            CK(cudaGraphExecDestroy(ge));
-            CK(cudaGraphDestroy(g));
         }
     }
 

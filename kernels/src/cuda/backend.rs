@@ -429,8 +429,9 @@ pub struct CudaBackend {
     /// Programmatic dependent launch for the step's kernels (`DISAGG_CUDA_PDL`; sm_90+,
     /// on by default): see [`super::Launch`].
     pdl: bool,
-    /// Programmatic graph edges into cuBLAS's GEMMs in captured steps
-    /// (`DISAGG_CUDA_GEMM_PDL=1`, with `pdl`): see [`Self::gemm_edge`].
+    /// Programmatic graph edges into cuBLAS's bf16 GEMMs in captured steps
+    /// (`DISAGG_CUDA_GEMM_PDL=1` with `DISAGG_CUDA_PDL` on, at start; the setter alone
+    /// does not look at `pdl`): see [`Self::gemm_edge`].
     gemm_pdl: bool,
     deferred_host: [Option<cudarc::driver::PinnedHostSlice<u32>>; 2],
     deferred: std::collections::VecDeque<(usize, usize, CudaEvent)>,
@@ -2411,7 +2412,9 @@ impl CudaBackend {
     /// backend's own kernels are with `pdl`. Sound only where that GEMM waits for the
     /// kernel before it in its own code (`griddepcontrol.wait`), which cuBLAS does not
     /// document: `tools/gpu-lab/gemmpdl.cu` probes it on the card (docs/PERF.md,
-    /// seventy-first session: it waited at 16 and 64 tokens).
+    /// seventy-first session: its output was exact at 16 and 64 tokens). A programmatic edge
+    /// may only lead to a kernel node: were cuBLAS's first node of a GEMM not a kernel, the
+    /// capture would fail there (opt-in, for A/B runs, until probed at every shape).
     fn gemm_edge(&self, st: &cudarc::driver::CudaStream, n_tokens: usize) {
         use cudarc::driver::sys;
         if !(self.gemm_pdl && self.capturing && n_tokens >= GEMM_PDL_MIN_TOKENS) {
