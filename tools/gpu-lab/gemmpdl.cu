@@ -22,7 +22,9 @@
 //     -I$CUBLAS/include -I$CCCL/include -L$CUBLAS/lib -l:libcublas.so.13 -o .gpu3/gemmpdl
 // (CUBLAS, CCCL: nvidia/cu13 of the PyPI wheels nvidia-cublas 13.0.* and nvidia-cuda-cccl,
 // unpacked; on the device, LD_LIBRARY_PATH to its CUDA's libcublas.so.13.)
-//   ./gemmpdl [M=64] [LAYERS=32] [REPLAYS=20] [ROUNDS=3]
+//   ./gemmpdl probe                                  (the control, then each GEMM the engine
+//                                                     captures at 9-128 tokens)
+//   ./gemmpdl [M=64] [LAYERS=32] [REPLAYS=20] [ROUNDS=3]  (the timed chain)
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -30,6 +32,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <string>
 #include <vector>
 
 #define CK(x)                                                                                 \
@@ -94,11 +97,29 @@ __global__ void prep(const float* y, int ny, __nv_bfloat16* x, int nx) {
 static cublasHandle_t blas;
 static cudaStream_t st;
 
-// y (M × rows, f32) = x (M × cols, bf16) · Wᵀ, W rows × cols bf16 row-major: the engine's call.
-static void gemm(const __nv_bfloat16* w, int rows, int cols, const __nv_bfloat16* x, int m, float* y) {
-    const float alpha = 1.f, beta = 0.f;
+// y (M × rows, f32, or bf16 in y's first bytes) (+)= x (M × cols, bf16) · Wᵀ, W rows × cols
+// bf16 row-major: the engine's call (gemm_bf16_scratch_to).
+static void gemm(const __nv_bfloat16* w, int rows, int cols, const __nv_bfloat16* x, int m, float* y,
+                 float beta = 0.f, bool bf16_out = false) {
+    const float alpha = 1.f;
     CB(cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, rows, m, cols, &alpha, w, CUDA_R_16BF, cols, x, CUDA_R_16BF, cols,
-                    &beta, y, CUDA_R_32F, rows, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+                    &beta, y, bf16_out ? CUDA_R_16BF : CUDA_R_32F, rows, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+}
+
+// The engine's split-K form (residual_gemm): `splits` slices of K into f32 partials, slice s
+// at s · m · rows.
+static void gemm_split(const __nv_bfloat16* w, int rows, int cols, const __nv_bfloat16* x, int m, float* y,
+                       int splits) {
+    const float alpha = 1.f, beta = 0.f;
+    const int kc = cols / splits;
+    CB(cublasGemmStridedBatchedEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, rows, m, kc, &alpha, w, CUDA_R_16BF, cols, kc, x,
+                                  CUDA_R_16BF, cols, kc, &beta, y, CUDA_R_32F, rows, (long long)m * rows, splits,
+                                  CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+}
+
+__global__ void fill_f32(float* p, size_t n, float v) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+        p[i] = v + (float)(i % 7);
 }
 
 static void launch_pdl(void (*k)(const float*, int, __nv_bfloat16*, int), const float* y, int ny, __nv_bfloat16* x,
@@ -157,9 +178,85 @@ static int edges_from(cudaGraph_t g, const std::vector<cudaGraphNode_t>& from, b
     return out;
 }
 
+// One probe: a one-block writer that lets its dependents launch at once, spins ~50 µs, then
+// writes x := 1; after it a GEMM (splits 0: gemm() with beta and bf16_out; 2 or 4:
+// gemm_split()) or, with splits -1, the control (a reader that does not wait), the edge into
+// it made programmatic. The GEMM's output bytes are compared with the same GEMM's run in
+// order on the stream (x := 1 first), y starting from the same values.
+static void probe(const __nv_bfloat16* w, __nv_bfloat16* x, float* y, int rows, int cols, int m, int splits,
+                  float beta, bool bf16_out) {
+    static unsigned* zeros = nullptr;
+    static unsigned long long* stamp = nullptr;
+    if (!zeros) {
+        CK(cudaMalloc(&zeros, 4));
+        CK(cudaMalloc(&stamp, 16));
+    }
+    const size_t ny = (size_t)m * rows * (splits > 0 ? splits : 1);
+    const size_t bytes = splits > 0 ? ny * 4 : bf16_out ? ny * 2 : ny * 4;
+    std::vector<unsigned char> ref(bytes), got(bytes);
+    auto consume = [&]() {
+        if (splits < 0)
+            reader<<<132, 256, 0, st>>>(x, m * cols, zeros, stamp);
+        else if (splits > 0)
+            gemm_split(w, rows, cols, x, m, y, splits);
+        else
+            gemm(w, rows, cols, x, m, y, beta, bf16_out);
+    };
+    fill_f32<<<256, 256, 0, st>>>(y, ny, 0.5f);
+    fill<<<256, 256, 0, st>>>(x, (size_t)m * cols, 1, 0.f);
+    writer<<<1, 256, 0, st>>>(x, m * cols, 1.f, 0, stamp);
+    if (splits >= 0) consume();
+    CK(cudaMemcpyAsync(ref.data(), y, bytes, cudaMemcpyDeviceToHost, st));
+    fill_f32<<<256, 256, 0, st>>>(y, ny, 0.5f);
+    fill<<<256, 256, 0, st>>>(x, (size_t)m * cols, 1, 0.f);
+    CK(cudaMemsetAsync(zeros, 0, 4, st));
+    CK(cudaMemsetAsync(stamp, 0, 16, st));
+    CK(cudaStreamSynchronize(st));
+    cudaGraph_t g;
+    CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+    writer<<<1, 256, 0, st>>>(x, m * cols, 1.f, 100000, stamp);
+    std::vector<cudaGraphNode_t> wn = {leaf()};
+    consume();
+    CK(cudaStreamEndCapture(st, &g));
+    size_t nodes = 0;
+    CK(cudaGraphGetNodes(g, nullptr, &nodes));
+    int prog = 0;
+    if (edges_from(g, wn, true, &prog) < 1 || prog != 0) {
+        printf("probe: no default edge out of the writer to make programmatic\n");
+        exit(1);
+    }
+    cudaGraphExec_t ge;
+    CK(cudaGraphInstantiate(&ge, g, 0));
+    CK(cudaGraphLaunch(ge, st));
+    CK(cudaMemcpyAsync(got.data(), y, bytes, cudaMemcpyDeviceToHost, st));
+    unsigned z = 0;
+    unsigned long long t[2];
+    CK(cudaMemcpyAsync(&z, zeros, 4, cudaMemcpyDeviceToHost, st));
+    CK(cudaMemcpyAsync(t, stamp, 16, cudaMemcpyDeviceToHost, st));
+    CK(cudaStreamSynchronize(st));
+    CK(cudaGraphExecDestroy(ge));
+    CK(cudaGraphDestroy(g));
+    if (splits < 0) {
+        printf("control (a reader that does not wait, programmatic edge): read %u of %d values zero, started %.1f us "
+               "before the writer's end\n",
+               z, m * cols, ((double)t[0] - (double)t[1]) / 1000.0);
+        return;
+    }
+    size_t diff = 0;
+    for (size_t i = 0; i < bytes; i++) diff += ref[i] != got[i];
+    printf("probe %5d x %5d, M %3d, %s: %zu nodes, %zu of %zu output bytes differ from the in-order run%s\n", rows,
+           cols, m,
+           splits > 0    ? (splits == 4 ? "split-K 4, f32 partials" : "split-K 2, f32 partials")
+           : bf16_out    ? "bf16 out              "
+           : beta != 0.f ? "f32 out, accumulating "
+                         : "f32 out               ",
+           nodes, diff, bytes, diff ? "  <-- DIFFERS" : "");
+}
+
 int main(int argc, char** argv) {
-    const int m = argc > 1 ? atoi(argv[1]) : 64;
-    const int layers = argc > 2 ? atoi(argv[2]) : 32;
+    const bool probing = argc > 1 && std::string(argv[1]) == "probe";
+    const int m = probing ? 128 : argc > 1 ? atoi(argv[1]) : 64;
+    const int layers = probing ? 1 : argc > 2 ? atoi(argv[2]) : 32;
     const int replays = argc > 3 ? atoi(argv[3]) : 20;
     const int rounds = argc > 4 ? atoi(argv[4]) : 3;
     CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
@@ -186,74 +283,29 @@ int main(int argc, char** argv) {
     CK(cudaMemsetAsync(y, 0, (size_t)m * 28672 * 4, st));
     CK(cudaStreamSynchronize(st));
 
-    // 1 and 2: a one-block writer → an o-shaped GEMM (or the control), the edge as captured
-    // and then made programmatic.
-    {
-        const int rows = 4096, cols = 4096;
-        std::vector<float> ref(rows * (size_t)m), got(rows * (size_t)m);
-        unsigned* zeros;
-        unsigned long long* stamp;
-        CK(cudaMalloc(&zeros, 4));
-        CK(cudaMalloc(&stamp, 16));
-        fill<<<256, 256, 0, st>>>(x, (size_t)m * cols, 1, 0.f);  // zeros
-        writer<<<1, 256, 0, st>>>(x, m * cols, 1.f, 0, stamp);
-        gemm(w, rows, cols, x, m, y);
-        CK(cudaMemcpyAsync(ref.data(), y, ref.size() * 4, cudaMemcpyDeviceToHost, st));
-        CK(cudaStreamSynchronize(st));
-        for (int control = 1; control >= 0; control--) {
-            for (int make = 0; make < 2; make++) {
-                fill<<<256, 256, 0, st>>>(x, (size_t)m * cols, 1, 0.f);
-                CK(cudaMemsetAsync(y, 0, ref.size() * 4, st));
-                CK(cudaMemsetAsync(zeros, 0, 4, st));
-                CK(cudaMemsetAsync(stamp, 0, 16, st));
-                CK(cudaStreamSynchronize(st));
-                cudaGraph_t g;
-                CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
-                writer<<<1, 256, 0, st>>>(x, m * cols, 1.f, 100000, stamp);
-                std::vector<cudaGraphNode_t> wn = {leaf()};
-                if (control)
-                    reader<<<132, 256, 0, st>>>(x, m * cols, zeros, stamp);
-                else
-                    gemm(w, rows, cols, x, m, y);
-                CK(cudaStreamEndCapture(st, &g));
-                size_t nodes = 0;
-                CK(cudaGraphGetNodes(g, nullptr, &nodes));
-                int prog = 0;
-                const int out = edges_from(g, wn, make, &prog);
-                if (out < 1) {
-                    printf("no edge out of the writer\n");
-                    exit(1);
-                }
-                cudaGraphExec_t ge;
-                CK(cudaGraphInstantiate(&ge, g, 0));
-                CK(cudaGraphLaunch(ge, st));
-                CK(cudaMemcpyAsync(got.data(), y, got.size() * 4, cudaMemcpyDeviceToHost, st));
-                unsigned z = 0;
-                unsigned long long t[2];
-                CK(cudaMemcpyAsync(&z, zeros, 4, cudaMemcpyDeviceToHost, st));
-                CK(cudaMemcpyAsync(t, stamp, 16, cudaMemcpyDeviceToHost, st));
-                CK(cudaStreamSynchronize(st));
-                const char* edge = make ? "made programmatic" : "as captured";
-                if (control) {
-                    printf("control (a reader that does not wait), edge %s: %d programmatic as captured; read %u of "
-                           "%d zeros; started %.1f us before the writer's end\n",
-                           edge, prog, z, m * cols, ((double)t[0] - (double)t[1]) / 1000.0);
-                } else {
-                    double worst = 0, range = 0;
-                    size_t zero = 0;
-                    for (size_t i = 0; i < ref.size(); i++) {
-                        worst = fmax(worst, fabs(got[i] - ref[i]));
-                        range = fmax(range, fabs(ref[i]));
-                        zero += got[i] == 0.f;
-                    }
-                    printf("probe, edge %s: %zu nodes, %d edge(s) out of the writer, %d programmatic as captured; "
-                           "max |y - ref| %.3g of range %.3g, %zu of %zu outputs zero\n",
-                           edge, nodes, out, prog, worst, range, zero, ref.size());
-                }
-                CK(cudaGraphExecDestroy(ge));
-                CK(cudaGraphDestroy(g));
+    if (probing) {
+        // 1 and 2: the control, then every GEMM the engine captures at these token counts.
+        probe(w, x, y, 4096, 4096, 64, -1, 0, false);
+        // The output head (128,256 × 4,096), its own weights and output.
+        const int vocab = 128256;
+        __nv_bfloat16* wh;
+        float* yh;
+        CK(cudaMalloc(&wh, (size_t)vocab * 4096 * 2));
+        CK(cudaMalloc(&yh, (size_t)m * vocab * 4));
+        fill<<<1024, 256, 0, st>>>(wh, (size_t)vocab * 4096, 11, 0.05f);
+        const int ms[] = {9, 16, 32, 64, 128};
+        for (int mm : ms) probe(wh, x, yh, vocab, 4096, mm, 0, 0.f, false);
+        for (int mm : ms) {
+            const __nv_bfloat16* wl = w;
+            for (int i = 0; i < 4; i++) {
+                const int rows = shapes[i][0], cols = shapes[i][1];
+                probe(wl, x, y, rows, cols, mm, 0, 0.f, i == 2);  // gate/up: bf16 out (GU_BF16)
+                if (i == 1 || i == 3) probe(wl, x, y, rows, cols, mm, 0, 1.f, false);  // o, down: into x
+                if (i == 3 && mm <= 128) probe(wl, x, y, rows, cols, mm, mm <= 64 ? 4 : 2, 0.f, false);
+                wl += (size_t)rows * cols;
             }
         }
+        return 0;
     }
 
     // 3: the chain, timed.
