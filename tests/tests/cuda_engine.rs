@@ -514,6 +514,7 @@ fn programmatic_launch_changes_no_bits() {
         ));
     }
     assert!(gpu.backend().n_graphs() >= 2, "decode steps ran as graphs");
+    assert!(gpu.backend().gemm_edges() > 0, "the last run made captured edges into cuBLAS's GEMMs programmatic");
     let (_, bits, batched, one) = &outputs[0];
     for (on, b, t, o) in &outputs[1..] {
         assert!(b == bits, "{on}: prefill logits changed");

@@ -433,6 +433,8 @@ pub struct CudaBackend {
     /// (`DISAGG_CUDA_GEMM_PDL=1` with `DISAGG_CUDA_PDL` on, at start; the setter alone
     /// does not look at `pdl`): see [`Self::gemm_edge`].
     gemm_pdl: bool,
+    /// How many GEMMs' captured edges [`Self::gemm_edge`] has made programmatic.
+    gemm_edges: std::cell::Cell<u64>,
     deferred_host: [Option<cudarc::driver::PinnedHostSlice<u32>>; 2],
     deferred: std::collections::VecDeque<(usize, usize, CudaEvent)>,
     deferred_next: usize,
@@ -1191,6 +1193,7 @@ impl CudaBackend {
             defer,
             pdl: !off(crate::env::CUDA_PDL) && dev.arch.0 >= 9,
             gemm_pdl: on(crate::env::CUDA_GEMM_PDL) && !off(crate::env::CUDA_PDL) && dev.arch.0 >= 9,
+            gemm_edges: Default::default(),
             deferred_host: [None, None],
             deferred: Default::default(),
             deferred_next: 0,
@@ -1772,6 +1775,11 @@ impl CudaBackend {
     /// How many decode shapes are captured as graphs now.
     pub fn n_graphs(&self) -> usize {
         self.graphs.0.len()
+    }
+
+    /// How many cuBLAS GEMMs' captured edges were made programmatic ([`Self::set_gemm_pdl`]).
+    pub fn gemm_edges(&self) -> u64 {
+        self.gemm_edges.get()
     }
 
     /// Keeps at most `n` (at least 1) decode shapes captured (`MAX_GRAPHS` unless set;
@@ -2470,6 +2478,7 @@ impl CudaBackend {
         }
         .result()
         .expect("CUDA: making a GEMM's edge programmatic");
+        self.gemm_edges.set(self.gemm_edges.get() + 1);
     }
 
     /// Key slices for [`Self::residual_gemm`] of `w` over `n_tokens` (1: unsplit): from
