@@ -2429,16 +2429,17 @@ impl CudaBackend {
             return;
         }
         let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
-        let (mut id, mut graph) = (0u64, std::ptr::null_mut());
         let (mut deps, mut edges, mut n) = (std::ptr::null(), std::ptr::null(), 0usize);
-        // SAFETY: out-pointers to locals; the arrays returned stay valid until the next
-        // call on this capture, and are copied before it.
+        // SAFETY: out-pointers to locals (the capture's id and graph not asked for; its
+        // edges' data asked for, which the driver requires where any is not the default);
+        // the arrays returned stay valid until the next call on this capture, and are copied
+        // before it.
         unsafe {
             sys::cuStreamGetCaptureInfo_v3(
                 st.cu_stream(),
                 &mut status,
-                &mut id,
-                &mut graph,
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
                 &mut deps,
                 &mut edges,
                 &mut n,
