@@ -26,6 +26,7 @@
 //                                                     captures at 9-128 tokens)
 //   ./gemmpdl [M=64] [LAYERS=32] [REPLAYS=20] [ROUNDS=3]  (the timed chain)
 #include <cublas_v2.h>
+#include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -178,6 +179,44 @@ static int edges_from(cudaGraph_t g, const std::vector<cudaGraphNode_t>& from, b
     return out;
 }
 
+// The kernels the writer's edges go to, by name (driver entry points, so that the program does
+// not link libcuda): which cuBLAS kernel family each probe tried.
+static std::string names_after(cudaGraph_t g, cudaGraphNode_t from) {
+    typedef CUresult (*GetParams)(CUgraphNode, CUDA_KERNEL_NODE_PARAMS*);
+    typedef CUresult (*FuncName)(const char**, CUfunction);
+    typedef CUresult (*KernName)(const char**, CUkernel);
+    static GetParams get = nullptr;
+    static FuncName fname = nullptr;
+    static KernName kname = nullptr;
+    if (!get) {
+        cudaDriverEntryPointQueryResult q;
+        CK(cudaGetDriverEntryPointByVersion("cuGraphKernelNodeGetParams", (void**)&get, 12000, cudaEnableDefault, &q));
+        CK(cudaGetDriverEntryPointByVersion("cuFuncGetName", (void**)&fname, 12030, cudaEnableDefault, &q));
+        CK(cudaGetDriverEntryPointByVersion("cuKernelGetName", (void**)&kname, 12030, cudaEnableDefault, &q));
+    }
+    size_t n = 0;
+    CK(cudaGraphGetEdges(g, nullptr, nullptr, nullptr, &n));
+    std::vector<cudaGraphNode_t> f(n), t(n);
+    std::vector<cudaGraphEdgeData> d(n);
+    CK(cudaGraphGetEdges(g, f.data(), t.data(), d.data(), &n));
+    std::string out;
+    for (size_t i = 0; i < n; i++) {
+        if (f[i] != from) continue;
+        cudaGraphNodeType ty;
+        CK(cudaGraphNodeGetType(t[i], &ty));
+        const char* name = "(not a kernel)";
+        CUDA_KERNEL_NODE_PARAMS kp = {};
+        if (ty == cudaGraphNodeTypeKernel && get && get((CUgraphNode)t[i], &kp) == CUDA_SUCCESS) {
+            name = "(no name)";
+            if (kp.func && fname) fname(&name, kp.func);
+            else if (kp.kern && kname) kname(&name, kp.kern);
+        }
+        out += out.empty() ? "" : ", ";
+        out += std::string(name).substr(0, 90);
+    }
+    return out;
+}
+
 // One probe: a one-block writer that lets its dependents launch at once, spins ~50 µs, then
 // writes x := 1; after it a GEMM (splits 0: gemm() with beta and bf16_out; 2 or 4:
 // gemm_split()) or, with splits -1, the control (a reader that does not wait), the edge into
@@ -218,6 +257,7 @@ static void probe(const __nv_bfloat16* w, __nv_bfloat16* x, float* y, int rows, 
     std::vector<cudaGraphNode_t> wn = {leaf()};
     consume();
     CK(cudaStreamEndCapture(st, &g));
+    const std::string first = names_after(g, wn[0]);
     size_t nodes = 0;
     CK(cudaGraphGetNodes(g, nullptr, &nodes));
     int prog = 0;
@@ -244,13 +284,13 @@ static void probe(const __nv_bfloat16* w, __nv_bfloat16* x, float* y, int rows, 
     }
     size_t diff = 0;
     for (size_t i = 0; i < bytes; i++) diff += ref[i] != got[i];
-    printf("probe %5d x %5d, M %3d, %s: %zu nodes, %zu of %zu output bytes differ from the in-order run%s\n", rows,
-           cols, m,
+    printf("probe %5d x %5d, M %3d, %s: %zu nodes, %zu of %zu output bytes differ from the in-order run%s\n    first: %s\n",
+           rows, cols, m,
            splits > 0    ? (splits == 4 ? "split-K 4, f32 partials" : "split-K 2, f32 partials")
            : bf16_out    ? "bf16 out              "
            : beta != 0.f ? "f32 out, accumulating "
                          : "f32 out               ",
-           nodes, diff, bytes, diff ? "  <-- DIFFERS" : "");
+           nodes, diff, bytes, diff ? "  <-- DIFFERS" : "", first.c_str());
 }
 
 int main(int argc, char** argv) {
