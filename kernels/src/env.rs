@@ -118,10 +118,11 @@ pub const CUDA_PACKED_UPLOAD: &str = "DISAGG_CUDA_PACKED_UPLOAD";
 pub const CUDA_PDL: &str = "DISAGG_CUDA_PDL";
 
 /// `1` (with `DISAGG_CUDA_PDL` on, sm_90+): in a captured decode step, the graph edge into
-/// each bf16 cuBLAS GEMM of 9+ tokens from the kernel before it (where that is a kernel) is
-/// made programmatic, so the GEMM is scheduled as that kernel ends, as the backend's own
-/// kernels are; sound only where cuBLAS's GEMM waits for its inputs in its own code
-/// (tools/gpu-lab/gemmpdl.cu probes it). Off by default; for A/B runs.
+/// each bf16 cuBLAS call's first kernel from the kernel before it (where that is a kernel)
+/// is made programmatic, so the GEMM is scheduled as that kernel ends, as the backend's own
+/// kernels are; kept only into kernel families known to wait for their inputs in their own
+/// code (tools/gpu-lab/gemmpdl.cu probes them), any other gets its default edge back. Off
+/// by default; for A/B runs.
 pub const CUDA_GEMM_PDL: &str = "DISAGG_CUDA_GEMM_PDL";
 
 /// The CUDA attention's split-K (flash-decoding) path: when splitting fills the GPU's

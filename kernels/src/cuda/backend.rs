@@ -221,11 +221,15 @@ fn pooled_event(pool: &mut Vec<CudaEvent>, st: &std::sync::Arc<cudarc::driver::C
     }
 }
 
-/// The fewest tokens of a GEMM whose captured edge [`CudaBackend::gemm_edge`] makes
-/// programmatic: past the one-token GEMV and the skinny kernel's 2–8 (cuBLAS' own GEMV
-/// kernels have no wait); the engine's bits test ran it at 11 tokens, the lab's probe at 16
-/// and 64 (docs/PERF.md, seventy-first session).
-const GEMM_PDL_MIN_TOKENS: usize = 9;
+/// cuBLAS kernel families, by a part of the kernel's name, that wait for the kernel before
+/// them in their own code (`griddepcontrol.wait`) before they read their inputs, so that a
+/// programmatic graph edge into them is sound: libcublasLt 13.0's SASS has the wait in
+/// every `sm90_xmma_gemm_bf16…` and `splitKreduce…` kernel and not in its GEMV kernels
+/// (`gemvx`, `gemv2N`, `gemv2T`, `gemvNSP`), `gemmSN`, `gemmk1` or the epilogues;
+/// `tools/gpu-lab/gemmpdl.cu probe` checks the kernels the engine's GEMMs get on a card
+/// against a control (docs/PERF.md, seventy-first and seventy-second sessions).
+/// [`CudaBackend::gemm_edge_kept`] gives every other kernel its default edge back.
+const GEMM_PDL_FAMILIES: [&str; 3] = ["xmma_gemm", "splitKreduce", "nvjet_"];
 
 /// Most blocks `argmax_rows_split` gives one row.
 const ARGMAX_MAX_CHUNKS: usize = 64;
@@ -433,8 +437,9 @@ pub struct CudaBackend {
     /// (`DISAGG_CUDA_GEMM_PDL=1` with `DISAGG_CUDA_PDL` on, at start; the setter alone
     /// does not look at `pdl`): see [`Self::gemm_edge`].
     gemm_pdl: bool,
-    /// How many GEMMs' captured edges [`Self::gemm_edge`] has made programmatic.
-    gemm_edges: std::cell::Cell<u64>,
+    /// How many captured edges into cuBLAS's kernels [`Self::gemm_edge`] made programmatic
+    /// and [`Self::gemm_edge_kept`] kept, and how many it gave their default type back.
+    gemm_edges: std::cell::Cell<(u64, u64)>,
     deferred_host: [Option<cudarc::driver::PinnedHostSlice<u32>>; 2],
     deferred: std::collections::VecDeque<(usize, usize, CudaEvent)>,
     deferred_next: usize,
@@ -1777,8 +1782,10 @@ impl CudaBackend {
         self.graphs.0.len()
     }
 
-    /// How many cuBLAS GEMMs' captured edges were made programmatic ([`Self::set_gemm_pdl`]).
-    pub fn gemm_edges(&self) -> u64 {
+    /// How many captured edges into cuBLAS's kernels are programmatic
+    /// ([`Self::set_gemm_pdl`]), and how many were made so and given their default type back
+    /// because the kernel was not of a family known to wait ([`GEMM_PDL_FAMILIES`]).
+    pub fn gemm_edges(&self) -> (u64, u64) {
         self.gemm_edges.get()
     }
 
@@ -2384,7 +2391,7 @@ impl CudaBackend {
         let (b, _gb) = self.x_bf16.device_ptr(&st);
         let (c, _gc) = out.device_ptr_mut(&st);
         let c_type = if c_bf16 { cudaDataType::CUDA_R_16BF } else { cudaDataType::CUDA_R_32F };
-        self.gemm_edge(&st, n_tokens);
+        let edged = self.gemm_edge(&st);
         // SAFETY: as above; types as declared (bf16 A and B, f32 or bf16 C: half the
         // bytes `out` holds).
         unsafe {
@@ -2411,22 +2418,23 @@ impl CudaBackend {
             )
         }
         .expect("cuBLAS: bf16 GEMM");
+        self.gemm_edge_kept(&st, &edged);
     }
 
-    /// With [`Self::gemm_pdl`], while a step is being captured, for a GEMM of at least
-    /// [`GEMM_PDL_MIN_TOKENS`] tokens: makes the captured edges into the next node
-    /// programmatic (port and type), where every node before it is a kernel, so that the
-    /// cuBLAS GEMM launched next is scheduled as the kernel before it ends, as the
-    /// backend's own kernels are with `pdl`. Sound only where that GEMM waits for the
-    /// kernel before it in its own code (`griddepcontrol.wait`), which cuBLAS does not
-    /// document: `tools/gpu-lab/gemmpdl.cu` probes it on the card (docs/PERF.md,
-    /// seventy-first session: its output was exact at 16 and 64 tokens). A programmatic edge
-    /// may only lead to a kernel node: were cuBLAS's first node of a GEMM not a kernel, the
-    /// capture would fail there (opt-in, for A/B runs, until probed at every shape).
-    fn gemm_edge(&self, st: &cudarc::driver::CudaStream, n_tokens: usize) {
+    /// With [`Self::gemm_pdl`], while a step is being captured, before a cuBLAS call:
+    /// makes the captured edges into the next node programmatic (port and type), where every
+    /// node before it is a kernel, so that the cuBLAS kernel launched next is scheduled as
+    /// the kernel before it ends, as the backend's own kernels are with `pdl`. Sound only
+    /// where that kernel waits for the kernel before it in its own code
+    /// (`griddepcontrol.wait`), which cuBLAS does not document: after the call,
+    /// [`Self::gemm_edge_kept`] keeps the edge only into a family known to wait
+    /// ([`GEMM_PDL_FAMILIES`]). Returns the nodes the edges come from (none: nothing made).
+    /// A programmatic edge may only lead to a kernel node: were cuBLAS's first node of a
+    /// GEMM not a kernel, the capture would fail there.
+    fn gemm_edge(&self, st: &cudarc::driver::CudaStream) -> Vec<cudarc::driver::sys::CUgraphNode> {
         use cudarc::driver::sys;
-        if !(self.gemm_pdl && self.capturing && n_tokens >= GEMM_PDL_MIN_TOKENS) {
-            return;
+        if !(self.gemm_pdl && self.capturing) {
+            return Vec::new();
         }
         let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
         let (mut deps, mut edges, mut n) = (std::ptr::null(), std::ptr::null(), 0usize);
@@ -2448,7 +2456,7 @@ impl CudaBackend {
         .result()
         .expect("CUDA: reading a capture's dependencies");
         if status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE || n == 0 || deps.is_null() {
-            return;
+            return Vec::new();
         }
         // SAFETY: the driver returned n nodes at deps.
         let mut nodes: Vec<sys::CUgraphNode> = unsafe { std::slice::from_raw_parts(deps, n) }.to_vec();
@@ -2457,7 +2465,7 @@ impl CudaBackend {
             // SAFETY: a node of the graph being captured.
             unsafe { sys::cuGraphNodeGetType(node, &mut ty) }.result().expect("CUDA: a graph node's type");
             if ty != sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_KERNEL {
-                return;
+                return Vec::new();
             }
         }
         let edge = sys::CUgraphEdgeData {
@@ -2479,7 +2487,74 @@ impl CudaBackend {
         }
         .result()
         .expect("CUDA: making a GEMM's edge programmatic");
-        self.gemm_edges.set(self.gemm_edges.get() + 1);
+        nodes
+    }
+
+    /// After the cuBLAS call [`Self::gemm_edge`] made edges for (`from`, the nodes they come
+    /// from): each programmatic edge out of them now leads to cuBLAS's first kernel; one
+    /// into a kernel whose name is not of a family known to wait ([`GEMM_PDL_FAMILIES`]),
+    /// or whose name cannot be read, becomes a default edge again (the driver permits
+    /// edges to change in a graph under capture; only nodes may not be removed). Counted in
+    /// [`Self::gemm_edges`].
+    fn gemm_edge_kept(&self, st: &cudarc::driver::CudaStream, from: &[cudarc::driver::sys::CUgraphNode]) {
+        use cudarc::driver::sys;
+        if from.is_empty() {
+            return;
+        }
+        let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        let mut graph: sys::CUgraph = std::ptr::null_mut();
+        // SAFETY: out-pointers to locals; the other outputs not asked for.
+        unsafe {
+            sys::cuStreamGetCaptureInfo_v3(
+                st.cu_stream(),
+                &mut status,
+                std::ptr::null_mut(),
+                &mut graph,
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+            )
+        }
+        .result()
+        .expect("CUDA: reading a capture's graph");
+        let (mut kept, mut undone) = self.gemm_edges.get();
+        for &f in from {
+            let mut n = 0usize;
+            // SAFETY: a node of the graph under capture; first the count, then as many.
+            unsafe { sys::cuGraphNodeGetDependentNodes_v2(f, std::ptr::null_mut(), std::ptr::null_mut(), &mut n) }
+                .result()
+                .expect("CUDA: counting a node's dependents");
+            let mut to = vec![std::ptr::null_mut(); n];
+            // SAFETY: plain data (integers), all zero a valid value.
+            let mut data: Vec<sys::CUgraphEdgeData> = vec![unsafe { std::mem::zeroed() }; n];
+            // SAFETY: room for n nodes and n edges' data.
+            unsafe { sys::cuGraphNodeGetDependentNodes_v2(f, to.as_mut_ptr(), data.as_mut_ptr(), &mut n) }
+                .result()
+                .expect("CUDA: a node's dependents");
+            for (t, d) in to.iter().zip(&data).take(n) {
+                if d.type_ != sys::CUgraphDependencyType::CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC as u8 {
+                    continue;
+                }
+                let name = kernel_node_name(*t);
+                if name.as_deref().is_some_and(|k| GEMM_PDL_FAMILIES.iter().any(|fam| k.contains(fam))) {
+                    kept += 1;
+                    continue;
+                }
+                tracing::debug!(kernel = ?name, "a cuBLAS kernel not known to wait keeps its default edge");
+                // SAFETY: the edge just read, removed with its data; then the default edge
+                // (no data) between the same nodes of the graph under capture.
+                unsafe {
+                    sys::cuGraphRemoveDependencies_v2(graph, &f, t, d, 1)
+                        .result()
+                        .expect("CUDA: removing a programmatic edge");
+                    sys::cuGraphAddDependencies_v2(graph, &f, t, std::ptr::null(), 1)
+                        .result()
+                        .expect("CUDA: adding a default edge");
+                }
+                undone += 1;
+            }
+        }
+        self.gemm_edges.set((kept, undone));
     }
 
     /// Key slices for [`Self::residual_gemm`] of `w` over `n_tokens` (1: unsplit): from
@@ -2544,7 +2619,7 @@ impl CudaBackend {
         let kc = cols / splits;
         let (alpha, beta) = (1f32, 0f32);
         let pstride = (n_tokens * rows) as i64;
-        self.gemm_edge(&st, n_tokens);
+        let edged = self.gemm_edge(&st);
         {
             let (a, _ga) = w.device_ptr(&st);
             let (b, _gb) = self.x_bf16.device_ptr(&st);
@@ -2582,6 +2657,7 @@ impl CudaBackend {
             }
             .expect("cuBLAS: split-K GEMM");
         }
+        self.gemm_edge_kept(&st, &edged);
         self.toc(op, t);
         let t = self.tic();
         // (The next norm only where rms_norm_to_bf16 would write it: the fused norm on.)
@@ -3310,6 +3386,29 @@ impl CudaBackend {
             }
         }
     }
+}
+
+/// The name of a graph's kernel node's function, where the driver gives one.
+fn kernel_node_name(node: cudarc::driver::sys::CUgraphNode) -> Option<String> {
+    use cudarc::driver::sys;
+    // SAFETY: plain data (integers and handles), all zero a valid value.
+    let mut p: sys::CUDA_KERNEL_NODE_PARAMS = unsafe { std::mem::zeroed() };
+    // SAFETY: a kernel node of a graph (the caller's edge's target); out-pointer to a local.
+    unsafe { sys::cuGraphKernelNodeGetParams_v2(node, &mut p) }.result().ok()?;
+    let mut name: *const std::ffi::c_char = std::ptr::null();
+    // SAFETY: the node's function or kernel handle; the name is the driver's, read at once.
+    let got = unsafe {
+        if !p.func.is_null() {
+            sys::cuFuncGetName(&mut name, p.func)
+        } else if !p.kern.is_null() {
+            sys::cuKernelGetName(&mut name, p.kern)
+        } else {
+            return None;
+        }
+    };
+    got.result().ok()?;
+    // SAFETY: a NUL-terminated string owned by the driver, when not null.
+    (!name.is_null()).then(|| unsafe { std::ffi::CStr::from_ptr(name) }.to_string_lossy().into_owned())
 }
 
 /// The profile's name for a GEMM: "matmul", and while profiling "matmul ROWSxCOLS" so
