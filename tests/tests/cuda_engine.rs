@@ -479,7 +479,8 @@ fn programmatic_launch_changes_no_bits() {
     // loops; 5 is the default's 1 with the GEMV at two loads per row): none may change a bit.
     // The attention's tiles by bulk copies in runs 2, 3, 6, 7 and 10 (PDL off and on), else
     // cp.async. The last run (10) also makes the captured edges into cuBLAS's GEMMs
-    // programmatic (the batched steps' GEMMs of 11 tokens).
+    // programmatic (the batched steps' GEMMs of 11 tokens), kept only into kernel families
+    // known to wait.
     let runs = [(false, true, true, 0), (true, true, true, 0), (false, true, true, 0), (true, true, true, 0)];
     let more = [
         (true, false, true, 0),
@@ -506,11 +507,11 @@ fn programmatic_launch_changes_no_bits() {
             run_to_completion(&mut gpu, reqs.clone(), 1).unwrap().into_iter().map(|o| o.output_ids).collect();
         let one = run_to_completion(&mut gpu, vec![(long.clone(), greedy(40))], 2).unwrap().remove(0).output_ids;
         if gemm {
-            // (A capture the edges broke would leave its steps op by op.)
+            // (A failed capture turns graphs off for good and runs its steps op by op.)
             let now = gpu.backend().graph_counts();
             assert!(
-                now.captured > counts.captured && now.replayed > counts.replayed,
-                "the GEMM-edge run captured and replayed its steps: {counts:?} → {now:?}"
+                gpu.backend().graphs_on() && now.captured > counts.captured && now.replayed > counts.replayed,
+                "the GEMM-edge run captured and replayed its steps, and no capture failed: {counts:?} → {now:?}"
             );
         }
         outputs.push((

@@ -1777,6 +1777,12 @@ impl CudaBackend {
         self.defer = on && self.device_sampling && self.profile.is_none();
     }
 
+    /// Whether decode steps are captured and replayed as graphs: set by [`Self::set_graphs`],
+    /// and off for good after a capture fails.
+    pub fn graphs_on(&self) -> bool {
+        self.graphs_on
+    }
+
     /// How many decode shapes are captured as graphs now.
     pub fn n_graphs(&self) -> usize {
         self.graphs.0.len()
@@ -2418,7 +2424,7 @@ impl CudaBackend {
             )
         }
         .expect("cuBLAS: bf16 GEMM");
-        self.gemm_edge_kept(&st, &edged);
+        self.gemm_edge_kept(edged);
     }
 
     /// With [`Self::gemm_pdl`], while a step is being captured, before a cuBLAS call:
@@ -2431,23 +2437,23 @@ impl CudaBackend {
     /// ([`GEMM_PDL_FAMILIES`]). Returns the nodes the edges come from (none: nothing made).
     /// A programmatic edge may only lead to a kernel node: were cuBLAS's first node of a
     /// GEMM not a kernel, the capture would fail there.
-    fn gemm_edge(&self, st: &cudarc::driver::CudaStream) -> Vec<cudarc::driver::sys::CUgraphNode> {
+    fn gemm_edge(&self, st: &cudarc::driver::CudaStream) -> Option<GemmEdges> {
         use cudarc::driver::sys;
         if !(self.gemm_pdl && self.capturing) {
-            return Vec::new();
+            return None;
         }
         let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        let mut graph: sys::CUgraph = std::ptr::null_mut();
         let (mut deps, mut edges, mut n) = (std::ptr::null(), std::ptr::null(), 0usize);
-        // SAFETY: out-pointers to locals (the capture's id and graph not asked for; its
-        // edges' data asked for, which the driver requires where any is not the default);
-        // the arrays returned stay valid until the next call on this capture, and are copied
-        // before it.
+        // SAFETY: out-pointers to locals (the capture's id not asked for; its edges' data
+        // asked for, which the driver requires where any is not the default); the arrays
+        // returned stay valid until the next call on this capture, and are copied before it.
         unsafe {
             sys::cuStreamGetCaptureInfo_v3(
                 st.cu_stream(),
                 &mut status,
                 std::ptr::null_mut(),
-                std::ptr::null_mut(),
+                &mut graph,
                 &mut deps,
                 &mut edges,
                 &mut n,
@@ -2455,8 +2461,12 @@ impl CudaBackend {
         }
         .result()
         .expect("CUDA: reading a capture's dependencies");
-        if status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE || n == 0 || deps.is_null() {
-            return Vec::new();
+        if status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE
+            || n == 0
+            || deps.is_null()
+            || graph.is_null()
+        {
+            return None;
         }
         // SAFETY: the driver returned n nodes at deps.
         let mut nodes: Vec<sys::CUgraphNode> = unsafe { std::slice::from_raw_parts(deps, n) }.to_vec();
@@ -2465,9 +2475,11 @@ impl CudaBackend {
             // SAFETY: a node of the graph being captured.
             unsafe { sys::cuGraphNodeGetType(node, &mut ty) }.result().expect("CUDA: a graph node's type");
             if ty != sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_KERNEL {
-                return Vec::new();
+                return None;
             }
         }
+        // (What each node leads to already, so that only the edges made here are looked at.)
+        let before = nodes.iter().map(|&f| dependents(f).0).collect();
         let edge = sys::CUgraphEdgeData {
             from_port: sys::CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC as u8,
             to_port: 0,
@@ -2487,52 +2499,24 @@ impl CudaBackend {
         }
         .result()
         .expect("CUDA: making a GEMM's edge programmatic");
-        nodes
+        Some(GemmEdges { graph, from: nodes, before })
     }
 
-    /// After the cuBLAS call [`Self::gemm_edge`] made edges for (`from`, the nodes they come
-    /// from): each programmatic edge out of them now leads to cuBLAS's first kernel; one
-    /// into a kernel whose name is not of a family known to wait ([`GEMM_PDL_FAMILIES`]),
-    /// or whose name cannot be read, becomes a default edge again (the driver permits
-    /// edges to change in a graph under capture; only nodes may not be removed). Counted in
-    /// [`Self::gemm_edges`].
-    fn gemm_edge_kept(&self, st: &cudarc::driver::CudaStream, from: &[cudarc::driver::sys::CUgraphNode]) {
+    /// After the cuBLAS call [`Self::gemm_edge`] made edges for: each programmatic edge it
+    /// made now leads to cuBLAS's first kernel; one into a kernel whose name is not of a
+    /// family known to wait ([`GEMM_PDL_FAMILIES`]), or whose name cannot be read, becomes a
+    /// default edge again (the driver permits edges to change in a graph under capture; only
+    /// nodes may not be removed). Counted in [`Self::gemm_edges`].
+    fn gemm_edge_kept(&self, edged: Option<GemmEdges>) {
         use cudarc::driver::sys;
-        if from.is_empty() {
-            return;
-        }
-        let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
-        let mut graph: sys::CUgraph = std::ptr::null_mut();
-        // SAFETY: out-pointers to locals; the other outputs not asked for.
-        unsafe {
-            sys::cuStreamGetCaptureInfo_v3(
-                st.cu_stream(),
-                &mut status,
-                std::ptr::null_mut(),
-                &mut graph,
-                std::ptr::null_mut(),
-                std::ptr::null_mut(),
-                std::ptr::null_mut(),
-            )
-        }
-        .result()
-        .expect("CUDA: reading a capture's graph");
+        let Some(GemmEdges { graph, from, before }) = edged else { return };
         let (mut kept, mut undone) = self.gemm_edges.get();
-        for &f in from {
-            let mut n = 0usize;
-            // SAFETY: a node of the graph under capture; first the count, then as many.
-            unsafe { sys::cuGraphNodeGetDependentNodes_v2(f, std::ptr::null_mut(), std::ptr::null_mut(), &mut n) }
-                .result()
-                .expect("CUDA: counting a node's dependents");
-            let mut to = vec![std::ptr::null_mut(); n];
-            // SAFETY: plain data (integers), all zero a valid value.
-            let mut data: Vec<sys::CUgraphEdgeData> = vec![unsafe { std::mem::zeroed() }; n];
-            // SAFETY: room for n nodes and n edges' data.
-            unsafe { sys::cuGraphNodeGetDependentNodes_v2(f, to.as_mut_ptr(), data.as_mut_ptr(), &mut n) }
-                .result()
-                .expect("CUDA: a node's dependents");
-            for (t, d) in to.iter().zip(&data).take(n) {
-                if d.type_ != sys::CUgraphDependencyType::CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC as u8 {
+        for (&f, before) in from.iter().zip(&before) {
+            let (to, data) = dependents(f);
+            for (t, d) in to.iter().zip(&data) {
+                if d.type_ != sys::CUgraphDependencyType::CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC as u8
+                    || before.contains(t)
+                {
                     continue;
                 }
                 let name = kernel_node_name(*t);
@@ -2657,7 +2641,7 @@ impl CudaBackend {
             }
             .expect("cuBLAS: split-K GEMM");
         }
-        self.gemm_edge_kept(&st, &edged);
+        self.gemm_edge_kept(edged);
         self.toc(op, t);
         let t = self.tic();
         // (The next norm only where rms_norm_to_bf16 would write it: the fused norm on.)
@@ -3386,6 +3370,36 @@ impl CudaBackend {
             }
         }
     }
+}
+
+/// The programmatic edges [`CudaBackend::gemm_edge`] made before a cuBLAS call: the graph
+/// under capture, the nodes the edges come from, and what each of them led to before.
+struct GemmEdges {
+    graph: cudarc::driver::sys::CUgraph,
+    from: Vec<cudarc::driver::sys::CUgraphNode>,
+    before: Vec<Vec<cudarc::driver::sys::CUgraphNode>>,
+}
+
+/// The nodes a graph's node leads to, with each edge's data.
+fn dependents(
+    node: cudarc::driver::sys::CUgraphNode,
+) -> (Vec<cudarc::driver::sys::CUgraphNode>, Vec<cudarc::driver::sys::CUgraphEdgeData>) {
+    use cudarc::driver::sys;
+    let mut n = 0usize;
+    // SAFETY: a node of a graph (under capture or not); first the count (both arrays null).
+    unsafe { sys::cuGraphNodeGetDependentNodes_v2(node, std::ptr::null_mut(), std::ptr::null_mut(), &mut n) }
+        .result()
+        .expect("CUDA: counting a node's dependents");
+    let mut to = vec![std::ptr::null_mut(); n];
+    // SAFETY: plain data (integers), all zero a valid value.
+    let mut data: Vec<sys::CUgraphEdgeData> = vec![unsafe { std::mem::zeroed() }; n];
+    // SAFETY: room for n nodes and n edges' data; the driver writes at most n.
+    unsafe { sys::cuGraphNodeGetDependentNodes_v2(node, to.as_mut_ptr(), data.as_mut_ptr(), &mut n) }
+        .result()
+        .expect("CUDA: a node's dependents");
+    to.truncate(n);
+    data.truncate(n);
+    (to, data)
 }
 
 /// The name of a graph's kernel node's function, where the driver gives one.
