@@ -2436,7 +2436,7 @@ impl CudaBackend {
     /// where that kernel waits for the kernel before it in its own code
     /// (`griddepcontrol.wait`), which cuBLAS does not document: after the call,
     /// [`Self::gemm_edge_kept`] keeps the edge only into a family known to wait
-    /// ([`GEMM_PDL_FAMILIES`]). Returns the nodes the edges come from (none: nothing made).
+    /// ([`GEMM_PDL_FAMILIES`]), to which it hands what it made (None: nothing).
     /// A programmatic edge may only lead to a kernel node: were cuBLAS's first node of a
     /// GEMM not a kernel, the capture would fail there.
     fn gemm_edge(&self, st: &cudarc::driver::CudaStream) -> Option<GemmEdges> {
