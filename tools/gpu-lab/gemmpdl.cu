@@ -150,14 +150,22 @@ static cudaGraphNode_t leaf() {
     return deps[0];
 }
 
+// Every edge of g: from f[i] to t[i], with data d[i]; returns how many.
+static size_t graph_edges(cudaGraph_t g, std::vector<cudaGraphNode_t>& f, std::vector<cudaGraphNode_t>& t,
+                          std::vector<cudaGraphEdgeData>& d) {
+    size_t n = 0;
+    CK(cudaGraphGetEdges(g, nullptr, nullptr, nullptr, &n));
+    f.resize(n), t.resize(n), d.resize(n);
+    CK(cudaGraphGetEdges(g, f.data(), t.data(), d.data(), &n));
+    return n;
+}
+
 // Every edge out of the nodes in `from`: how many are programmatic; with `make`, makes the
 // default ones programmatic. Returns the number of edges out of them.
 static int edges_from(cudaGraph_t g, const std::vector<cudaGraphNode_t>& from, bool make, int* programmatic) {
-    size_t n = 0;
-    CK(cudaGraphGetEdges(g, nullptr, nullptr, nullptr, &n));
-    std::vector<cudaGraphNode_t> f(n), t(n);
-    std::vector<cudaGraphEdgeData> d(n);
-    CK(cudaGraphGetEdges(g, f.data(), t.data(), d.data(), &n));
+    std::vector<cudaGraphNode_t> f, t;
+    std::vector<cudaGraphEdgeData> d;
+    const size_t n = graph_edges(g, f, t, d);
     int out = 0;
     *programmatic = 0;
     for (size_t i = 0; i < n; i++) {
@@ -194,11 +202,9 @@ static std::string names_after(cudaGraph_t g, cudaGraphNode_t from) {
         CK(cudaGetDriverEntryPointByVersion("cuFuncGetName", (void**)&fname, 12030, cudaEnableDefault, &q));
         CK(cudaGetDriverEntryPointByVersion("cuKernelGetName", (void**)&kname, 12030, cudaEnableDefault, &q));
     }
-    size_t n = 0;
-    CK(cudaGraphGetEdges(g, nullptr, nullptr, nullptr, &n));
-    std::vector<cudaGraphNode_t> f(n), t(n);
-    std::vector<cudaGraphEdgeData> d(n);
-    CK(cudaGraphGetEdges(g, f.data(), t.data(), d.data(), &n));
+    std::vector<cudaGraphNode_t> f, t;
+    std::vector<cudaGraphEdgeData> d;
+    const size_t n = graph_edges(g, f, t, d);
     std::string out;
     for (size_t i = 0; i < n; i++) {
         if (f[i] != from) continue;
