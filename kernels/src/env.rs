@@ -125,6 +125,12 @@ pub const CUDA_PDL: &str = "DISAGG_CUDA_PDL";
 /// by default; for A/B runs.
 pub const CUDA_GEMM_PDL: &str = "DISAGG_CUDA_GEMM_PDL";
 
+/// With `DISAGG_CUDA_GEMM_PDL=1`: comma-separated parts of cuBLAS kernel names whose
+/// programmatic edges are kept, in place of the built-in list of families known to wait
+/// (`xmma_gemm,splitKreduce`); for A/B runs of a family `tools/gpu-lab/gemmpdl.cu probe`
+/// cleared on a card before it joins the list.
+pub const CUDA_GEMM_PDL_FAMILIES: &str = "DISAGG_CUDA_GEMM_PDL_FAMILIES";
+
 /// The CUDA attention's split-K (flash-decoding) path: when splitting fills the GPU's
 /// waves of resident blocks better (few sequences, or a last wave left part-empty), each
 /// one's keys are split over several blocks of at least this many keys (default 64; 0:

@@ -231,7 +231,25 @@ fn pooled_event(pool: &mut Vec<CudaEvent>, st: &std::sync::Arc<cudarc::driver::C
 /// (yet) `nvjet_…`, the kernels cuBLAS 13.1 gives most of the engine's GEMMs on H100 and
 /// H200: their code is not in libcublasLt's ELFs, and the probe with its control has not
 /// run. [`CudaBackend::gemm_edge_kept`] gives every other kernel its default edge back.
+/// `DISAGG_CUDA_GEMM_PDL_FAMILIES` replaces the list for A/B runs ([`gemm_pdl_families`]).
 const GEMM_PDL_FAMILIES: [&str; 2] = ["xmma_gemm", "splitKreduce"];
+
+/// The kernel families programmatic GEMM edges are kept into: [`GEMM_PDL_FAMILIES`], or
+/// the comma-separated name parts of `DISAGG_CUDA_GEMM_PDL_FAMILIES` (e.g. a family that
+/// `gemmpdl probe` cleared on a card, for an A/B run before it joins the list).
+fn gemm_pdl_families(set: Option<&str>) -> Result<Vec<String>, KernelError> {
+    let name = crate::env::CUDA_GEMM_PDL_FAMILIES;
+    let Some(v) = set else {
+        return Ok(GEMM_PDL_FAMILIES.iter().map(|f| f.to_string()).collect());
+    };
+    let fams: Vec<String> = v.split(',').map(|f| f.trim().to_string()).collect();
+    if fams.iter().any(|f| f.is_empty()) {
+        return Err(KernelError::Device(format!(
+            "{name}={v:?}: give comma-separated parts of cuBLAS kernel names, none empty (e.g. xmma_gemm,splitKreduce)"
+        )));
+    }
+    Ok(fams)
+}
 
 /// Most blocks `argmax_rows_split` gives one row.
 const ARGMAX_MAX_CHUNKS: usize = 64;
@@ -439,6 +457,9 @@ pub struct CudaBackend {
     /// (`DISAGG_CUDA_GEMM_PDL=1` with `DISAGG_CUDA_PDL` on, at start; the setter alone
     /// does not look at `pdl`): see [`Self::gemm_edge`].
     gemm_pdl: bool,
+    /// The kernel families whose programmatic edges [`Self::gemm_edge_kept`] keeps
+    /// ([`gemm_pdl_families`]).
+    gemm_pdl_families: Vec<String>,
     /// How many captured edges into cuBLAS's kernels [`Self::gemm_edge`] made programmatic
     /// and [`Self::gemm_edge_kept`] kept, and how many it gave their default type back.
     gemm_edges: std::cell::Cell<(u64, u64)>,
@@ -1200,6 +1221,7 @@ impl CudaBackend {
             defer,
             pdl: !off(crate::env::CUDA_PDL) && dev.arch.0 >= 9,
             gemm_pdl: on(crate::env::CUDA_GEMM_PDL) && !off(crate::env::CUDA_PDL) && dev.arch.0 >= 9,
+            gemm_pdl_families: gemm_pdl_families(std::env::var(crate::env::CUDA_GEMM_PDL_FAMILIES).ok().as_deref())?,
             gemm_edges: Default::default(),
             deferred_host: [None, None],
             deferred: Default::default(),
@@ -2506,7 +2528,7 @@ impl CudaBackend {
 
     /// After the cuBLAS call [`Self::gemm_edge`] made edges for: each programmatic edge it
     /// made now leads to cuBLAS's first kernel; one into a kernel whose name is not of a
-    /// family known to wait ([`GEMM_PDL_FAMILIES`]), or whose name cannot be read, becomes a
+    /// family known to wait ([`Self::gemm_pdl_families`]), or whose name cannot be read, becomes a
     /// default edge again (the driver permits edges to change in a graph under capture; only
     /// nodes may not be removed). Counted in [`Self::gemm_edges`].
     fn gemm_edge_kept(&self, edged: Option<GemmEdges>) {
@@ -2522,7 +2544,7 @@ impl CudaBackend {
                     continue;
                 }
                 let name = kernel_node_name(*t);
-                if name.as_deref().is_some_and(|k| GEMM_PDL_FAMILIES.iter().any(|fam| k.contains(fam))) {
+                if name.as_deref().is_some_and(|k| self.gemm_pdl_families.iter().any(|fam| k.contains(fam.as_str()))) {
                     kept += 1;
                     continue;
                 }
@@ -4112,7 +4134,7 @@ impl Backend for CudaBackend {
 #[cfg(test)]
 mod tests {
     use super::{
-        attn_splits_by_waves, below_cluster_floor, fp8_copy_wanted, lone_block_rate, split_costs, unsplit_pays,
+        attn_splits_by_waves, below_cluster_floor, fp8_copy_wanted, gemm_pdl_families, lone_block_rate, split_costs, unsplit_pays,
         ShapeCache, StepTables, FP8_COPY_MAX_BYTES,
     };
     use crate::backend::SeqSpan;
@@ -4258,6 +4280,20 @@ mod tests {
 
     fn span(rows: std::ops::Range<usize>, pos0: usize, block_table: &[u32]) -> SeqSpan<'_> {
         SeqSpan { rows, pos0, block_table }
+    }
+
+    #[test]
+    fn gemm_edge_families_come_from_the_list_or_the_variable() {
+        assert_eq!(gemm_pdl_families(None).unwrap(), ["xmma_gemm", "splitKreduce"]);
+        assert_eq!(
+            gemm_pdl_families(Some("xmma_gemm, nvjet_sm90_tst")).unwrap(),
+            ["xmma_gemm", "nvjet_sm90_tst"]
+        );
+        // An empty part would keep every edge: refused, naming the variable.
+        for bad in ["", "xmma_gemm,", " , nvjet"] {
+            let err = gemm_pdl_families(Some(bad)).unwrap_err().to_string();
+            assert!(err.contains("DISAGG_CUDA_GEMM_PDL_FAMILIES") && err.contains("none empty"), "{err}");
+        }
     }
 
     #[test]
