@@ -178,6 +178,12 @@ static int edges_from(cudaGraph_t g, const std::vector<cudaGraphNode_t>& from, b
             continue;
         }
         if (!make) continue;
+        cudaGraphNodeType ty;
+        CK(cudaGraphNodeGetType(t[i], &ty));
+        if (ty != cudaGraphNodeTypeKernel) {  // a programmatic edge may only lead to a kernel
+            printf("    (an edge into a node of type %d, not a kernel, left default)\n", (int)ty);
+            continue;
+        }
         CK(cudaGraphRemoveDependencies(g, &f[i], &t[i], &d[i], 1));
         cudaGraphEdgeData e = {};
         e.from_port = cudaGraphKernelNodePortProgrammatic;
@@ -270,6 +276,12 @@ static void probe(const __nv_bfloat16* w, __nv_bfloat16* x, float* y, int rows, 
     if (edges_from(g, wn, true, &prog) < 1 || prog != 0) {
         printf("probe: no default edge out of the writer to make programmatic\n");
         exit(1);
+    }
+    edges_from(g, wn, false, &prog);
+    if (prog == 0) {  // its first node not a kernel: nothing to probe
+        printf("probe %5d x %5d, M %3d: no edge made programmatic (first: %s)\n", rows, cols, m, first.c_str());
+        CK(cudaGraphDestroy(g));
+        return;
     }
     cudaGraphExec_t ge;
     CK(cudaGraphInstantiate(&ge, g, 0));

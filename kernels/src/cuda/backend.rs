@@ -3414,6 +3414,11 @@ fn dependents(
     unsafe { sys::cuGraphNodeGetDependentNodes_v2(node, std::ptr::null_mut(), std::ptr::null_mut(), &mut n) }
         .result()
         .expect("CUDA: counting a node's dependents");
+    if n == 0 {
+        // (The driver refuses arrays with a count of 0: a leaf of the capture, as every
+        // node gemm_edge looks at is before the cuBLAS call.)
+        return (Vec::new(), Vec::new());
+    }
     let mut to = vec![std::ptr::null_mut(); n];
     // SAFETY: plain data (integers), all zero a valid value.
     let mut data: Vec<sys::CUgraphEdgeData> = vec![unsafe { std::mem::zeroed() }; n];
