@@ -117,20 +117,6 @@ pub const CUDA_PACKED_UPLOAD: &str = "DISAGG_CUDA_PACKED_UPLOAD";
 /// launch and its first weight loads overlap the end of the kernel before); for A/B runs.
 pub const CUDA_PDL: &str = "DISAGG_CUDA_PDL";
 
-/// `1` (with `DISAGG_CUDA_PDL` on, sm_90+): in a captured decode step, the graph edge into
-/// each bf16 cuBLAS call's first kernel from the kernel before it (where that is a kernel)
-/// is made programmatic, so the GEMM is scheduled as that kernel ends, as the backend's own
-/// kernels are; kept only into kernel families known to wait for their inputs in their own
-/// code (tools/gpu-lab/gemmpdl.cu probes them), any other gets its default edge back. Off
-/// by default; for A/B runs.
-pub const CUDA_GEMM_PDL: &str = "DISAGG_CUDA_GEMM_PDL";
-
-/// With `DISAGG_CUDA_GEMM_PDL=1`: comma-separated parts of cuBLAS kernel names whose
-/// programmatic edges are kept, in place of the built-in list of families known to wait
-/// (`xmma_gemm,splitKreduce`); for A/B runs of a family `tools/gpu-lab/gemmpdl.cu probe`
-/// cleared on a card before it joins the list.
-pub const CUDA_GEMM_PDL_FAMILIES: &str = "DISAGG_CUDA_GEMM_PDL_FAMILIES";
-
 /// The CUDA attention's split-K (flash-decoding) path: when splitting fills the GPU's
 /// waves of resident blocks better (few sequences, or a last wave left part-empty), each
 /// one's keys are split over several blocks of at least this many keys (default 64; 0:

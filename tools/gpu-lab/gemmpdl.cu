@@ -1,5 +1,9 @@
 // Does a cuBLAS GEMM wait for the kernel before it when its graph edge is programmatic, and
-// does that save time? (docs/PERF.md, seventy-first session.)
+// does that save time? (docs/PERF.md, seventy-first to seventy-third sessions.) The answer on
+// an H100 with cuBLAS 13.1.0.3 (seventy-third session): no. The control read zeros, and each
+// of the 39 GEMMs the probe could edge (all it tries at 9-128 tokens but the output head at
+// 128, whose first node is a memset) ran an `nvjet_sm90_*` kernel whose output changed under
+// the programmatic edge; so the engine's opt-in switch (DISAGG_CUDA_GEMM_PDL) was removed.
 //
 // The engine's own kernels are launched with programmatic dependent launch (PDL) and wait
 // for their inputs in their code (griddepcontrol.wait); cuBLAS launches its GEMMs with no

@@ -221,36 +221,6 @@ fn pooled_event(pool: &mut Vec<CudaEvent>, st: &std::sync::Arc<cudarc::driver::C
     }
 }
 
-/// cuBLAS kernel families, by a part of the kernel's name, that wait for the kernel before
-/// them in their own code (`griddepcontrol.wait`) before they read their inputs, so that a
-/// programmatic graph edge into them is sound: libcublasLt 13.0's SASS has the wait in
-/// every `sm90_xmma_gemm_bf16…` and `splitKreduce…` kernel and not in its GEMV kernels
-/// (`gemvx`, `gemv2N`, `gemv2T`, `gemvNSP`), `gemmSN`, `gemmk1` or the epilogues;
-/// `tools/gpu-lab/gemmpdl.cu probe` checks the kernels the engine's GEMMs get on a card
-/// against a control (docs/PERF.md, seventy-first and seventy-second sessions). Not
-/// (yet) `nvjet_…`, the kernels cuBLAS 13.1 gives most of the engine's GEMMs on H100 and
-/// H200: their code is not in libcublasLt's ELFs, and the probe with its control has not
-/// run. [`CudaBackend::gemm_edge_kept`] gives every other kernel its default edge back.
-/// `DISAGG_CUDA_GEMM_PDL_FAMILIES` replaces the list for A/B runs ([`gemm_pdl_families`]).
-const GEMM_PDL_FAMILIES: [&str; 2] = ["xmma_gemm", "splitKreduce"];
-
-/// The kernel families programmatic GEMM edges are kept into: [`GEMM_PDL_FAMILIES`], or
-/// the comma-separated name parts of `DISAGG_CUDA_GEMM_PDL_FAMILIES` (e.g. a family that
-/// `gemmpdl probe` cleared on a card, for an A/B run before it joins the list).
-fn gemm_pdl_families(set: Option<&str>) -> Result<Vec<String>, KernelError> {
-    let name = crate::env::CUDA_GEMM_PDL_FAMILIES;
-    let Some(v) = set else {
-        return Ok(GEMM_PDL_FAMILIES.iter().map(|f| f.to_string()).collect());
-    };
-    let fams: Vec<String> = v.split(',').map(|f| f.trim().to_string()).collect();
-    if fams.iter().any(|f| f.is_empty()) {
-        return Err(KernelError::Device(format!(
-            "{name}={v:?}: give comma-separated parts of cuBLAS kernel names, none empty (e.g. xmma_gemm,splitKreduce)"
-        )));
-    }
-    Ok(fams)
-}
-
 /// Most blocks `argmax_rows_split` gives one row.
 const ARGMAX_MAX_CHUNKS: usize = 64;
 
@@ -453,16 +423,6 @@ pub struct CudaBackend {
     /// Programmatic dependent launch for the step's kernels (`DISAGG_CUDA_PDL`; sm_90+,
     /// on by default): see [`super::Launch`].
     pdl: bool,
-    /// Programmatic graph edges into cuBLAS's bf16 GEMMs in captured steps
-    /// (`DISAGG_CUDA_GEMM_PDL=1` with `DISAGG_CUDA_PDL` on, at start; the setter alone
-    /// does not look at `pdl`): see [`Self::gemm_edge`].
-    gemm_pdl: bool,
-    /// The kernel families whose programmatic edges [`Self::gemm_edge_kept`] keeps
-    /// ([`gemm_pdl_families`]).
-    gemm_pdl_families: Vec<String>,
-    /// How many captured edges into cuBLAS's kernels [`Self::gemm_edge`] made programmatic
-    /// and [`Self::gemm_edge_kept`] kept, and how many it gave their default type back.
-    gemm_edges: std::cell::Cell<(u64, u64)>,
     deferred_host: [Option<cudarc::driver::PinnedHostSlice<u32>>; 2],
     deferred: std::collections::VecDeque<(usize, usize, CudaEvent)>,
     deferred_next: usize,
@@ -1220,9 +1180,6 @@ impl CudaBackend {
             event_pool: Vec::new(),
             defer,
             pdl: !off(crate::env::CUDA_PDL) && dev.arch.0 >= 9,
-            gemm_pdl: on(crate::env::CUDA_GEMM_PDL) && !off(crate::env::CUDA_PDL) && dev.arch.0 >= 9,
-            gemm_pdl_families: gemm_pdl_families(std::env::var(crate::env::CUDA_GEMM_PDL_FAMILIES).ok().as_deref())?,
-            gemm_edges: Default::default(),
             deferred_host: [None, None],
             deferred: Default::default(),
             deferred_next: 0,
@@ -1565,13 +1522,6 @@ impl CudaBackend {
         self.set_switch(on, |b| &mut b.pdl);
     }
 
-    /// Programmatic graph edges into cuBLAS's GEMMs in captured steps (default: off unless
-    /// `DISAGG_CUDA_GEMM_PDL=1`; sm_90+ only): see [`Self::gemm_edge`].
-    pub fn set_gemm_pdl(&mut self, on: bool) {
-        let on = on && self.dev.arch.0 >= 9;
-        self.set_switch(on, |b| &mut b.gemm_pdl);
-    }
-
     /// Whether the step's kernels go out as programmatic dependent launches.
     pub fn pdl(&self) -> bool {
         self.pdl
@@ -1801,22 +1751,9 @@ impl CudaBackend {
         self.defer = on && self.device_sampling && self.profile.is_none();
     }
 
-    /// Whether decode steps are captured and replayed as graphs: set by [`Self::set_graphs`],
-    /// and off for good after a capture fails.
-    pub fn graphs_on(&self) -> bool {
-        self.graphs_on
-    }
-
     /// How many decode shapes are captured as graphs now.
     pub fn n_graphs(&self) -> usize {
         self.graphs.0.len()
-    }
-
-    /// How many captured edges into cuBLAS's kernels are programmatic
-    /// ([`Self::set_gemm_pdl`]), and how many were made so and given their default type back
-    /// because the kernel was not of a family known to wait ([`GEMM_PDL_FAMILIES`]).
-    pub fn gemm_edges(&self) -> (u64, u64) {
-        self.gemm_edges.get()
     }
 
     /// Keeps at most `n` (at least 1) decode shapes captured (`MAX_GRAPHS` unless set;
@@ -2421,7 +2358,6 @@ impl CudaBackend {
         let (b, _gb) = self.x_bf16.device_ptr(&st);
         let (c, _gc) = out.device_ptr_mut(&st);
         let c_type = if c_bf16 { cudaDataType::CUDA_R_16BF } else { cudaDataType::CUDA_R_32F };
-        let edged = self.gemm_edge(&st);
         // SAFETY: as above; types as declared (bf16 A and B, f32 or bf16 C: half the
         // bytes `out` holds).
         unsafe {
@@ -2448,121 +2384,6 @@ impl CudaBackend {
             )
         }
         .expect("cuBLAS: bf16 GEMM");
-        self.gemm_edge_kept(edged);
-    }
-
-    /// With [`Self::gemm_pdl`], while a step is being captured, before a cuBLAS call:
-    /// makes the captured edges into the next node programmatic (port and type), where every
-    /// node before it is a kernel, so that the cuBLAS kernel launched next is scheduled as
-    /// the kernel before it ends, as the backend's own kernels are with `pdl`. Sound only
-    /// where that kernel waits for the kernel before it in its own code
-    /// (`griddepcontrol.wait`), which cuBLAS does not document: after the call,
-    /// [`Self::gemm_edge_kept`] keeps the edge only into a family known to wait
-    /// ([`GEMM_PDL_FAMILIES`]), to which it hands what it made (None: nothing).
-    /// A programmatic edge may only lead to a kernel node: were cuBLAS's first node of a
-    /// GEMM not a kernel, the capture would fail there.
-    fn gemm_edge(&self, st: &cudarc::driver::CudaStream) -> Option<GemmEdges> {
-        use cudarc::driver::sys;
-        if !(self.gemm_pdl && self.capturing) {
-            return None;
-        }
-        let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
-        let mut graph: sys::CUgraph = std::ptr::null_mut();
-        let (mut deps, mut edges, mut n) = (std::ptr::null(), std::ptr::null(), 0usize);
-        // SAFETY: out-pointers to locals (the capture's id not asked for; its edges' data
-        // asked for, which the driver requires where any is not the default); the arrays
-        // returned stay valid until the next call on this capture, and are copied before it.
-        unsafe {
-            sys::cuStreamGetCaptureInfo_v3(
-                st.cu_stream(),
-                &mut status,
-                std::ptr::null_mut(),
-                &mut graph,
-                &mut deps,
-                &mut edges,
-                &mut n,
-            )
-        }
-        .result()
-        .expect("CUDA: reading a capture's dependencies");
-        if status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE
-            || n == 0
-            || deps.is_null()
-            || graph.is_null()
-        {
-            return None;
-        }
-        // SAFETY: the driver returned n nodes at deps.
-        let mut nodes: Vec<sys::CUgraphNode> = unsafe { std::slice::from_raw_parts(deps, n) }.to_vec();
-        for &node in &nodes {
-            let mut ty = sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_EMPTY;
-            // SAFETY: a node of the graph being captured.
-            unsafe { sys::cuGraphNodeGetType(node, &mut ty) }.result().expect("CUDA: a graph node's type");
-            if ty != sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_KERNEL {
-                return None;
-            }
-        }
-        // (What each node leads to already, so that only the edges made here are looked at.)
-        let before = nodes.iter().map(|&f| dependents(f).0).collect();
-        let edge = sys::CUgraphEdgeData {
-            from_port: sys::CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC as u8,
-            to_port: 0,
-            type_: sys::CUgraphDependencyType::CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC as u8,
-            reserved: [0; 5],
-        };
-        let data = vec![edge; n];
-        // SAFETY: the same n nodes, n edges' data; the flag replaces the set.
-        unsafe {
-            sys::cuStreamUpdateCaptureDependencies_v2(
-                st.cu_stream(),
-                nodes.as_mut_ptr(),
-                data.as_ptr(),
-                n,
-                sys::CUstreamUpdateCaptureDependencies_flags::CU_STREAM_SET_CAPTURE_DEPENDENCIES as u32,
-            )
-        }
-        .result()
-        .expect("CUDA: making a GEMM's edge programmatic");
-        Some(GemmEdges { graph, from: nodes, before })
-    }
-
-    /// After the cuBLAS call [`Self::gemm_edge`] made edges for: each programmatic edge it
-    /// made now leads to cuBLAS's first kernel; one into a kernel whose name is not of a
-    /// family known to wait ([`Self::gemm_pdl_families`]), or whose name cannot be read, becomes a
-    /// default edge again (the driver permits edges to change in a graph under capture; only
-    /// nodes may not be removed). Counted in [`Self::gemm_edges`].
-    fn gemm_edge_kept(&self, edged: Option<GemmEdges>) {
-        use cudarc::driver::sys;
-        let Some(GemmEdges { graph, from, before }) = edged else { return };
-        let (mut kept, mut undone) = self.gemm_edges.get();
-        for (&f, before) in from.iter().zip(&before) {
-            let (to, data) = dependents(f);
-            for (t, d) in to.iter().zip(&data) {
-                if d.type_ != sys::CUgraphDependencyType::CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC as u8
-                    || before.contains(t)
-                {
-                    continue;
-                }
-                let name = kernel_node_name(*t);
-                if name.as_deref().is_some_and(|k| self.gemm_pdl_families.iter().any(|fam| k.contains(fam.as_str()))) {
-                    kept += 1;
-                    continue;
-                }
-                tracing::debug!(kernel = ?name, "a cuBLAS kernel not known to wait keeps its default edge");
-                // SAFETY: the edge just read, removed with its data; then the default edge
-                // (no data) between the same nodes of the graph under capture.
-                unsafe {
-                    sys::cuGraphRemoveDependencies_v2(graph, &f, t, d, 1)
-                        .result()
-                        .expect("CUDA: removing a programmatic edge");
-                    sys::cuGraphAddDependencies_v2(graph, &f, t, std::ptr::null(), 1)
-                        .result()
-                        .expect("CUDA: adding a default edge");
-                }
-                undone += 1;
-            }
-        }
-        self.gemm_edges.set((kept, undone));
     }
 
     /// Key slices for [`Self::residual_gemm`] of `w` over `n_tokens` (1: unsplit): from
@@ -2627,7 +2448,6 @@ impl CudaBackend {
         let kc = cols / splits;
         let (alpha, beta) = (1f32, 0f32);
         let pstride = (n_tokens * rows) as i64;
-        let edged = self.gemm_edge(&st);
         {
             let (a, _ga) = w.device_ptr(&st);
             let (b, _gb) = self.x_bf16.device_ptr(&st);
@@ -2665,7 +2485,6 @@ impl CudaBackend {
             }
             .expect("cuBLAS: split-K GEMM");
         }
-        self.gemm_edge_kept(edged);
         self.toc(op, t);
         let t = self.tic();
         // (The next norm only where rms_norm_to_bf16 would write it: the fused norm on.)
@@ -3396,64 +3215,6 @@ impl CudaBackend {
     }
 }
 
-/// The programmatic edges [`CudaBackend::gemm_edge`] made before a cuBLAS call: the graph
-/// under capture, the nodes the edges come from, and what each of them led to before.
-struct GemmEdges {
-    graph: cudarc::driver::sys::CUgraph,
-    from: Vec<cudarc::driver::sys::CUgraphNode>,
-    before: Vec<Vec<cudarc::driver::sys::CUgraphNode>>,
-}
-
-/// The nodes a graph's node leads to, with each edge's data.
-fn dependents(
-    node: cudarc::driver::sys::CUgraphNode,
-) -> (Vec<cudarc::driver::sys::CUgraphNode>, Vec<cudarc::driver::sys::CUgraphEdgeData>) {
-    use cudarc::driver::sys;
-    let mut n = 0usize;
-    // SAFETY: a node of a graph (under capture or not); first the count (both arrays null).
-    unsafe { sys::cuGraphNodeGetDependentNodes_v2(node, std::ptr::null_mut(), std::ptr::null_mut(), &mut n) }
-        .result()
-        .expect("CUDA: counting a node's dependents");
-    if n == 0 {
-        // (The driver refuses arrays with a count of 0: a leaf of the capture, as every
-        // node gemm_edge looks at is before the cuBLAS call.)
-        return (Vec::new(), Vec::new());
-    }
-    let mut to = vec![std::ptr::null_mut(); n];
-    // SAFETY: plain data (integers), all zero a valid value.
-    let mut data: Vec<sys::CUgraphEdgeData> = vec![unsafe { std::mem::zeroed() }; n];
-    // SAFETY: room for n nodes and n edges' data; the driver writes at most n.
-    unsafe { sys::cuGraphNodeGetDependentNodes_v2(node, to.as_mut_ptr(), data.as_mut_ptr(), &mut n) }
-        .result()
-        .expect("CUDA: a node's dependents");
-    to.truncate(n);
-    data.truncate(n);
-    (to, data)
-}
-
-/// The name of a graph's kernel node's function, where the driver gives one.
-fn kernel_node_name(node: cudarc::driver::sys::CUgraphNode) -> Option<String> {
-    use cudarc::driver::sys;
-    // SAFETY: plain data (integers and handles), all zero a valid value.
-    let mut p: sys::CUDA_KERNEL_NODE_PARAMS = unsafe { std::mem::zeroed() };
-    // SAFETY: a kernel node of a graph (the caller's edge's target); out-pointer to a local.
-    unsafe { sys::cuGraphKernelNodeGetParams_v2(node, &mut p) }.result().ok()?;
-    let mut name: *const std::ffi::c_char = std::ptr::null();
-    // SAFETY: the node's function or kernel handle; the name is the driver's, read at once.
-    let got = unsafe {
-        if !p.func.is_null() {
-            sys::cuFuncGetName(&mut name, p.func)
-        } else if !p.kern.is_null() {
-            sys::cuKernelGetName(&mut name, p.kern)
-        } else {
-            return None;
-        }
-    };
-    got.result().ok()?;
-    // SAFETY: a NUL-terminated string owned by the driver, when not null.
-    (!name.is_null()).then(|| unsafe { std::ffi::CStr::from_ptr(name) }.to_string_lossy().into_owned())
-}
-
 /// The profile's name for a GEMM: "matmul", and while profiling "matmul ROWSxCOLS" so
 /// that each weight shape's time shows apart (a few shapes per model, named once).
 fn gemm_op_name(profiling: bool, w: &CudaLinear) -> &'static str {
@@ -4139,7 +3900,7 @@ impl Backend for CudaBackend {
 #[cfg(test)]
 mod tests {
     use super::{
-        attn_splits_by_waves, below_cluster_floor, fp8_copy_wanted, gemm_pdl_families, lone_block_rate, split_costs, unsplit_pays,
+        attn_splits_by_waves, below_cluster_floor, fp8_copy_wanted, lone_block_rate, split_costs, unsplit_pays,
         ShapeCache, StepTables, FP8_COPY_MAX_BYTES,
     };
     use crate::backend::SeqSpan;
@@ -4285,20 +4046,6 @@ mod tests {
 
     fn span(rows: std::ops::Range<usize>, pos0: usize, block_table: &[u32]) -> SeqSpan<'_> {
         SeqSpan { rows, pos0, block_table }
-    }
-
-    #[test]
-    fn gemm_edge_families_come_from_the_list_or_the_variable() {
-        assert_eq!(gemm_pdl_families(None).unwrap(), ["xmma_gemm", "splitKreduce"]);
-        assert_eq!(
-            gemm_pdl_families(Some("xmma_gemm, nvjet_sm90_tst")).unwrap(),
-            ["xmma_gemm", "nvjet_sm90_tst"]
-        );
-        // An empty part would keep every edge: refused, naming the variable.
-        for bad in ["", "xmma_gemm,", " , nvjet"] {
-            let err = gemm_pdl_families(Some(bad)).unwrap_err().to_string();
-            assert!(err.contains("DISAGG_CUDA_GEMM_PDL_FAMILIES") && err.contains("none empty"), "{err}");
-        }
     }
 
     #[test]
