@@ -167,13 +167,16 @@ static size_t graph_edges(cudaGraph_t g, std::vector<cudaGraphNode_t>& f, std::v
 }
 
 // Every edge out of the nodes in `from`: how many are programmatic; with `make`, makes the
-// default ones programmatic. Returns the number of edges out of them.
-static int edges_from(cudaGraph_t g, const std::vector<cudaGraphNode_t>& from, bool make, int* programmatic) {
+// default ones into kernels programmatic (how many: `made`). Returns the number of edges out
+// of them.
+static int edges_from(cudaGraph_t g, const std::vector<cudaGraphNode_t>& from, bool make, int* programmatic,
+                      int* made = nullptr) {
     std::vector<cudaGraphNode_t> f, t;
     std::vector<cudaGraphEdgeData> d;
     const size_t n = graph_edges(g, f, t, d);
     int out = 0;
     *programmatic = 0;
+    if (made) *made = 0;
     for (size_t i = 0; i < n; i++) {
         bool ours = false;
         for (auto p : from) ours |= p == f[i];
@@ -192,6 +195,7 @@ static int edges_from(cudaGraph_t g, const std::vector<cudaGraphNode_t>& from, b
         e.from_port = cudaGraphKernelNodePortProgrammatic;
         e.type = cudaGraphDependencyTypeProgrammatic;
         CK(cudaGraphAddDependencies(g, &f[i], &t[i], &e, 1));
+        if (made) (*made)++;
     }
     return out;
 }
@@ -275,13 +279,12 @@ static void probe(const __nv_bfloat16* w, __nv_bfloat16* x, float* y, int rows, 
     const std::string first = names_after(g, wn[0]);
     size_t nodes = 0;
     CK(cudaGraphGetNodes(g, nullptr, &nodes));
-    int prog = 0;
-    if (edges_from(g, wn, true, &prog) < 1 || prog != 0) {
+    int prog = 0, made = 0;
+    if (edges_from(g, wn, true, &prog, &made) < 1 || prog != 0) {
         printf("probe: no default edge out of the writer to make programmatic\n");
         exit(1);
     }
-    edges_from(g, wn, false, &prog);
-    if (prog == 0) {  // its first node not a kernel: nothing to probe
+    if (made == 0) {  // its first node not a kernel: nothing to probe
         printf("probe %5d x %5d, M %3d: no edge made programmatic (first: %s)\n", rows, cols, m, first.c_str());
         CK(cudaGraphDestroy(g));
         return;
@@ -385,12 +388,10 @@ int main(int argc, char** argv) {
             }
         }
         CK(cudaStreamEndCapture(st, &g));
-        int prog = 0;
-        const int out = edges_from(g, preps, make, &prog);
-        int after = 0;  // (edges into nodes that are not kernels stay default)
-        edges_from(g, preps, false, &after);
+        int prog = 0, made = 0;  // (edges into nodes that are not kernels stay default)
+        const int out = edges_from(g, preps, make, &prog, &made);
         printf("chain %d: %zu preps, %d edges out of them, %d programmatic as captured, %d after\n", make, preps.size(),
-               out, prog, after);
+               out, prog, prog + made);
         CK(cudaGraphInstantiate(&ge[make], g, 0));
         CK(cudaGraphDestroy(g));
     }
