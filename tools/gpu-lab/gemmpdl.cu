@@ -170,13 +170,13 @@ static size_t graph_edges(cudaGraph_t g, std::vector<cudaGraphNode_t>& f, std::v
 // default ones into kernels programmatic (how many: `made`). Returns the number of edges out
 // of them.
 static int edges_from(cudaGraph_t g, const std::vector<cudaGraphNode_t>& from, bool make, int* programmatic,
-                      int* made = nullptr) {
+                      int* made) {
     std::vector<cudaGraphNode_t> f, t;
     std::vector<cudaGraphEdgeData> d;
     const size_t n = graph_edges(g, f, t, d);
     int out = 0;
     *programmatic = 0;
-    if (made) *made = 0;
+    *made = 0;
     for (size_t i = 0; i < n; i++) {
         bool ours = false;
         for (auto p : from) ours |= p == f[i];
@@ -195,7 +195,7 @@ static int edges_from(cudaGraph_t g, const std::vector<cudaGraphNode_t>& from, b
         e.from_port = cudaGraphKernelNodePortProgrammatic;
         e.type = cudaGraphDependencyTypeProgrammatic;
         CK(cudaGraphAddDependencies(g, &f[i], &t[i], &e, 1));
-        if (made) (*made)++;
+        (*made)++;
     }
     return out;
 }
