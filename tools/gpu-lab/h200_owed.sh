@@ -11,7 +11,8 @@
 #
 # It stops at once on any other card (the H100's figures for both are in PERF.md already);
 # H200_OWED_ANY_CARD=1 runs it anyway. END (default 575) is the second, in this script's run,
-# after which part 1's A/B is cut, so that what it printed comes back within the call's limit.
+# at which part 1's A/B is cut (part 2's 15 s sooner), so that what it printed comes back
+# within the call's limit.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 part=${1:-}
